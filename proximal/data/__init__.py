@@ -1,0 +1,1 @@
+"""Datasets: prompts (PPO), prompt/response pairs (SFT), preference pairs (reward model)."""

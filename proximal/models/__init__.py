@@ -1,0 +1,1 @@
+"""Models: loading Hugging Face checkpoints, the critic's scalar head, LoRA, tiny test models."""

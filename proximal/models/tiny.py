@@ -1,0 +1,89 @@
+"""Tiny models and tokenizers, built locally, saved in Hugging Face format.
+
+Tests and the demo never download weights: they build a character-level tokenizer with the
+``tokenizers`` library and a few-layer transformer from a ``transformers`` config, save both with
+``save_pretrained``, and then load them through the same ``from_pretrained`` path a user's real
+checkpoint takes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          PreTrainedTokenizerFast)
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+ARCHITECTURES = ("llama", "gpt2", "qwen2")
+
+
+def build_char_tokenizer(alphabet: Sequence[str], *, specials: Sequence[str] = SPECIAL_TOKENS,
+                         chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: one token per character of ``alphabet``.
+
+    ``specials`` are, in order, pad, eos, bos and unk; their ids are 0..3 unless reordered.
+    """
+    pad, eos, bos, unk = specials
+    vocab = {t: i for i, t in enumerate(list(specials) + [c for c in alphabet if c not in specials])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token=eos, bos_token=bos,
+                                   unk_token=unk)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, *, hidden: int = 32, layers: int = 2, heads: int = 2,
+                kv_heads: int | None = None, max_positions: int = 256, pad_token_id: int = 0,
+                eos_token_id: int = 1, bos_token_id: int = 2, num_labels: int | None = None):
+    """A ``transformers`` config for a tiny model of a given architecture (llama, gpt2 or qwen2)."""
+    common = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                  bos_token_id=bos_token_id, tie_word_embeddings=False)
+    if num_labels is not None:
+        common["num_labels"] = num_labels
+    if arch == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=heads,
+                                    n_positions=max_positions, n_inner=4 * hidden,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if arch in ("llama", "qwen2"):
+        return AutoConfig.for_model(arch, hidden_size=hidden, intermediate_size=4 * hidden,
+                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=kv_heads or heads,
+                                    max_position_embeddings=max_positions, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+
+
+def _ids(tokenizer) -> dict:
+    return dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id)
+
+
+def build_tiny_causal_lm(out_dir: str | Path, tokenizer, *, arch: str = "llama", seed: int = 0,
+                         **config_kwargs) -> Path:
+    """Save a randomly initialised tiny causal LM and ``tokenizer`` to ``out_dir``; return the path."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, len(tokenizer), **_ids(tokenizer), **config_kwargs)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_reward_model(out_dir: str | Path, tokenizer, *, arch: str = "llama", seed: int = 0,
+                            num_labels: int = 1, **config_kwargs) -> Path:
+    """Save a randomly initialised tiny ``AutoModelForSequenceClassification`` (one label) and tokenizer."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, len(tokenizer), num_labels=num_labels, **_ids(tokenizer), **config_kwargs)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
