@@ -1,0 +1,77 @@
+"""Run logging: one JSON line per step, with TensorBoard and Weights & Biases as opt-in extras.
+
+Metric names are flattened with ``/`` (``loss/policy``, ``kl/beta``); the JSONL file is the source
+of truth that reports and resume tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class MetricsLogger:
+    """Appends ``{"step": k, ...}`` lines to ``run_dir/metrics.jsonl`` and mirrors them to optional sinks.
+
+    ``tensorboard=True`` needs the ``tensorboard`` package; ``wandb_project`` needs ``wandb``. Both are
+    optional extras; a clear error says which package to install when asked for and missing.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, wandb_project: str | None = None,
+                 config: dict | None = None, filename: str = "metrics.jsonl"):
+        self.path = Path(run_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("logging.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'") from e
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("logging.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'") from e
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines with ``step > step`` (used on resume, so a crashed step's partial line is not kept)."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All rows of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

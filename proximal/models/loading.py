@@ -1,0 +1,109 @@
+"""Loading Hugging Face checkpoints for the four PPO models (seed §2) and for SFT / reward training.
+
+Every loader takes a local directory or a hub id and goes through ``from_pretrained``; nothing here
+downloads unless the user points at a hub id on a machine that has the network.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message names the role and the path."""
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") > 1
+
+
+def _check_path(path: str, role: str) -> None:
+    if not path:
+        raise ModelLoadError(f"{role}: no model path given")
+    if _looks_local(path) and not Path(path).expanduser().exists():
+        raise ModelLoadError(f"{role}: path {path!r} does not exist")
+
+
+def load_tokenizer(path: str, *, role: str = "tokenizer", padding_side: str = "left"):
+    """The tokenizer saved with a checkpoint, with a pad token guaranteed.
+
+    A tokenizer without a pad token (common for base LMs) gets its EOS token as pad; this is safe
+    here because every loss is masked by ``response_mask``/``attention_mask``, never by token id.
+    """
+    _check_path(path, role)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types; name the role and path in one message
+        raise ModelLoadError(f"{role}: cannot load a tokenizer from {path!r}: {e}") from e
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ModelLoadError(f"{role}: tokenizer at {path!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
+    """An ``AutoModelForCausalLM`` from ``path``."""
+    _check_path(path, role)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except Exception as e:
+        raise ModelLoadError(f"{role}: cannot load a causal LM from {path!r}: {e}") from e
+
+
+def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = "float32",
+                         pad_token_id: int | None = None, new_head: bool = False):
+    """An ``AutoModelForSequenceClassification`` with exactly one label (a scalar score).
+
+    With ``new_head=True`` (a critic initialised from a policy checkpoint) the one-label head is
+    created fresh and zero-initialised, so the initial value estimate is 0 everywhere.
+    """
+    _check_path(path, role)
+    kwargs = {"num_labels": 1} if new_head else {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(dtype), **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"{role}: cannot load a sequence-classification model from {path!r}: {e}") from e
+    if model.config.num_labels != 1:
+        raise ModelLoadError(f"{role}: {path!r} has {model.config.num_labels} labels; a reward model must "
+                             "have exactly one (a scalar score)")
+    if new_head:
+        with torch.no_grad():
+            head = score_head(model)
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
+    if model.config.pad_token_id is None and pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def score_head(model) -> torch.nn.Linear:
+    """The scalar output layer of a sequence-classification model (``score`` or ``classifier``)."""
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    raise ModelLoadError(f"{type(model).__name__}: no scalar head found (looked for score, classifier)")
+
+
+def freeze(model) -> None:
+    """Eval mode, gradients off: the reference and the reward model are never updated (seed §2)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
