@@ -1,0 +1,44 @@
+"""Per-token values and last-token scores from a one-label sequence-classification model.
+
+The critic and the reward model are both ``AutoModelForSequenceClassification`` checkpoints with one
+label, so they save and load in plain Hugging Face format and the critic can be initialised from the
+reward model (seed §2). We do not use the model's own pooled output: it pools the last token whose id
+differs from ``pad_token_id``, which is wrong when pad = EOS. We run the backbone and the scalar head
+ourselves and choose positions from the attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from proximal.models.loading import score_head
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left padding never shifts them. Shape (B, L)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone(model):
+    """The transformer under a task head (``model.model`` for Llama/Qwen2, ``model.transformer`` for GPT-2)."""
+    base = getattr(model, model.base_model_prefix, None)
+    return base if base is not None else model.base_model
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
+    hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    head = score_head(model)
+    return head(hidden.to(head.weight.dtype)).squeeze(-1)
+
+
+def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score at each row's last real token (left or right padding). Shape: (B,) from (B, L)."""
+    values = token_values(model, input_ids, attention_mask)
+    L = attention_mask.shape[1]
+    idx = torch.arange(L, device=attention_mask.device).expand_as(attention_mask)
+    last = torch.where(attention_mask.bool(), idx, -1).max(dim=1).values
+    if (last < 0).any():
+        raise ValueError("last_token_scores: a row has no real token")
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)

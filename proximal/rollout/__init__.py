@@ -1,0 +1,1 @@
+"""Rollout (seed §1): sampling responses, masking what follows the stop, scoring them."""
