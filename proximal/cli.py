@@ -38,7 +38,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proximal: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    _quiet_transformers()
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+def _quiet_transformers() -> None:
+    """Our own progress bars say what is happening; the per-file loading bars of transformers are noise."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _usage() -> str:

@@ -27,10 +27,11 @@ def backbone(model):
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA layers live inside
     hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
     head = score_head(model)
-    return head(hidden.to(head.weight.dtype)).squeeze(-1)
+    return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
 
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
     if new_head:
         with torch.no_grad():
             head = score_head(model)
-            head.weight.zero_()
+            head.weight.zero_()  # a plain Linear here: peft wraps later
             if head.bias is not None:
                 head.bias.zero_()
     if model.config.pad_token_id is None and pad_token_id is not None:
@@ -93,11 +93,14 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
     return model
 
 
-def score_head(model) -> torch.nn.Linear:
-    """The scalar output layer of a sequence-classification model (``score`` or ``classifier``)."""
+def score_head(model) -> torch.nn.Module:
+    """The scalar output layer of a sequence-classification model (``score`` or ``classifier``).
+
+    Under peft the head is wrapped (``modules_to_save``) and is returned wrapped, so it stays trainable.
+    """
     for name in ("score", "classifier", "v_head"):
         head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
+        if isinstance(head, torch.nn.Linear) or hasattr(head, "modules_to_save"):
             return head
     raise ModelLoadError(f"{type(model).__name__}: no scalar head found (looked for score, classifier)")
 

@@ -1,0 +1,121 @@
+"""Scoring responses: the frozen reward model r_ψ(x, y) of seed §2 and rule-based reward functions.
+
+The total score of a response is a weighted sum of components: the reward model (if any) and any
+number of Python functions ``module:function(prompts, completions) -> scores``. Each component is
+also returned on its own, so a component with weight 0 is logged without being trained on (the demo
+logs its gold score that way).
+
+The reward model reads prompt + response. When its tokenizer equals the policy's, the policy's token
+ids are used as they are; otherwise the prompt and response are decoded to text and re-tokenized
+with the reward model's tokenizer (its chat template applied when the prompt came as messages).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from proximal.data.chat import encode_prompt
+from proximal.models.heads import last_token_scores
+from proximal.rollout.sampling import Rollout
+
+
+def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
+    """Import ``module:function``; raise ValueError naming the spec when it can't."""
+    if ":" not in spec:
+        raise ValueError(f"reward function {spec!r}: expected 'module:function'")
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward function {spec!r}: cannot import ({e})") from e
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: not callable")
+    return fn
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers map text to the same ids (same vocabulary and special tokens)."""
+    return (a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
+            and a.bos_token_id == b.bos_token_id)
+
+
+def _right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), L), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+class Scorer:
+    """Weighted sum of a reward model's score and reward functions' scores for a batch of rollouts."""
+
+    def __init__(self, policy_tokenizer, *, reward_model=None, reward_tokenizer=None, reward_model_weight=1.0,
+                 functions: dict[str, Callable] | None = None, function_weights: dict[str, float] | None = None,
+                 micro_batch_size: int = 8):
+        self.policy_tokenizer = policy_tokenizer
+        self.reward_model = reward_model
+        self.reward_tokenizer = reward_tokenizer or policy_tokenizer
+        self.reward_model_weight = reward_model_weight
+        self.functions = functions or {}
+        self.function_weights = function_weights or {name: 1.0 for name in self.functions}
+        self.micro_batch_size = micro_batch_size
+        self.reuse_ids = reward_model is not None and same_tokenizer(policy_tokenizer, self.reward_tokenizer)
+
+    def completions(self, rollout: Rollout) -> list[str]:
+        """The response texts, special tokens (EOS, pad) removed."""
+        return [self.policy_tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
+                for ids, m in zip(rollout.response_ids, rollout.response_mask)]
+
+    def _reward_model_inputs(self, rollout: Rollout, prompts: list[str], messages: list | None):
+        rows = []
+        if self.reuse_ids:
+            for p_ids, p_m, r_ids, r_m in zip(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
+                                              rollout.response_mask):
+                rows.append(p_ids[p_m.bool()].tolist() + r_ids[r_m].tolist())
+        else:
+            tok = self.reward_tokenizer
+            texts = self.completions(rollout)
+            for i, (prompt, completion) in enumerate(zip(prompts, texts)):
+                msgs = messages[i] if messages else None
+                if msgs and getattr(tok, "chat_template", None):
+                    text = tok.apply_chat_template(list(msgs) + [{"role": "assistant", "content": completion}],
+                                                   tokenize=False)
+                    ids = tok(text, add_special_tokens=False).input_ids
+                else:  # the layout the reward trainer uses: prompt ids, response ids, EOS
+                    ids = encode_prompt(prompt, tok) + tok(completion, add_special_tokens=False).input_ids
+                    if bool(rollout.ended[i]) and tok.eos_token_id is not None:
+                        ids = ids + [tok.eos_token_id]
+                rows.append(ids)
+        return rows
+
+    @torch.no_grad()
+    def __call__(self, rollout: Rollout, prompts: list[str], messages: list | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Total score (B,) float32 and each component (B,) by name ("reward_model", function names)."""
+        device = rollout.response_ids.device
+        components: dict[str, torch.Tensor] = {}
+        total = torch.zeros(len(rollout), dtype=torch.float32, device=device)
+        if self.reward_model is not None:
+            rows = self._reward_model_inputs(rollout, prompts, messages)
+            pad = self.reward_tokenizer.pad_token_id
+            scores = []
+            for i in range(0, len(rows), self.micro_batch_size):
+                ids, mask = _right_pad(rows[i: i + self.micro_batch_size], pad, device)
+                scores.append(last_token_scores(self.reward_model, ids, mask).float())
+            components["reward_model"] = torch.cat(scores)
+            total = total + self.reward_model_weight * components["reward_model"]
+        if self.functions:
+            texts = self.completions(rollout)
+            for name, fn in self.functions.items():
+                values = fn(list(prompts), texts)
+                if len(values) != len(texts):
+                    raise ValueError(f"reward function {name!r} returned {len(values)} scores for {len(texts)} completions")
+                components[name] = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+                total = total + self.function_weights[name] * components[name]
+        return total, components
