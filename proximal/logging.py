@@ -46,14 +46,6 @@ class MetricsLogger:
                 raise ImportError("logging.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'") from e
             self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines with ``step > step`` (used on resume, so a crashed step's partial line is not kept)."""
-        if not self.path.exists():
-            return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in keep))
-
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a", encoding="utf-8") as fh:
@@ -70,6 +62,25 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def truncate_jsonl(path: str | Path, step: int) -> None:
+    """Keep only the lines of ``path`` whose ``step`` is ≤ ``step`` (all lines go for step 0).
+
+    Used when a run (re)starts: lines written after the checkpoint it resumes from, including a
+    half-written last line of a crashed run, are dropped so the file never holds a step twice.
+    """
+    p = Path(path)
+    if not p.exists():
+        return
+    keep = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue
+    p.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

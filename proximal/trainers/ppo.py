@@ -29,7 +29,7 @@ from proximal.core import (AdaptiveKLController, FixedKLController, Proportional
                            value_loss, whiten)
 from proximal.data.jsonl import DataError
 from proximal.data.prompts import PromptSampler, load_prompts, load_texts
-from proximal.logging import MetricsLogger
+from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models.heads import token_values
 from proximal.models.loading import ModelLoadError, freeze, load_sequence_scorer, load_tokenizer
 from proximal.models.policy import Reference, build_actor, build_critic, trainable_parameters
@@ -66,9 +66,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
-    logger.truncate_after(start)
-    if start == 0 and (run_dir / "samples.jsonl").exists():
-        (run_dir / "samples.jsonl").unlink()
+    truncate_jsonl(run_dir / "metrics.jsonl", start)  # a fresh run starts empty; a resumed one drops
+    truncate_jsonl(run_dir / "samples.jsonl", start)  # lines of steps after its checkpoint
     skipped_nonfinite = 0
     wall0 = time.perf_counter()
     bar = _progress(cfg, start)
@@ -195,14 +194,14 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
     stop = False
     for _epoch in range(p.epochs):
         order = torch.randperm(B)
-        for start in range(0, B - mb + 1, mb):
+        for start in range(0, B, mb):  # the last mini-batch is smaller only after skipped samples
             mini = order[start:start + mb]
             mini_mask = batch.rollout.response_mask[mini]
             weight_total = mini_mask.sum() if p.aggregation == "token-mean" else mini_mask.any(1).sum()
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
             acc: dict[str, float] = {}
-            for mstart in range(0, mb, p.micro_batch_size):
+            for mstart in range(0, len(mini), p.micro_batch_size):
                 micro = batch.select(mini[mstart:mstart + p.micro_batch_size])
                 r, mask = micro.rollout, micro.rollout.response_mask
                 w = (mask.sum() if p.aggregation == "token-mean" else mask.any(1).sum()) / weight_total
@@ -210,7 +209,8 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
                 logprobs = logprobs_from_logits(logits, r.response_ids, T, mask=mask)
                 pg_loss, pg_stats = ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask,
                                                     p.clip_eps, p.aggregation)
-                entropy = entropy_from_logits(logits, mask, T, aggregation=p.aggregation)
+                with torch.set_grad_enabled(p.entropy_coef > 0):  # logged always, differentiated only if used
+                    entropy = entropy_from_logits(logits, mask, T, aggregation=p.aggregation)
                 actor_loss = pg_loss - p.entropy_coef * entropy                         # −(L^CLIP + c2·S)
                 (w * actor_loss).backward()
                 values = _values(m.critic, r)
@@ -324,7 +324,7 @@ def _build_models(cfg: PPOConfig, device, ckpt: Path | None) -> _Models:
     functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
     weights = dict(zip(mc.reward_functions, mc.reward_function_weights or [1.0] * len(functions)))
 
-    critic_source = mc.critic if mc.critic in ("reward_model", "policy") else mc.critic
+    critic_source = mc.critic
     if critic_source == "reward_model":
         if not same_tokenizer(tokenizer, reward_tokenizer):
             raise ModelLoadError(f"model.critic = reward_model, but the reward model's tokenizer ({mc.reward_model}) "
