@@ -1,0 +1,154 @@
+"""Preference pairs ``(x, y_w, y_l)`` for Bradley–Terry reward-model training (seed §2, item 3).
+
+Accepted JSONL records (see docs/rm.md for examples):
+
+* ``{"prompt": str, "chosen": str, "rejected": str}`` — plain text, the prompt used verbatim;
+* ``{"messages": [...], "chosen": str, "rejected": str}`` — the messages are the conversation so
+  far, rendered with the chat template and the generation prompt;
+* ``{"chosen": [...messages], "rejected": [...messages]}`` — two whole conversations that share all
+  turns but the last assistant one (the shared turns are the prompt); a ``prompt``/``messages`` list
+  may hold the first turns.
+
+An optional numeric ``margin`` (how much better ``chosen`` is, Llama 2 style) is passed to the loss.
+
+Each side is tokenised as ``prompt ids + response ids + EOS`` — the layout a PPO rollout has when it
+is scored (see :mod:`proximal.data.chat`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from proximal.data.chat import apply_template, check_messages, encode_prompt, encode_response, prompt_context
+from proximal.data.jsonl import DataError, read_jsonl
+from proximal.data.sft import ON_TOO_LONG, LoadReport, too_long_error
+
+
+@dataclass
+class PreferencePair:
+    chosen_ids: list[int]     # prompt ids + chosen response ids + EOS
+    rejected_ids: list[int]   # prompt ids + rejected response ids + EOS
+    margin: float | None      # the row's 'margin', if it has one
+    where: str                # "file:line"
+
+
+def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, str]:
+    """``(prompt_text, chosen_text, rejected_text)`` of one preference record."""
+    sides = {}
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise DataError(f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'})")
+        value = record[key]
+        if not isinstance(value, (str, list)):
+            raise DataError(f"{where}: field {key!r} must be a string or a list of messages, got "
+                            f"{type(value).__name__} {value!r:.60}")
+        sides[key] = value
+    chosen, rejected = sides["chosen"], sides["rejected"]
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise DataError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists")
+
+    has_context = "prompt" in record or "messages" in record
+    context = prompt_context(record, where) if has_context else []
+    if isinstance(chosen, list):
+        for key, turns in sides.items():
+            check_messages(turns, where, key)
+            if turns[-1]["role"] != "assistant":
+                raise DataError(f"{where}: the last message of {key!r} must be the assistant's response, "
+                                f"got role {turns[-1]['role']!r}")
+        if chosen[:-1] != rejected[:-1]:
+            raise DataError(f"{where}: 'chosen' and 'rejected' must share every turn but the last "
+                            "(the shared turns are the prompt)")
+        if chosen[:-1]:
+            if isinstance(context, str):
+                raise DataError(f"{where}: a string 'prompt' cannot be followed by shared message turns "
+                                "in 'chosen'/'rejected'; give the prompt as messages")
+            context = context + chosen[:-1]
+        chosen, rejected = chosen[-1]["content"], rejected[-1]["content"]
+    if isinstance(context, list):
+        if not context:
+            raise DataError(f"{where}: missing field 'prompt' (or 'messages') "
+                            f"(fields present: {', '.join(sorted(record))})")
+        context = apply_template(context, tokenizer, where)
+    return context, chosen, rejected
+
+
+def _margin(record: dict, where: str) -> float | None:
+    if "margin" not in record or record["margin"] is None:
+        return None
+    m = record["margin"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+        raise DataError(f"{where}: field 'margin' must be a finite number, got {type(m).__name__} {m!r:.60}")
+    return float(m)
+
+
+def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int,
+                          on_too_long: str = "error") -> tuple[list[PreferencePair], LoadReport]:
+    """Read and tokenise a JSONL file of preference pairs.
+
+    Raises DataError naming ``file:line`` for a malformed row, a side longer than ``max_length`` (when
+    ``on_too_long == "error"``), an empty file, a file where every row was skipped, or a file where
+    only some rows have a margin (the loss would mean different things for different rows).
+    """
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"on_too_long = {on_too_long!r} is not one of {', '.join(ON_TOO_LONG)}")
+    report = LoadReport(str(path))
+    pairs: list[PreferencePair] = []
+    first_margin: tuple[str, bool] | None = None  # (where, has margin) of the first row
+    for lineno, record in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        report.rows += 1
+        prompt, chosen, rejected = render_preference(record, tokenizer, where)
+        margin = _margin(record, where)
+        if first_margin is None:
+            first_margin = (where, margin is not None)
+        elif first_margin[1] != (margin is not None):
+            raise DataError(f"{where}: this row {'has' if margin is not None else 'has no'} 'margin' but "
+                            f"{first_margin[0]} {'has' if first_margin[1] else 'has none'}; give a margin on "
+                            "every row or on none")
+        prompt_ids = encode_prompt(prompt, tokenizer)
+        sides = []
+        for name, text in (("prompt + chosen", chosen), ("prompt + rejected", rejected)):
+            ids = prompt_ids + encode_response(text, tokenizer)
+            if len(ids) > max_length:
+                if on_too_long == "skip":
+                    break
+                raise too_long_error(where, name, len(ids), len(prompt_ids), max_length)
+            sides.append(ids)
+        if len(sides) < 2:
+            report.skipped += 1
+            continue
+        pairs.append(PreferencePair(sides[0], sides[1], margin, where))
+    if report.rows == 0:
+        raise DataError(f"{path}: the file has no records (it is empty or blank)")
+    if not pairs:
+        raise DataError(f"{path}: all {report.rows} rows are longer than data.max_length = {max_length} "
+                        "and were skipped; raise data.max_length")
+    return pairs, report
+
+
+def collate_pairs(pairs: list[PreferencePair], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One right-padded batch holding the chosen sides (rows 0..B-1) then the rejected ones (B..2B-1).
+
+    Chosen and rejected go through the model in one forward pass, so both see the same weights and
+    the same dropout mode.
+
+    Returns:
+        input_ids: (2B, L) long, padded with ``pad_token_id`` on the right.
+        attention_mask: (2B, L) long, 1 = real token.
+        margin: (B,) float, only when the pairs have margins.
+    """
+    seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    L = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        attention_mask[i, :len(s)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if pairs[0].margin is not None:
+        batch["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return batch

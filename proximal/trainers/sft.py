@@ -1,0 +1,375 @@
+"""Supervised fine-tuning: the SFT model that PPO starts from (actor) and stays near (reference), seed §2.
+
+``proximal sft --config sft.yaml [--section.key value ...]`` trains a causal LM on prompt/response
+pairs with the next-token loss on the **response tokens only** (the prompt is given, not learned),
+logs the held-out loss, and saves a Hugging Face checkpoint into ``output.dir``.
+
+The file reads top to bottom: the config, the loss, the loop in :func:`train`, then the helpers the
+loop uses. The reward-model trainer (:mod:`proximal.trainers.reward`) reuses those helpers
+(optimizer, schedule, batching, output directory), so the two commands behave alike.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from proximal.checkpoint import atomic_dir
+from proximal.config import ConfigError, check_divides, option, save_config, section
+from proximal.core import logprobs_from_logits, masked_sum
+from proximal.data.jsonl import DataError
+from proximal.data.sft import ON_TOO_LONG, collate_sft, load_sft_examples
+from proximal.models.loading import DTYPES, ModelLoadError
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SFTModel:
+    path: str = option("", "Causal LM to fine-tune: a local directory or a hub id. Its tokenizer is "
+                           "loaded from the same place and saved with the result. Required.")
+    dtype: str = option("float32", "Dtype the weights are loaded and trained in. float32 is the safe "
+                                   "choice for AdamW; bfloat16 halves memory.", choices=tuple(DTYPES))
+
+
+@dataclass
+class SFTData:
+    train_file: str = option("", "JSONL training file, one record per line: {\"prompt\": str, "
+                                 "\"response\": str} or {\"messages\": [...]} whose last message is the "
+                                 "assistant's response (docs/sft.md). Required.")
+    eval_file: str | None = option(None, "JSONL file in the same format for the held-out loss; null = no "
+                                         "held-out evaluation.")
+    max_length: int = option(512, "Longest prompt + response + EOS, in tokens. A longer row is an error "
+                                  "naming its file and line, or is dropped (see on_too_long).")
+    on_too_long: str = option("error", "What to do with a row longer than max_length: 'error' stops with "
+                                       "its file:line; 'skip' drops it and counts it in metrics.jsonl.",
+                              choices=ON_TOO_LONG)
+
+
+@dataclass
+class TrainSection:
+    lr: float = option(1e-5, "Peak AdamW learning rate, reached after warmup_steps and then decayed "
+                             "linearly to zero at the last step.")
+    epochs: int = option(1, "Passes over train_file (used when max_steps is null). Each pass is reshuffled; "
+                            "the last len(train) mod batch_size rows of a pass are left out of it.")
+    max_steps: int | None = option(None, "If set, train for exactly this many optimizer steps (passing over "
+                                         "the data as often as needed) instead of `epochs`.")
+    batch_size: int = option(32, "Rows per optimizer step.")
+    micro_batch_size: int = option(8, "Rows per forward/backward pass; batch_size / micro_batch_size passes "
+                                      "are accumulated into one step. Must divide batch_size. Also the "
+                                      "evaluation batch size.")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay, applied to matrices and embeddings "
+                                      "only (not to biases or norm gains).")
+    warmup_steps: int = option(0, "Steps of linear warmup from 0 to lr.")
+    max_grad_norm: float = option(1.0, "Clip the global gradient L2 norm to this value before each step.")
+    eval_every: int = option(100, "Evaluate on eval_file every this many steps (and always before the first "
+                                  "step and after the last); 0 = only before and after.")
+
+
+@dataclass
+class OutputSection:
+    dir: str = option("runs/sft", "Run directory: receives the Hugging Face checkpoint (safetensors + "
+                                  "tokenizer), config.yaml and metrics.jsonl.")
+    overwrite: bool = option(False, "Replace an existing run in `dir`. Without it, a non-empty `dir` is an "
+                                    "error, so a finished run is never clobbered by accident.")
+
+
+@dataclass
+class SFTConfig:
+    """``proximal sft`` configuration."""
+    model: SFTModel = section(SFTModel, "The causal LM to fine-tune.")
+    data: SFTData = section(SFTData, "Prompt/response data.")
+    train: TrainSection = section(TrainSection, "Optimisation.")
+    output: OutputSection = section(OutputSection, "Where the run is written.")
+    seed: int = option(0, "Seed for shuffling and any randomness in the model (dropout).")
+
+    def validate(self) -> list[str]:
+        return common_errors(self)
+
+
+def common_errors(cfg) -> list[str]:
+    """Checks shared by ``proximal sft`` and ``proximal rm`` (same section layout)."""
+    errors = []
+    if not cfg.model.path:
+        errors.append("model.path is required (a local checkpoint directory or a hub id)")
+    if not cfg.data.train_file:
+        errors.append("data.train_file is required (a JSONL file)")
+    if cfg.data.max_length < 2:
+        errors.append(f"data.max_length = {cfg.data.max_length} must be at least 2 (a prompt token and EOS)")
+    t = cfg.train
+    if not (t.lr > 0 and math.isfinite(t.lr)):
+        errors.append(f"train.lr = {t.lr} must be a positive number")
+    if t.epochs < 1:
+        errors.append(f"train.epochs = {t.epochs} must be at least 1")
+    if t.max_steps is not None and t.max_steps < 1:
+        errors.append(f"train.max_steps = {t.max_steps} must be at least 1 (or null to use train.epochs)")
+    if t.batch_size < 1:
+        errors.append(f"train.batch_size = {t.batch_size} must be at least 1")
+    else:
+        check_divides(errors, "train.batch_size", t.batch_size, "train.micro_batch_size", t.micro_batch_size)
+    if t.weight_decay < 0:
+        errors.append(f"train.weight_decay = {t.weight_decay} must be >= 0")
+    if t.warmup_steps < 0:
+        errors.append(f"train.warmup_steps = {t.warmup_steps} must be >= 0")
+    if t.max_steps is not None and t.warmup_steps >= t.max_steps >= 1:
+        errors.append(f"train.warmup_steps = {t.warmup_steps} must be less than train.max_steps = {t.max_steps}")
+    if not (t.max_grad_norm > 0):
+        errors.append(f"train.max_grad_norm = {t.max_grad_norm} must be > 0")
+    if t.eval_every < 0:
+        errors.append(f"train.eval_every = {t.eval_every} must be >= 0 (0 = only before and after training)")
+    if not cfg.output.dir:
+        errors.append("output.dir is required")
+    return errors
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+# ----------------------------------------------------------------------------------------------
+
+
+def response_nll_sum(logits: Tensor, input_ids: Tensor, response_mask: Tensor) -> tuple[Tensor, int]:
+    """Σ of −log π(x_{t+1} | x_{≤t}) over response tokens (and their EOS), and how many tokens that is.
+
+    Args:
+        logits: (B, L, V) causal-LM logits; position t predicts token t+1.
+        input_ids: (B, L).
+        response_mask: (B, L) bool, True = a response token.
+
+    Prompt and padding positions are excluded by ``response_mask`` (bool, (B, L), True = a response
+    token). Token t is predicted by the logits at t-1, hence the shift of the mask.
+
+    Returns:
+        (scalar sum, token count). The trainer divides by the token count of the whole optimizer
+        batch, so accumulating micro-batches gives exactly the full-batch token-mean loss.
+    """
+    mask = response_mask[:, 1:]
+    logp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], mask=mask)  # (B, L-1), 0 where masked
+    return -masked_sum(logp, mask), int(mask.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def train(cfg: SFTConfig) -> Path:
+    """Fine-tune ``cfg.model.path`` on ``cfg.data.train_file``; return the run directory (the checkpoint)."""
+    from tqdm.auto import tqdm
+    from transformers import set_seed
+
+    from proximal.logging import MetricsLogger
+    from proximal.models.loading import load_causal_lm, load_tokenizer
+
+    # 1. Output directory, seed, tokenizer and data (data errors surface before the model loads).
+    out = prepare_output_dir(cfg.output.dir, cfg.output.overwrite)
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
+    d = cfg.data
+    train_set, train_report = load_sft_examples(d.train_file, tokenizer, max_length=d.max_length,
+                                                on_too_long=d.on_too_long)
+    eval_set, eval_report = (load_sft_examples(d.eval_file, tokenizer, max_length=d.max_length,
+                                               on_too_long=d.on_too_long) if d.eval_file else ([], None))
+    t = cfg.train
+    total_steps, steps_per_epoch = plan_steps(len(train_set), t, d.train_file)
+
+    # 2. Model, optimizer, run files.
+    model = load_causal_lm(cfg.model.path, role="model.path", dtype=cfg.model.dtype)
+    check_fits(model, tokenizer, d.max_length, cfg.model.path)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # so PPO's sampling stops at EOS
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    optimizer = build_optimizer(model, t.lr, t.weight_decay)
+    save_config(cfg, out / "config.yaml")
+    logger = MetricsLogger(out)
+    pad = tokenizer.pad_token_id
+
+    def evaluate() -> dict:
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(eval_set), t.micro_batch_size):
+                batch = collate_sft(eval_set[i:i + t.micro_batch_size], pad)
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                s, n = response_nll_sum(logits, batch["input_ids"], batch["response_mask"])
+                total, count = total + float(s), count + n
+        model.train()
+        return {"eval/loss": total / count, "eval/tokens": count}
+
+    # 3. Step 0: data counts and the held-out loss before any update.
+    first = {**data_metrics("train", train_report), **data_metrics("eval", eval_report),
+             "train/total_steps": total_steps}
+    if eval_set:
+        first.update(evaluate())
+    logger.log(0, first)
+
+    # 4. The loop: each optimizer step accumulates batch_size / micro_batch_size micro-batches.
+    model.train()
+    batches = index_batches(len(train_set), t.batch_size, cfg.seed)
+    bar = tqdm(range(1, total_steps + 1), desc="sft", unit="step", disable=None, dynamic_ncols=True)
+    for step in bar:
+        rows = [train_set[i] for i in next(batches)]
+        micro = [collate_sft(rows[i:i + t.micro_batch_size], pad) for i in range(0, len(rows), t.micro_batch_size)]
+        n_tokens = sum(int(b["response_mask"][:, 1:].sum()) for b in micro)
+        set_lr(optimizer, lr_at(step, t.lr, t.warmup_steps, total_steps))
+        loss_sum = 0.0
+        for b in micro:
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            s, _ = response_nll_sum(logits, b["input_ids"], b["response_mask"])
+            (s / n_tokens).backward()  # Σ over micro-batches of s / n_tokens = the batch's token mean
+            loss_sum += float(s.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 5. Log; evaluate every eval_every steps and after the last one.
+        row = {"train/loss": loss_sum / n_tokens, "train/tokens": n_tokens, "train/grad_norm": float(grad_norm),
+               "train/lr": optimizer.param_groups[0]["lr"], "train/epoch": step / steps_per_epoch}
+        if eval_set and (step == total_steps or (t.eval_every and step % t.eval_every == 0)):
+            row.update(evaluate())
+        logger.log(step, row)
+        bar.set_postfix({k.split("/")[1]: f"{v:.4f}" for k, v in row.items() if k in ("train/loss", "eval/loss")})
+    bar.close()
+    logger.close()
+
+    # 6. Save the checkpoint (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    finalize_run(out, model, tokenizer)
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    from proximal.cli import config_command
+
+    def run(cfg: SFTConfig) -> int:
+        return run_and_report("sft", train, cfg, ("eval/loss", "held-out loss"))
+
+    return config_command(argv, prog="sft", description="Supervised fine-tuning of a causal LM on "
+                          "prompt/response pairs (loss on response tokens only).", config_cls=SFTConfig,
+                          run=run, resumable=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared with proximal.trainers.reward
+# ----------------------------------------------------------------------------------------------
+
+
+def plan_steps(n_train: int, t: TrainSection, train_file: str) -> tuple[int, int]:
+    """``(total optimizer steps, steps per pass over the data)``; ConfigError if a pass has no full batch."""
+    steps_per_epoch = n_train // t.batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train.batch_size = {t.batch_size} is larger than the {n_train} usable rows of "
+                          f"data.train_file = {train_file}; lower the batch size or add data")
+    total = t.max_steps if t.max_steps is not None else t.epochs * steps_per_epoch
+    if t.warmup_steps >= total:
+        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} must be less than the {total} training steps")
+    return total, steps_per_epoch
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup to ``lr``, linear decay after.
+
+    Step k ≤ warmup gets lr·k/warmup; step k > warmup gets lr·(total − k + 1)/(total − warmup), so the
+    first step after warmup runs at the peak and the last at lr/(total − warmup) — no step is wasted
+    at learning rate 0.
+    """
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    return lr * (total_steps - step + 1) / (total_steps - warmup_steps)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices and embeddings (ndim ≥ 2), none on biases and norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def index_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Endless stream of row-index batches: a fresh permutation per pass, the remainder of a pass dropped."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(n, generator=g).tolist()
+        for i in range(0, n - batch_size + 1, batch_size):
+            yield perm[i:i + batch_size]
+
+
+def data_metrics(split: str, report) -> dict:
+    if report is None:
+        return {}
+    return {f"data/{split}_rows": report.rows - report.skipped, f"data/{split}_skipped": report.skipped}
+
+
+def check_fits(model, tokenizer, max_length: int, path: str) -> None:
+    """ConfigError if data.max_length exceeds the model's context or the tokenizer's ids exceed its vocabulary."""
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if limit is not None and max_length > limit:
+        raise ConfigError(f"data.max_length = {max_length} is longer than the context of model.path = {path} "
+                          f"({limit} positions)")
+    n_embed = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_embed:
+        raise ModelLoadError(f"model.path = {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                             f"embedding has only {n_embed} rows")
+
+
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "config.json")
+
+
+def prepare_output_dir(directory: str, overwrite: bool) -> Path:
+    """Create the run directory; refuse to reuse a non-empty one unless ``overwrite`` and it is a run.
+
+    The final save replaces the whole directory in one rename, so a directory that does not look like
+    a previous run (none of config.yaml, metrics.jsonl, config.json) is never overwritten.
+    """
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir = {directory}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"output.dir = {directory} is not empty; choose a new directory or set "
+                              "output.overwrite: true to replace the run there")
+        if not any((out / m).exists() for m in RUN_MARKERS):
+            raise ConfigError(f"output.dir = {directory} is not empty and does not look like a run directory "
+                              f"(no {', '.join(RUN_MARKERS)}); refusing to replace it even with output.overwrite")
+        for name in ("metrics.jsonl", "config.yaml"):
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def finalize_run(out: Path, model, tokenizer) -> None:
+    """Write the checkpoint, config.yaml and metrics.jsonl into ``out`` atomically (one directory rename)."""
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name in ("config.yaml", "metrics.jsonl"):
+            shutil.copy2(out / name, tmp / name)
+
+
+def run_and_report(prog: str, train_fn, cfg, metric: tuple[str, str]) -> int:
+    """Run ``train_fn(cfg)`` for the CLI: print a one-line summary, or the error without a traceback."""
+    from proximal.logging import read_metrics
+
+    try:
+        out = train_fn(cfg)
+    except (DataError, ConfigError, ModelLoadError) as e:
+        print(f"proximal {prog}: {e}", file=sys.stderr)
+        return 2
+    key, label = metric
+    values = [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
+    change = f"{label} {values[0]:.4f} -> {values[-1]:.4f}; " if values else ""
+    print(f"proximal {prog}: {change}checkpoint saved to {out}")
+    return 0
