@@ -58,7 +58,7 @@ class SFTData:
 @dataclass
 class TrainSection:
     lr: float = option(1e-5, "Peak AdamW learning rate, reached after warmup_steps and then decayed "
-                             "linearly to zero at the last step.")
+                             "linearly towards zero (the last step runs at lr / (steps - warmup_steps)).")
     epochs: int = option(1, "Passes over train_file (used when max_steps is null). Each pass is reshuffled; "
                             "the last len(train) mod batch_size rows of a pass are left out of it.")
     max_steps: int | None = option(None, "If set, train for exactly this many optimizer steps (passing over "

@@ -1,0 +1,279 @@
+"""``proximal sft`` end to end on a tiny model, and its loss, schedule and accumulation by hand.
+
+Expected values are computed independently of the trainer: per-sequence ``log_softmax`` on unpadded
+inputs, entropies counted from the data, learning rates written out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+import yaml
+
+from proximal.cli import main
+from proximal.config import ConfigError, describe, load_config
+from proximal.logging import read_metrics
+from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
+from proximal.trainers.sft import SFTConfig, lr_at, response_nll_sum, train
+
+LETTERS = "abcdefgh"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models are all thread-synchronisation overhead: on a shared 2-core machine two intra-op
+    # threads measured ~40x slower per step than one.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A random tiny Llama and its char tokenizer, saved as a Hugging Face checkpoint."""
+    d = tmp_path_factory.mktemp("sft")
+    tok = build_char_tokenizer(LETTERS + "=")
+    return build_tiny_causal_lm(d / "base", tok, seed=0), tok
+
+
+def repeat_task(n: int, seed: int) -> list[dict]:
+    """Prompt "x=", response "xxx": learnable only by reading the prompt."""
+    rng = random.Random(seed)
+    return [{"prompt": f"{x}=", "response": x * 3} for x in (rng.choice(LETTERS) for _ in range(n))]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def make_cfg(base_path, tmp_path, train_rows, eval_rows=None, **overrides) -> SFTConfig:
+    o = {"model.path": str(base_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
+         "data.max_length": 16, "output.dir": str(tmp_path / "run"), **overrides}
+    if eval_rows is not None:
+        o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
+    return load_config(SFTConfig, overrides=o)
+
+
+def hand_nll(model, tok, rows) -> tuple[float, int]:
+    """Σ −log p over response tokens + EOS, each row run alone (no padding, no masks), and the token count."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+            y = tok(r["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            x = torch.tensor([p + y])
+            logp = torch.log_softmax(model(input_ids=x).logits[0].double(), -1)
+            for j, target in enumerate(y):
+                total -= float(logp[len(p) + j - 1, target])
+            count += len(y)
+    return total, count
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss: response tokens only
+# --------------------------------------------------------------------------------------------------
+
+
+def test_response_nll_sum_by_hand_and_prompt_positions_never_read():
+    torch.manual_seed(0)
+    B, L, V = 2, 7, 5
+    logits = torch.randn(B, L, V, dtype=torch.float64)
+    input_ids = torch.randint(0, V, (B, L))
+    # row 0: prompt of 3, response of 4; row 1: prompt of 2, response of 2, then 3 pads
+    response_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    expected, n = 0.0, 0
+    for b, (start, end) in enumerate([(3, 7), (2, 4)]):
+        for t in range(start, end):  # token t is predicted by the logits at t - 1
+            expected -= float(torch.log_softmax(logits[b, t - 1], -1)[input_ids[b, t]])
+            n += 1
+    s, count = response_nll_sum(logits, input_ids, response_mask)
+    assert count == n == 6
+    assert float(s) == pytest.approx(expected, rel=1e-12)
+
+    # Logits that predict prompt tokens, or that sit on the last token / padding, are never read:
+    # NaN there changes nothing, and their gradient is exactly zero.
+    unused = torch.ones(B, L, dtype=torch.bool)
+    unused[0, 2:6] = False  # positions 2..5 predict row 0's response tokens 3..6
+    unused[1, 1:3] = False  # positions 1..2 predict row 1's response tokens 2..3
+    garbage = logits.clone()
+    garbage[unused] = float("nan")
+    garbage.requires_grad_(True)
+    s2, _ = response_nll_sum(garbage, input_ids, response_mask)
+    assert float(s2.detach()) == float(s)
+    s2.backward()
+    assert torch.all(garbage.grad[unused] == 0)
+    assert torch.all(garbage.grad[~unused].abs().sum(-1) > 0)
+
+
+def test_lr_schedule_by_hand():
+    # warmup 2 of 6 steps, peak 1.0: 1/2, 2/2, then (6-k+1)/4
+    assert [lr_at(k, 1.0, 2, 6) for k in range(1, 7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    assert [lr_at(k, 2.0, 0, 4) for k in range(1, 5)] == [2.0, 1.5, 1.0, 0.5]
+
+
+# --------------------------------------------------------------------------------------------------
+# Training end to end
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
+    base_path, tok = base
+    train_rows, eval_rows = repeat_task(256, seed=1), repeat_task(64, seed=2)
+    cfg = make_cfg(base_path, tmp_path, train_rows, eval_rows, **{
+        "train.lr": 3e-3, "train.max_steps": 100, "train.batch_size": 16, "train.micro_batch_size": 8,
+        "train.warmup_steps": 5, "train.eval_every": 25})
+    out = train(cfg)
+    rows = read_metrics(out / "metrics.jsonl")
+    evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    assert sorted(evals) == [0, 25, 50, 75, 100]
+    assert [r["step"] for r in rows] == list(range(101))
+
+    # The best model that ignores the prompt knows only the position in the response: its loss is
+    # the entropy of the target given the position, counted from the held-out data.
+    by_pos = defaultdict(Counter)
+    for r in eval_rows:
+        for j, c in enumerate(list(r["response"]) + ["<eos>"]):
+            by_pos[j][c] += 1
+    n = sum(sum(c.values()) for c in by_pos.values())
+    blind = -sum(k * math.log(k / sum(c.values())) for c in by_pos.values() for k in c.values()) / n
+    assert 1.4 < blind < 1.7  # ~ 3/4 · ln 8
+
+    assert evals[0] > 2.0                     # random init: about ln(13 tokens) = 2.56
+    assert evals[100] < 0.25 < blind / 5      # it reads the prompt
+    assert evals[100] < evals[50] < evals[0]
+
+    # The checkpoint loads with plain transformers, and its held-out loss — recomputed row by row
+    # without padding or masks — is the logged one.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok2 = AutoTokenizer.from_pretrained(out)
+    total, count = hand_nll(model, tok2, eval_rows)
+    assert count == rows[100]["eval/tokens"] == 64 * 4
+    assert total / count == pytest.approx(evals[100], rel=1e-5)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+
+    # The resolved config is saved and round-trips.
+    assert load_config(SFTConfig, out / "config.yaml") == cfg
+    assert rows[0]["data/train_rows"] == 256 and rows[0]["data/eval_skipped"] == 0
+    assert rows[1]["train/lr"] == pytest.approx(3e-3 / 5)
+    assert rows[100]["train/lr"] == pytest.approx(3e-3 / 95)
+
+
+def test_accumulation_gives_the_full_batch_token_mean(base, tmp_path):
+    """One step over 4 rows of very different response lengths, as 1 micro-batch of 4 or 4 of 1."""
+    base_path, tok = base
+    rows = [{"prompt": "a=", "response": "b"}, {"prompt": "c=", "response": "defghabc"},
+            {"prompt": "d=", "response": "aa"}, {"prompt": "e=", "response": "hhhhh"}]
+    from transformers import AutoModelForCausalLM
+    total, count = hand_nll(AutoModelForCausalLM.from_pretrained(base_path), tok, rows)
+    logged = {}
+    for micro in (4, 1):
+        d = tmp_path / f"m{micro}"
+        d.mkdir()
+        cfg = make_cfg(base_path, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
+                                              "train.max_steps": 1, "train.lr": 1e-3})
+        logged[micro] = read_metrics(train(cfg) / "metrics.jsonl")[1]
+    assert logged[4]["train/tokens"] == logged[1]["train/tokens"] == count == 2 + 9 + 3 + 6
+    # the loss is a mean over tokens of the whole batch, however it is split
+    assert logged[4]["train/loss"] == pytest.approx(total / count, rel=1e-5)
+    assert logged[1]["train/loss"] == pytest.approx(total / count, rel=1e-5)
+    assert logged[1]["train/grad_norm"] == pytest.approx(logged[4]["train/grad_norm"], rel=1e-4)
+
+
+def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
+    base_path, _ = base
+    rows = repeat_task(8, seed=3)
+    cfg = make_cfg(base_path, tmp_path, rows, **{"train.batch_size": 8, "train.micro_batch_size": 8})
+    out = train(cfg)
+    with pytest.raises(ConfigError, match=r"output.dir = .*run is not empty.*output.overwrite: true"):
+        train(cfg)
+    cfg.output.overwrite = True
+    assert train(cfg) == out
+    assert len(read_metrics(out / "metrics.jsonl")) == 2  # the old run's metrics were not appended to
+    stranger = tmp_path / "home"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    cfg.output.dir = str(stranger)
+    with pytest.raises(ConfigError, match="does not look like a run directory"):
+        train(cfg)
+    assert (stranger / "notes.txt").read_text() == "mine"
+
+
+def test_batch_larger_than_data_is_a_clear_error(base, tmp_path):
+    base_path, _ = base
+    cfg = make_cfg(base_path, tmp_path, repeat_task(5, seed=4), **{"train.batch_size": 8, "train.micro_batch_size": 4})
+    with pytest.raises(ConfigError, match=r"train.batch_size = 8 is larger than the 5 usable rows"):
+        train(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------------
+
+
+def write_yaml(path, base_path, tmp_path, **sections):
+    cfg = {"model": {"path": str(base_path)},
+           "data": {"train_file": write_jsonl(tmp_path / "train.jsonl", repeat_task(16, seed=5)),
+                    "eval_file": write_jsonl(tmp_path / "eval.jsonl", repeat_task(8, seed=6)), "max_length": 16},
+           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2},
+           "output": {"dir": str(tmp_path / "run")}}
+    for k, v in sections.items():
+        cfg.setdefault(k, {}).update(v)
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_cli_runs(base, tmp_path, capsys):
+    base_path, _ = base
+    config = write_yaml(tmp_path / "sft.yaml", base_path, tmp_path)
+    assert main(["sft", "--config", config, "--train.lr", "1e-3", "--seed=3"]) == 0
+    out = tmp_path / "run"
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "config.yaml", "metrics.jsonl"):
+        assert (out / name).is_file(), name
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["train"]["lr"] == 1e-3 and saved["seed"] == 3
+    assert "proximal sft: held-out loss" in capsys.readouterr().out
+
+
+def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
+    base_path, _ = base
+    config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learning_rate": 0.1})
+    assert main(["sft", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "train.learning_rate: unknown key (known here: batch_size, epochs, eval_every, lr," in err
+
+    config = write_yaml(tmp_path / "b.yaml", base_path, tmp_path)
+    assert main(["sft", "--config", config, "--train.batch_size", "6", "--train.micro_batch_size", "4",
+                 "--train.lr", "-1", "--model.path", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("proximal sft:") == 1
+    assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
+    assert "train.lr = -1.0 must be a positive number" in err
+    assert "model.path is required" in err
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_cli_data_error_names_file_and_line_without_traceback(base, tmp_path, capsys):
+    base_path, _ = base
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a=", "response": "aaa"}\n{"prompt": "b=", "response": "bbbbbbbbbbbbbbbbbbbb"}\n')
+    config = write_yaml(tmp_path / "c.yaml", base_path, tmp_path, data={"train_file": str(bad)})
+    assert main(["sft", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: prompt + response is 23 tokens" in err and "data.max_length = 16" in err
+    assert "Traceback" not in err
+
+
+def test_every_field_is_documented(tmp_path):
+    from pathlib import Path
+    doc = (Path(__file__).parents[2] / "docs" / "sft.md").read_text()
+    for name, _, _, help_ in describe(SFTConfig):
+        assert help_, name
+        assert f"`{name}`" in doc, f"docs/sft.md does not document {name}"
