@@ -1,0 +1,56 @@
+"""The seed's PPO mathematics (§1–§6) as pure tensor functions; this package imports only torch.
+
+Conventions, stated once (each module's docstring repeats the notation):
+
+- Shapes: B batch size, T response length, V vocabulary size.
+- ``response_mask`` is a bool (B, T) tensor, True = a real response token; values at False
+  positions are never read (``torch.where``, not multiplication, so NaN/inf there cannot leak).
+- Losses are returned for minimisation, with a dict of detached stats where they have one.
+- ``docs/formulas.md`` maps every equation of the seed to the function that implements it.
+"""
+
+from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten
+from proximal.core.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    ProportionalKLController,
+    kl_penalty,
+)
+from proximal.core.logprobs import logprobs_from_logits, token_entropy
+from proximal.core.losses import (
+    bradley_terry_loss,
+    entropy_from_logits,
+    ppo_policy_loss,
+    ptx_loss,
+    value_loss,
+)
+from proximal.core.stats import (
+    masked_aggregate,
+    masked_mean,
+    masked_mean_var,
+    masked_sum,
+    masked_var,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "ProportionalKLController",
+    "bradley_terry_loss",
+    "entropy_from_logits",
+    "gae",
+    "kl_penalty",
+    "last_valid_index",
+    "logprobs_from_logits",
+    "masked_aggregate",
+    "masked_mean",
+    "masked_mean_var",
+    "masked_sum",
+    "masked_var",
+    "ppo_policy_loss",
+    "ptx_loss",
+    "shape_rewards",
+    "token_entropy",
+    "value_loss",
+    "whiten",
+]

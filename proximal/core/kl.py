@@ -1,0 +1,167 @@
+"""Per-token KL estimators and the controllers that set the KL coefficient β (seed §3).
+
+Notation: B batch size, T response length (see :mod:`proximal.core.stats`).
+
+The estimators follow Schulman's "Approximating KL Divergence" (2020). With samples y_t ~ π_θ and
+r = π_ref(y_t | s_t) / π_θ(y_t | s_t), each is an estimate of KL(π_θ ‖ π_ref) at token t:
+
+    k1 = −log r = log π_θ − log π_ref          unbiased, can be negative, high variance (the seed's)
+    k2 = ½ (log r)²                              biased, always ≥ 0, low variance
+    k3 = (r − 1) − log r                         unbiased, always ≥ 0, low variance
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from the log-probabilities of the sampled tokens.
+
+    Implements the seed's §3 per-token term log π_θ(y_t | x, y_<t) − log π_ref(y_t | x, y_<t)
+    (``"k1"``), which appears as r_KL(t) = −β·log(π_θ / π_ref) in §2's diagram and in R_t; ``"k2"``
+    and ``"k3"`` are the lower-variance alternatives (module docstring).
+
+    Elementwise, so it needs no mask: whatever sits at a padded position stays at that position.
+    Callers reduce with a mask (:func:`~proximal.core.advantages.shape_rewards`, ``masked_mean``).
+    Nothing is clamped: a huge k3 means the policy really has drifted, and hiding it would mislead.
+
+    Args:
+        logprobs: log π_θ(y_t | s_t), (B, T).
+        ref_logprobs: log π_ref(y_t | s_t), (B, T).
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        (B, T) KL estimate per token.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs shape {tuple(logprobs.shape)} != ref_logprobs shape "
+                         f"{tuple(ref_logprobs.shape)}")
+    log_ratio = logprobs - ref_logprobs  # log π_θ − log π_ref = −log r
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio * log_ratio
+    # k3 = (r − 1) − log r with log r = −log_ratio; expm1 keeps precision when r ≈ 1.
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def _finite(value: float, name: str) -> float:
+    if isinstance(value, Tensor):
+        value = value.item()
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _positive(value: float, name: str) -> float:
+    value = _finite(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+class FixedKLController:
+    """Constant β: ``update`` changes nothing. β = 0 is allowed and switches the penalty off."""
+
+    def __init__(self, beta: float):
+        self.beta = _finite(beta, "beta")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+    def update(self, observed_kl: float, n_steps: int = 1) -> float:
+        """Ignore the observation; return β."""
+        _finite(observed_kl, "observed_kl")
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = _finite(state["beta"], "state['beta']")
+
+
+class AdaptiveKLController:
+    """The seed's §3 piecewise adaptive rule (Ziegler et al. 2019; Ouyang et al. 2022).
+
+    After each training iteration, with d = the observed KL(π_θ ‖ π_ref) and K = ``k_beta``::
+
+        β ← β·(1 + K)   if d > 1.5·d_targ
+        β ← β·(1 − K)   if d < d_targ / 1.5
+        β ← β           otherwise (boundaries included)
+
+    Which number d is — typically the batch mean of each response's summed per-token KL — is the
+    caller's choice; the rule only compares it with ``target``.
+
+    Args:
+        init_beta: β₀ > 0 (a multiplicative rule can never leave 0).
+        target: d_targ > 0, same units as the observed KL.
+        k_beta: K_β ∈ (0, 1); the seed's typical value is 0.1.
+    """
+
+    def __init__(self, init_beta: float, target: float, k_beta: float = 0.1):
+        self.beta = _positive(init_beta, "init_beta")
+        self.target = _positive(target, "target")
+        self.k_beta = _positive(k_beta, "k_beta")
+        if self.k_beta >= 1:
+            raise ValueError(f"k_beta must be in (0, 1), got {self.k_beta}")
+
+    def update(self, observed_kl: float, n_steps: int = 1) -> float:
+        """Apply the rule once per call (``n_steps`` is accepted for a uniform interface and
+        ignored: the seed's rule is per iteration). Returns the new β."""
+        d = _finite(observed_kl, "observed_kl")
+        if d > 1.5 * self.target:
+            self.beta *= 1 + self.k_beta
+        elif d < self.target / 1.5:
+            self.beta *= 1 - self.k_beta
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = _positive(state["beta"], "state['beta']")
+
+
+class ProportionalKLController:
+    """Ziegler et al. (2019)'s proportional controller (``lm-human-preferences``' AdaptiveKLController)::
+
+        e = clip(d / d_targ − 1, −0.2, 0.2)
+        β ← β·(1 + e·n_steps / horizon)
+
+    where ``n_steps`` is the number of samples (episodes) the update covers. Not in the seed; kept
+    because it is what the original RLHF code ran.
+
+    Args:
+        init_beta: β₀ > 0.
+        target: d_targ > 0.
+        horizon: > 0, in the same unit as ``n_steps`` (Ziegler et al. use 10 000 samples).
+    """
+
+    def __init__(self, init_beta: float, target: float, horizon: float):
+        self.beta = _positive(init_beta, "init_beta")
+        self.target = _positive(target, "target")
+        self.horizon = _positive(horizon, "horizon")
+
+    def update(self, observed_kl: float, n_steps: int = 1) -> float:
+        """One proportional step covering ``n_steps`` samples; returns the new β."""
+        d = _finite(observed_kl, "observed_kl")
+        if n_steps < 0:
+            raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+        error = min(max(d / self.target - 1.0, -0.2), 0.2)
+        self.beta *= 1 + error * n_steps / self.horizon
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = _positive(state["beta"], "state['beta']")

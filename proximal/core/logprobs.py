@@ -1,0 +1,179 @@
+"""Token log-probabilities and entropies from logits, a slice of the sequence at a time.
+
+Notation: B batch size, T positions (response length), V vocabulary size.
+
+Alignment: ``logits[:, t]`` is the model's distribution for ``tokens[:, t]``. A causal LM's output
+at position i predicts input i + 1, so the caller shifts once (``logits[:, :-1]`` against
+``input_ids[:, 1:]``, then keeps the response columns); nothing here shifts.
+
+Why custom autograd: with plain autograd, a chunked ``log_softmax(logits.float())`` still saves each
+chunk's float32 copy for backward, so a bf16 (B, T, V) batch ends up with a float32 (B, T, V) alive
+until backward — 2× the logits again, the largest tensor of a PPO step. These functions save only the
+input logits (already alive, same storage) and (B, T) per-token statistics, and recompute each
+chunk's softmax in backward. Peak extra memory is a few float32 chunks of about ``chunk_tokens × V``.
+Double backward is not supported (nothing in PPO needs it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _chunks(logits: Tensor, chunk_tokens: int):
+    """Slices of the sequence dimension holding about ``chunk_tokens`` (row, position) pairs each.
+    Slicing dim 1 gives views, so non-contiguous logits (``out.logits[:, p:-1]``) are never copied whole."""
+    B, T = logits.shape[:2]
+    step = max(1, chunk_tokens // max(B, 1))
+    for start in range(0, T, step):
+        yield slice(start, min(start + step, T))
+
+
+def _scaled(logits: Tensor, sl: slice, mask: Tensor | None, temperature: float) -> Tensor:
+    """One chunk as z = logits / τ in the compute dtype, with masked rows set to 0 so garbage there
+    (NaN, inf) cannot produce NaN gradients for the model through ``0 · NaN``."""
+    z = logits[:, sl].to(_compute_dtype(logits))
+    if mask is not None:
+        z = torch.where(mask[:, sl, None], z, 0.0)
+    return z / temperature if temperature != 1.0 else z
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, temperature, chunk_tokens):
+        out = logits.new_empty(tokens.shape, dtype=_compute_dtype(logits))
+        lse = torch.empty_like(out)
+        for sl in _chunks(logits, chunk_tokens):
+            z = _scaled(logits, sl, mask, temperature)  # (B, c, V)
+            lse[:, sl] = torch.logsumexp(z, dim=-1)
+            out[:, sl] = z.gather(-1, tokens[:, sl, None]).squeeze(-1) - lse[:, sl]
+        ctx.save_for_backward(logits, tokens, mask, lse)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, tokens, mask, lse = ctx.saved_tensors
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)
+        for sl in _chunks(logits, ctx.chunk_tokens):
+            z = _scaled(logits, sl, mask, tau)
+            g_out = grad_out[:, sl, None].to(z.dtype)  # (B, c, 1)
+            # d(z_y − lse)/dz = onehot(y) − softmax(z); then d/dlogits = d/dz / τ.
+            g = torch.exp(z - lse[:, sl, None]) * -g_out
+            g.scatter_add_(-1, tokens[:, sl, None], g_out)
+            if mask is not None:
+                g = torch.where(mask[:, sl, None], g, 0.0)
+            grad[:, sl] = (g / tau).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, mask, temperature, chunk_tokens):
+        out = logits.new_empty(logits.shape[:2], dtype=_compute_dtype(logits))
+        lse = torch.empty_like(out)
+        for sl in _chunks(logits, chunk_tokens):
+            z = _scaled(logits, sl, mask, temperature)
+            lse[:, sl] = torch.logsumexp(z, dim=-1)
+            logp = z - lse[:, sl, None]
+            p = torch.exp(logp)
+            # H = −Σ p log p, with 0·log 0 = 0 so −inf logits (banned tokens) give no NaN.
+            out[:, sl] = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+        ctx.save_for_backward(logits, mask, lse, out)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, mask, lse, entropy = ctx.saved_tensors
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)
+        for sl in _chunks(logits, ctx.chunk_tokens):
+            z = _scaled(logits, sl, mask, tau)
+            logp = z - lse[:, sl, None]
+            p = torch.exp(logp)
+            # dH/dz_j = −p_j (log p_j + H)
+            g = torch.where(p > 0, -p * (logp + entropy[:, sl, None]), 0.0)
+            g = g * grad_out[:, sl, None].to(g.dtype)
+            if mask is not None:
+                g = torch.where(mask[:, sl, None], g, 0.0)
+            grad[:, sl] = (g / tau).to(grad.dtype)
+        return grad, None, None, None
+
+
+def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens: int) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}")
+        if mask.shape != logits.shape[:2]:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match logits (B, T) "
+                             f"{tuple(logits.shape[:2])}")
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
+                         mask: Tensor | None = None,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] for each position — the seed's §1 policy
+    π_θ(a_t | s_t) = P(y_t | x, y_<t), evaluated on the sampled tokens (and §5's log π_θ, log π_old).
+
+    Equal to ``torch.log_softmax(logits / τ, -1).gather(-1, tokens[..., None]).squeeze(-1)``, but no
+    full-vocabulary float32 tensor of the whole batch is created or kept for backward (module
+    docstring). Temperature divides the logits *before* the log-softmax, matching how the tokens were
+    sampled; pass the sampling temperature.
+
+    Args:
+        logits: (B, T, V), any float dtype; ``logits[:, t]`` scores ``tokens[:, t]`` (caller shifts).
+        tokens: (B, T) integer token ids.
+        temperature: τ > 0.
+        mask: optional bool (B, T). Where False the result is 0, and neither the token id there
+            (e.g. -100) nor the logits there (even NaN) are read; their gradient is exactly 0.
+        chunk_tokens: about how many (row, position) pairs are expanded to V floats at once.
+
+    Returns:
+        (B, T) log-probabilities in float32 (float64 if the logits are float64).
+    """
+    _check(logits, mask, temperature, chunk_tokens)
+    if tokens.shape != logits.shape[:2]:
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match logits (B, T) "
+                         f"{tuple(logits.shape[:2])}")
+    tokens = tokens.long()
+    if mask is not None:
+        tokens = torch.where(mask, tokens, 0)
+    out = _TokenLogprobs.apply(logits, tokens, mask, float(temperature), int(chunk_tokens))
+    return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Per-position entropy S[π](s_t) = −Σ_a π(a|s_t) log π(a|s_t) of softmax(logits_t / τ) (seed §6).
+
+    Args:
+        logits: (B, T, V), any float dtype.
+        temperature: τ > 0 (the policy is the tempered distribution the tokens were sampled from).
+        mask: optional bool (B, T); where False the result is 0 and the logits there are not read.
+        chunk_tokens: about how many (row, position) pairs are expanded to V floats at once.
+
+    Returns:
+        (B, T) entropies in nats, float32 (float64 for float64 logits).
+    """
+    _check(logits, mask, temperature, chunk_tokens)
+    out = _TokenEntropy.apply(logits, mask, float(temperature), int(chunk_tokens))
+    return out if mask is None else torch.where(mask, out, 0.0)

@@ -1,0 +1,209 @@
+"""Losses of PPO-based RLHF (seed §2, §5, §6), each a pure function returning what it minimises.
+
+Notation: B batch size, T response length, V vocabulary size; ``response_mask`` is bool (B, T),
+True = a real response token (see :mod:`proximal.core.stats`). Every loss is a quantity to
+*minimise*: the seed's objectives are maximised, so ``ppo_policy_loss`` returns −L^CLIP and
+``ptx_loss`` returns −L^PTX. Stats are detached tensors for logging.
+
+The actor and critic objectives are combined by the trainer (``proximal/trainers/ppo.py``), not
+here: actor loss = −(L^CLIP + c2·S + γ_PTX·L^PTX), critic loss = c1·L^VF.
+
+Preference losses without a critic (DPO, SimPO) and GRPO's group-relative advantages belong in this
+module next to the PPO losses when they arrive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from proximal.core.kl import kl_penalty
+from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
+from proximal.core.stats import check_mask, masked_aggregate, masked_mean, masked_mean_var
+
+
+def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                    response_mask: Tensor, clip_eps: float = 0.2,
+                    aggregation: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """The negated clipped surrogate of the seed's §5::
+
+        r_t = exp(log π_θ(y_t|s_t) − log π_old(y_t|s_t))
+        L^CLIP = Ê_t[ min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) ]
+        loss = −L^CLIP
+
+    Where the clipped term is the smaller one (Â > 0 with r > 1 + ε, or Â < 0 with r < 1 − ε) the
+    token's gradient is exactly zero; elsewhere it is −r_t·Â_t·∇ log π_θ / n.
+
+    Args:
+        logprobs: log π_θ(y_t | s_t) under the current parameters (with grad), (B, T).
+        old_logprobs: log π_old(y_t | s_t) recorded at rollout time, (B, T).
+        advantages: Â_t (whitened or not, detached), (B, T).
+        response_mask: bool (B, T).
+        clip_eps: ε ∈ (0, 1); the seed suggests 0.1–0.2.
+        aggregation: ``"token-mean"`` (the seed's Ê_t over all valid tokens) or
+            ``"seq-mean-token-mean"`` (see :func:`~proximal.core.stats.masked_aggregate`).
+
+    Returns:
+        ``(loss, stats)``; stats (token means over valid tokens, whatever the aggregation):
+        ``clipfrac`` (fraction of tokens whose gradient clipping zeroed), ``approx_kl_k1`` and
+        ``approx_kl_k3`` (estimates of KL(π_old ‖ π_θ) from the sampled tokens), ``ratio_mean``,
+        ``ratio_min``, ``ratio_max``.
+    """
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
+        if t.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    check_mask(logprobs, response_mask, "response_mask")
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
+    advantages = torch.where(response_mask, advantages, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    loss = masked_aggregate(-torch.minimum(unclipped, clipped), response_mask, aggregation)
+
+    with torch.no_grad():
+        # k1/k3 of KL(π_old ‖ π_θ): samples come from π_old, so kl_penalty's "policy" is π_old.
+        log_ratio = log_ratio.detach()
+        ratio = ratio.detach()
+        stats = {
+            "clipfrac": masked_mean((clipped < unclipped).to(ratio.dtype), response_mask),
+            "approx_kl_k1": masked_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"),
+                                        response_mask),
+            "approx_kl_k3": masked_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"),
+                                        response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+            "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
+            "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
+        }
+    return loss, stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
+               clip_eps: float = 0.2,
+               aggregation: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """The seed's §6 clipped value loss::
+
+        V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
+        L^VF = ½·Ê_t[ max((V − V^targ)², (V_clip − V^targ)²) ]
+
+    Args:
+        values: V_φ(s_t) under the current critic parameters (with grad), (B, T).
+        old_values: V_φold(s_t) recorded at rollout time, (B, T).
+        returns: V_t^targ = Â_t + V_φold(s_t) (the second output of :func:`~proximal.core.gae`,
+            before any whitening of Â), (B, T).
+        response_mask: bool (B, T).
+        clip_eps: ε_v > 0; ``math.inf`` turns clipping off (plain ½·MSE).
+        aggregation: as in :func:`ppo_policy_loss`.
+
+    Returns:
+        ``(loss, stats)``; stats: ``vf_clipfrac`` (fraction of valid tokens where the clipped error
+        is the larger, i.e. the max picked it), ``explained_variance`` = 1 − Var[R − V] / Var[R]
+        over valid tokens (NaN when the returns are constant).
+    """
+    for name, t in (("old_values", old_values), ("returns", returns)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != values shape {tuple(values.shape)}")
+    check_mask(values, response_mask, "response_mask")
+    if not clip_eps > 0:  # also rejects NaN
+        raise ValueError(f"clip_eps must be > 0 (math.inf disables clipping), got {clip_eps}")
+    values = torch.where(response_mask, values, 0.0)
+    old_values = torch.where(response_mask, old_values, 0.0)
+    returns = torch.where(response_mask, returns, 0.0)
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+    err = (values - returns) ** 2
+    err_clipped = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_aggregate(torch.maximum(err, err_clipped), response_mask, aggregation)
+
+    with torch.no_grad():
+        _, var_returns = masked_mean_var(returns.detach(), response_mask)
+        _, var_residual = masked_mean_var((returns - values).detach(), response_mask)
+        explained = 1 - var_residual / var_returns if var_returns > 0 else torch.full_like(var_returns, math.nan)
+        stats = {
+            "vf_clipfrac": masked_mean((err_clipped > err).to(err.dtype), response_mask),
+            "explained_variance": explained,
+        }
+    return loss, stats
+
+
+def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: float = 1.0, *,
+                        aggregation: str = "token-mean",
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Mean policy entropy S[π_θ](s_t) = −Σ_a π_θ(a|s_t) log π_θ(a|s_t) over valid tokens (seed §6's
+    entropy bonus, weighted by c2 in the trainer). Computed a chunk of the sequence at a time with
+    a recomputing backward (:func:`~proximal.core.logprobs.token_entropy`), so it is affordable to
+    log every step.
+
+    Args:
+        logits: (B, T, V); ``logits[:, t]`` is π_θ(· | s_t) for response position t (caller shifts).
+        response_mask: bool (B, T).
+        temperature: τ > 0; the entropy is that of softmax(logits / τ), the sampling distribution.
+        aggregation: as in :func:`ppo_policy_loss`.
+        chunk_tokens: see :func:`~proximal.core.logprobs.logprobs_from_logits`.
+
+    Returns:
+        Scalar entropy in nats (differentiable).
+    """
+    per_token = token_entropy(logits, temperature, mask=response_mask, chunk_tokens=chunk_tokens)
+    return masked_aggregate(per_token, response_mask, aggregation)
+
+
+def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Negative log-likelihood of pre-training text: −L^PTX, the seed's §6
+    L^PTX(θ) = E[log π_θ(x_pretrain)], as a mean over valid tokens::
+
+        loss = −(1/n) Σ_{(b,t) ∈ mask} log softmax(logits[b, t])[labels[b, t]]
+
+    The caller aligns: ``logits[:, t]`` must predict ``labels[:, t]`` (for a causal LM pass
+    ``out.logits[:, :-1]`` with ``input_ids[:, 1:]`` and the matching mask). Nothing is shifted here.
+
+    Args:
+        logits: (B, L, V).
+        labels: (B, L) token ids; values where ``mask`` is False (e.g. -100) are never read.
+        mask: bool (B, L), True = a token whose likelihood counts.
+        chunk_tokens: see :func:`~proximal.core.logprobs.logprobs_from_logits`.
+
+    Returns:
+        Scalar mean NLL in nats per token (temperature 1: this is the model's likelihood).
+    """
+    logprobs = logprobs_from_logits(logits, labels, mask=mask, chunk_tokens=chunk_tokens)
+    return -masked_mean(logprobs, mask)
+
+
+def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
+                       margin: float | Tensor = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood of the seed's §2 Bradley–Terry preference model::
+
+        P(y_w ≻ y_l | x) = σ(R_ψ(x, y_w) − R_ψ(x, y_l))
+        loss = −mean log σ(r_w − r_l − m)
+
+    with an optional margin m (Llama 2's preference-strength margin; 0 gives the seed's model).
+    ``F.logsigmoid`` keeps it finite for any score gap.
+
+    Args:
+        chosen_scores: r_w = R_ψ(x, y_w), (B,).
+        rejected_scores: r_l = R_ψ(x, y_l), (B,).
+        margin: m, a float or a (B,) tensor.
+
+    Returns:
+        ``(loss, stats)``; stats: ``accuracy`` = fraction of pairs with r_w > r_l strictly (a tie
+        counts as wrong, so a constant model scores 0, not 0.5; the margin is not used here) and
+        ``score_gap`` = mean of r_w − r_l.
+    """
+    if chosen_scores.shape != rejected_scores.shape or chosen_scores.dim() != 1:
+        raise ValueError(f"chosen_scores and rejected_scores must both be (B,), got "
+                         f"{tuple(chosen_scores.shape)} and {tuple(rejected_scores.shape)}")
+    if chosen_scores.numel() == 0:
+        raise ValueError("bradley_terry_loss: empty batch")
+    gap = chosen_scores - rejected_scores
+    loss = -F.logsigmoid(gap - margin).mean()
+    with torch.no_grad():
+        stats = {
+            "accuracy": (gap > 0).to(gap.dtype).mean(),
+            "score_gap": gap.mean(),
+        }
+    return loss, stats
