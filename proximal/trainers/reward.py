@@ -18,7 +18,7 @@ Config layout, optimizer, schedule and batching are those of ``proximal sft``
 
 from __future__ import annotations
 
-import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,9 +206,9 @@ def load_reward_model(path: str, dtype: str, tokenizer):
     # HF's own pooling (used by anyone calling model(...).logits on the saved checkpoint) needs it.
     model.config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        print(f"proximal rm: note: the tokenizer's pad token is its EOS token ({tokenizer.eos_token!r}); "
-              "score this reward model with proximal.models.heads.last_token_scores, not model(...).logits, "
-              "which skips the trailing EOS", file=sys.stderr)
+        warnings.warn(f"the tokenizer's pad token is its EOS token ({tokenizer.eos_token!r}): score this reward "
+                      "model with proximal.models.heads.last_token_scores (as proximal ppo does), not with "
+                      "model(...).logits, whose pooling skips the trailing EOS", stacklevel=2)
     return model, new_head
 
 

@@ -106,6 +106,17 @@ def test_scores_are_the_head_at_the_last_real_token(classifier, tok, tmp_path):
     assert hf_pooled.tolist() == pytest.approx(expected_w + expected_l, abs=1e-5)
 
 
+def test_pad_equal_to_eos_is_warned_about(lm):
+    from transformers import AutoTokenizer
+
+    from proximal.trainers.reward import load_reward_model
+    tok = AutoTokenizer.from_pretrained(lm)
+    tok.pad_token = tok.eos_token
+    with pytest.warns(UserWarning, match="pad token is its EOS token"):
+        model, new_head = load_reward_model(str(lm), "float32", tok)
+    assert new_head and model.config.pad_token_id == tok.eos_token_id == 1
+
+
 def test_rm_learns_a_preference_and_saves_a_plain_classifier(lm, tok, tmp_path):
     train_rows, eval_rows = count_task(256, seed=1), count_task(128, seed=2)
     cfg = make_cfg(lm, tmp_path, train_rows, eval_rows, **{
