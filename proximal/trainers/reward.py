@@ -32,7 +32,7 @@ from proximal.models.heads import last_token_scores
 from proximal.models.loading import DTYPES
 from proximal.trainers.sft import (TrainSection, build_optimizer, check_fits, common_errors, data_metrics,
                                    finalize_run, index_batches, lr_at, plan_steps, prepare_output_dir,
-                                   run_and_report, set_lr)
+                                   resolve_device, run_and_report, set_lr, to_device)
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -117,7 +117,9 @@ def train(cfg: RMConfig) -> Path:
     total_steps, steps_per_epoch = plan_steps(len(train_set), t, d.train_file)
 
     # 2. Model (a fresh zero head on a causal LM, or an existing classifier), optimizer, run files.
+    device = resolve_device(t.device)
     model, new_head = load_reward_model(cfg.model.path, cfg.model.dtype, tokenizer)
+    model.to(device)
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     save_config(cfg, out / "config.yaml")
@@ -129,7 +131,7 @@ def train(cfg: RMConfig) -> Path:
         chosen, rejected, margins = [], [], []
         with torch.no_grad():
             for i in range(0, len(eval_set), t.micro_batch_size):
-                batch = collate_pairs(eval_set[i:i + t.micro_batch_size], pad)
+                batch = to_device(collate_pairs(eval_set[i:i + t.micro_batch_size], pad), device)
                 r_w, r_l = pair_scores(model, batch)
                 chosen.append(r_w)
                 rejected.append(r_l)
@@ -158,7 +160,7 @@ def train(cfg: RMConfig) -> Path:
         set_lr(optimizer, lr_at(step, t.lr, t.warmup_steps, total_steps))
         loss_sum = acc_sum = gap_sum = 0.0
         for i in range(0, len(rows), t.micro_batch_size):
-            batch = collate_pairs(rows[i:i + t.micro_batch_size], pad)
+            batch = to_device(collate_pairs(rows[i:i + t.micro_batch_size], pad), device)
             r_w, r_l = pair_scores(model, batch)
             loss, stats = bradley_terry_loss(r_w, r_l, batch.get("margin", 0.0))
             weight = r_w.shape[0] / t.batch_size  # the loss is a mean over pairs: weight each micro-batch by its share

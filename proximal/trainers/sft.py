@@ -12,6 +12,7 @@ loop uses. The reward-model trainer (:mod:`proximal.trainers.reward`) reuses tho
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class TrainSection:
     max_grad_norm: float = option(1.0, "Clip the global gradient L2 norm to this value before each step.")
     eval_every: int = option(100, "Evaluate on eval_file every this many steps (and always before the first "
                                   "step and after the last); 0 = only before and after.")
+    device: str = option("auto", "Where to train: cpu, cuda, cuda:N, or auto (cuda when available).")
 
 
 @dataclass
@@ -126,6 +128,8 @@ def common_errors(cfg) -> list[str]:
         errors.append(f"train.max_grad_norm = {t.max_grad_norm} must be > 0")
     if t.eval_every < 0:
         errors.append(f"train.eval_every = {t.eval_every} must be >= 0 (0 = only before and after training)")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
+        errors.append(f"train.device = {t.device!r} is not one of auto, cpu, cuda, cuda:N")
     if not cfg.output.dir:
         errors.append("output.dir is required")
     return errors
@@ -182,7 +186,8 @@ def train(cfg: SFTConfig) -> Path:
     total_steps, steps_per_epoch = plan_steps(len(train_set), t, d.train_file)
 
     # 2. Model, optimizer, run files.
-    model = load_causal_lm(cfg.model.path, role="model.path", dtype=cfg.model.dtype)
+    device = resolve_device(t.device)
+    model = load_causal_lm(cfg.model.path, role="model.path", dtype=cfg.model.dtype).to(device)
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # so PPO's sampling stops at EOS
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -196,7 +201,7 @@ def train(cfg: SFTConfig) -> Path:
         total, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, len(eval_set), t.micro_batch_size):
-                batch = collate_sft(eval_set[i:i + t.micro_batch_size], pad)
+                batch = to_device(collate_sft(eval_set[i:i + t.micro_batch_size], pad), device)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 s, n = response_nll_sum(logits, batch["input_ids"], batch["response_mask"])
                 total, count = total + float(s), count + n
@@ -216,7 +221,8 @@ def train(cfg: SFTConfig) -> Path:
     bar = tqdm(range(1, total_steps + 1), desc="sft", unit="step", disable=None, dynamic_ncols=True)
     for step in bar:
         rows = [train_set[i] for i in next(batches)]
-        micro = [collate_sft(rows[i:i + t.micro_batch_size], pad) for i in range(0, len(rows), t.micro_batch_size)]
+        micro = [to_device(collate_sft(rows[i:i + t.micro_batch_size], pad), device)
+                 for i in range(0, len(rows), t.micro_batch_size)]
         n_tokens = sum(int(b["response_mask"][:, 1:].sum()) for b in micro)
         set_lr(optimizer, lr_at(step, t.lr, t.warmup_steps, total_steps))
         loss_sum = 0.0
@@ -282,6 +288,22 @@ def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int) -> float:
     if step <= warmup_steps:
         return lr * step / warmup_steps
     return lr * (total_steps - step + 1) / (total_steps - warmup_steps)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu; ConfigError for a CUDA device this machine lacks."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device = {name!r}, but this machine has "
+                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")
+    return torch.device(name)
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -249,16 +249,17 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learning_rate": 0.1})
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
-    assert "train.learning_rate: unknown key (known here: batch_size, epochs, eval_every, lr," in err
+    assert "train.learning_rate: unknown key (known here: batch_size, device, epochs, eval_every, lr," in err
 
     config = write_yaml(tmp_path / "b.yaml", base_path, tmp_path)
     assert main(["sft", "--config", config, "--train.batch_size", "6", "--train.micro_batch_size", "4",
-                 "--train.lr", "-1", "--model.path", ""]) == 2
+                 "--train.lr", "-1", "--model.path", "", "--train.device", "tpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("proximal sft:") == 1
     assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
     assert "train.lr = -1.0 must be a positive number" in err
     assert "model.path is required" in err
+    assert "train.device = 'tpu' is not one of auto, cpu, cuda, cuda:N" in err
     assert not (tmp_path / "run").exists()  # nothing ran
 
 
