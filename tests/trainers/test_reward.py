@@ -71,7 +71,7 @@ def write_jsonl(path, rows):
 
 def make_cfg(model_path, tmp_path, train_rows, eval_rows=None, **overrides) -> RMConfig:
     o = {"model.path": str(model_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
-         "data.max_length": 16, "output.dir": str(tmp_path / "run"), **overrides}
+         "data.max_length": 16, "output.dir": str(tmp_path / "run"), "train.device": "cpu", **overrides}
     if eval_rows is not None:
         o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
     return load_config(RMConfig, overrides=o)
@@ -188,7 +188,7 @@ def write_yaml(path, model_path, tmp_path, train_file=None):
     cfg = {"model": {"path": str(model_path)},
            "data": {"train_file": train_file or write_jsonl(tmp_path / "train.jsonl", count_task(16, seed=5)),
                     "eval_file": write_jsonl(tmp_path / "eval.jsonl", count_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "lr": 1e-3},
+           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "lr": 1e-3, "device": "cpu"},
            "output": {"dir": str(tmp_path / "run")}}
     path.write_text(yaml.safe_dump(cfg))
     return str(path)

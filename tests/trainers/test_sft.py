@@ -55,7 +55,7 @@ def write_jsonl(path, rows):
 
 def make_cfg(base_path, tmp_path, train_rows, eval_rows=None, **overrides) -> SFTConfig:
     o = {"model.path": str(base_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
-         "data.max_length": 16, "output.dir": str(tmp_path / "run"), **overrides}
+         "data.max_length": 16, "output.dir": str(tmp_path / "run"), "train.device": "cpu", **overrides}
     if eval_rows is not None:
         o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
     return load_config(SFTConfig, overrides=o)
@@ -224,7 +224,7 @@ def write_yaml(path, base_path, tmp_path, **sections):
     cfg = {"model": {"path": str(base_path)},
            "data": {"train_file": write_jsonl(tmp_path / "train.jsonl", repeat_task(16, seed=5)),
                     "eval_file": write_jsonl(tmp_path / "eval.jsonl", repeat_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2},
+           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "device": "cpu"},
            "output": {"dir": str(tmp_path / "run")}}
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
