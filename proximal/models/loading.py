@@ -6,6 +6,7 @@ downloads unless the user points at a hub id on a machine that has the network.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
     _check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_load_report(new_head):
             warnings.simplefilter("ignore")
             model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(dtype), **kwargs)
     except Exception as e:
@@ -91,6 +92,23 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
     if model.config.pad_token_id is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
+
+
+@contextlib.contextmanager
+def _quiet_load_report(expected: bool):
+    """Silence transformers' load report when its findings are expected: a causal-LM checkpoint loaded
+    as a scorer has an unused ``lm_head`` and no ``score`` head, and that is the point of ``new_head``."""
+    if not expected:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def score_head(model) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from proximal.data.chat import encode_prompt
+from proximal.data.chat import apply_template, encode_prompt
 from proximal.models.heads import last_token_scores
 from proximal.rollout.sampling import Rollout
 
@@ -82,15 +82,14 @@ class Scorer:
             tok = self.reward_tokenizer
             texts = self.completions(rollout)
             for i, (prompt, completion) in enumerate(zip(prompts, texts)):
+                # The layout the reward trainer uses: prompt ids (the reward model's own chat template
+                # with the generation prompt, when the prompt came as messages), response ids, EOS.
                 msgs = messages[i] if messages else None
                 if msgs and getattr(tok, "chat_template", None):
-                    text = tok.apply_chat_template(list(msgs) + [{"role": "assistant", "content": completion}],
-                                                   tokenize=False)
-                    ids = tok(text, add_special_tokens=False).input_ids
-                else:  # the layout the reward trainer uses: prompt ids, response ids, EOS
-                    ids = encode_prompt(prompt, tok) + tok(completion, add_special_tokens=False).input_ids
-                    if bool(rollout.ended[i]) and tok.eos_token_id is not None:
-                        ids = ids + [tok.eos_token_id]
+                    prompt = apply_template(list(msgs), tok, f"prompt {i}")
+                ids = encode_prompt(prompt, tok) + tok(completion, add_special_tokens=False).input_ids
+                if bool(rollout.ended[i]) and tok.eos_token_id is not None:
+                    ids = ids + [tok.eos_token_id]
                 rows.append(ids)
         return rows
 
