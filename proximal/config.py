@@ -62,7 +62,10 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 def _type_name(tp: Any) -> str:
     inner, optional = _unwrap_optional(tp)
-    name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
+    if typing.get_origin(inner) is not None:  # list[str] → "list[str]"
+        name = str(inner).replace("typing.", "")
+    else:
+        name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
     return f"{name} or null" if optional else name
 
 

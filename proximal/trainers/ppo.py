@@ -1,4 +1,6 @@
-"""PPO-based RLHF, the seed's §1–§6, one step read top to bottom in :func:`train`.
+"""PPO-based RLHF with the four models of the seed (§1–§6): actor, reference, reward model, critic.
+
+One step reads top to bottom in :func:`train`.
 
 Each step: (1) sample prompts, (2) roll out responses from π_θ, (3) score them with r_ψ and the reward
 functions, (4) record log π_old, log π_ref and V_old, (5) shape per-token rewards with β·KL, run GAE and
