@@ -217,7 +217,7 @@ def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, 
         _apply(cfg, data, "", errors)
     if overrides:
         _apply(cfg, _nest(dict(overrides)), "", errors)
-    if not errors and hasattr(cfg, "validate"):
+    if hasattr(cfg, "validate"):  # fields that failed to load kept their (valid) defaults
         errors.extend(cfg.validate())
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

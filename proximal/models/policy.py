@@ -17,11 +17,12 @@ import torch
 from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer
 
 
-def lora_config(task_type: str, r: int, alpha: float, dropout: float, target_modules: list[str]):
+def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str]):
+    """LoRA without dropout: models stay in eval mode in RLHF, so dropout would never act anyway."""
     from peft import LoraConfig
 
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
-    return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
+    return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
 
 
 def unwrap(model):
@@ -30,7 +31,7 @@ def unwrap(model):
 
 
 def build_actor(path: str, *, dtype: str, lora: dict | None = None, adapter_path: str | None = None):
-    """The trainable policy. With ``lora`` (r, alpha, dropout, target_modules) only adapters train;
+    """The trainable policy. With ``lora`` (r, alpha, target_modules) only adapters train;
     ``adapter_path`` resumes adapters saved by an earlier run."""
     model = load_causal_lm(path, role="policy", dtype=dtype)
     if lora:

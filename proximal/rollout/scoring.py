@@ -13,26 +13,31 @@ with the reward model's tokenizer (its chat template applied when the prompt cam
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable
 
 import torch
 
+from proximal.config import ConfigError
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.models.heads import last_token_scores
 from proximal.rollout.sampling import Rollout
 
 
 def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
-    """Import ``module:function``; raise ValueError naming the spec when it can't."""
+    """Import ``module:function``; raise ConfigError naming the spec when it can't."""
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected 'module:function'")
+        raise ConfigError(f"reward function {spec!r}: expected 'module:function'")
     module, name = spec.split(":", 1)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # like `python -m`: modules beside the config work
+        sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r}: cannot import ({e})") from e
+        raise ConfigError(f"reward function {spec!r}: cannot import ({e})") from e
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: not callable")
+        raise ConfigError(f"reward function {spec!r}: not callable")
     return fn
 
 

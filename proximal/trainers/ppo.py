@@ -25,7 +25,7 @@ import torch
 
 from proximal import distributed as dist
 from proximal.checkpoint import atomic_dir, atomic_write_text
-from proximal.config import save_config
+from proximal.config import ConfigError, save_config
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, entropy_from_logits,
                            gae, logprobs_from_logits, masked_mean, ppo_policy_loss, ptx_loss, shape_rewards,
                            value_loss, whiten)
@@ -44,14 +44,20 @@ __all__ = ["PPOConfig", "train", "cli"]
 
 def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run PPO as configured; return the run directory. ``resume_dir`` continues a saved run exactly."""
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     run_dir = Path(resume_dir or cfg.output.dir)
     device = _device(cfg.train.device)
     ckpt = _latest_checkpoint(run_dir) if resume_dir else None
     if resume_dir and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}")
+    if not resume_dir:
+        _claim_output_dir(run_dir, cfg.output.overwrite)
+    functions = {spec: load_reward_function(spec) for spec in cfg.model.reward_functions}  # fail before loading models
     _seed_everything(cfg.train.seed)
 
-    m = _build_models(cfg, device, ckpt)
+    m = _build_models(cfg, device, ckpt, functions)
     prompts = load_prompts(cfg.data.prompts, m.tokenizer, max_length=cfg.data.max_prompt_length,
                            on_too_long=cfg.data.on_long_prompt)
     ptx_texts = load_texts(cfg.data.ptx_file) if cfg.ppo.ptx_coef > 0 else None
@@ -62,16 +68,16 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     actor_opt, actor_sched = _optimizer(m.actor, cfg.optim.actor_lr, cfg, opt_steps)
     critic_opt, critic_sched = _optimizer(m.critic, cfg.optim.critic_lr, cfg, opt_steps)
     kl_ctl = _kl_controller(cfg)
-    start = 0
+    start, counters = 0, {"skipped_nonfinite": 0, "wall_s": 0.0}
     if ckpt is not None:
-        start = _load_trainer_state(ckpt, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler, ptx_sampler)
+        start, counters = _load_trainer_state(ckpt, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler,
+                                              ptx_sampler)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
     truncate_jsonl(run_dir / "metrics.jsonl", start)  # a fresh run starts empty; a resumed one drops
     truncate_jsonl(run_dir / "samples.jsonl", start)  # lines of steps after its checkpoint
-    skipped_nonfinite = 0
-    wall0 = time.perf_counter()
+    wall0 = time.perf_counter() - counters["wall_s"]
     bar = _progress(cfg, start)
 
     for step in range(start + 1, cfg.train.steps + 1):
@@ -98,7 +104,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             if cfg.rollout.nonfinite_scores == "error":
                 raise FloatingPointError(f"step {step}: non-finite scores {scores[bad].tolist()} for prompts "
                                          f"{[texts[i][:60] for i in bad]} (set rollout.nonfinite_scores: skip)")
-            skipped_nonfinite += len(bad)
+            counters["skipped_nonfinite"] += len(bad)
             keep = finite.nonzero().flatten()
             if len(keep) == 0:
                 raise FloatingPointError(f"step {step}: every score in the batch is non-finite")
@@ -137,7 +143,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "kl/seq_mean": seq_kl, "kl/beta": beta_used, "kl/beta_next": kl_ctl.beta,
             **update_stats,
             "response/length_mean": dist.global_mean(lengths), "response/eos_frac": dist.global_mean(rollout.ended.float()),
-            "data/skipped_nonfinite": skipped_nonfinite, "data/epoch": sampler.epoch,
+            "data/skipped_nonfinite": counters["skipped_nonfinite"], "data/epoch": sampler.epoch,
+            "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
             "speed/gen_tokens_per_s": lengths.sum().item() / max(t_gen, 1e-9),
             "speed/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
             "time/step_s": time.perf_counter() - t0, "time/wall_s": time.perf_counter() - wall0,
@@ -150,8 +157,9 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             bar.update(1)
             bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{seq_kl:.3f}", beta=f"{kl_ctl.beta:.3g}")
         if step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            counters["wall_s"] = time.perf_counter() - wall0
             _save_checkpoint(run_dir, step, m, cfg, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl,
-                             sampler, ptx_sampler)
+                             sampler, ptx_sampler, counters)
 
     if bar is not None:
         bar.close()
@@ -216,7 +224,8 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
                 actor_loss = pg_loss - p.entropy_coef * entropy                         # −(L^CLIP + c2·S)
                 (w * actor_loss).backward()
                 values = _values(m.critic, r)
-                vf_loss, vf_stats = value_loss(values, micro.old_values, micro.returns, mask, p.value_clip_eps)
+                vf_loss, vf_stats = value_loss(values, micro.old_values, micro.returns, mask, p.value_clip_eps,
+                                               aggregation=p.aggregation)
                 (w * p.vf_coef * vf_loss).backward()                                    # c1·L^VF
                 tokens += int(r.attention_mask.sum())
                 for k, v in {"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": entropy,
@@ -229,7 +238,7 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
             if ptx_texts is not None:                                                   # γ_PTX·(−L^PTX)
                 ptx = _ptx_loss(m, ptx_texts, ptx_sampler, cfg)
                 (p.ptx_coef * ptx).backward()
-                acc["loss/ptx"] = float(ptx)
+                acc["loss/ptx"] = float(ptx.detach())
             acc["grad_norm/actor"] = _clip_and_step(m.actor, actor_opt, actor_sched, cfg.optim.max_grad_norm)
             acc["grad_norm/critic"] = _clip_and_step(m.critic, critic_opt, critic_sched, cfg.optim.max_grad_norm)
             for k, v in acc.items():
@@ -243,6 +252,7 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
     stats["policy/epochs_run"] = _epoch + 1
     stats["policy/early_stopped"] = float(stop)
     stats["lr/actor"] = actor_sched.get_last_lr()[0]
+    stats["lr/critic"] = critic_sched.get_last_lr()[0]
     return stats, tokens
 
 
@@ -305,10 +315,10 @@ class _Models:
     extra: dict = field(default_factory=dict)
 
 
-def _build_models(cfg: PPOConfig, device, ckpt: Path | None) -> _Models:
+def _build_models(cfg: PPOConfig, device, ckpt: Path | None, functions: dict) -> _Models:
     mc = cfg.model
     tokenizer = load_tokenizer(mc.policy, role="policy tokenizer")
-    lora = (dict(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout, target_modules=mc.lora_target_modules)
+    lora = (dict(r=mc.lora_r, alpha=mc.lora_alpha, target_modules=mc.lora_target_modules)
             if mc.lora_r > 0 else None)
     actor_path = str(ckpt / "policy") if ckpt is not None else None
     if lora:
@@ -323,7 +333,6 @@ def _build_models(cfg: PPOConfig, device, ckpt: Path | None) -> _Models:
         reward_model = load_sequence_scorer(mc.reward_model, role="reward model", dtype=mc.dtype,
                                             pad_token_id=reward_tokenizer.pad_token_id)
         freeze(reward_model)
-    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
     weights = dict(zip(mc.reward_functions, mc.reward_function_weights or [1.0] * len(functions)))
 
     critic_source = mc.critic
@@ -403,7 +412,7 @@ def _progress(cfg: PPOConfig, start: int):
 # ----------------------------------------------------------------------------------------------
 
 def _save_checkpoint(run_dir: Path, step: int, m: _Models, cfg: PPOConfig, actor_opt, actor_sched, critic_opt,
-                     critic_sched, kl_ctl, sampler, ptx_sampler) -> None:
+                     critic_sched, kl_ctl, sampler, ptx_sampler, counters: dict) -> None:
     if not dist.is_main():
         return
     root = run_dir / "checkpoints"
@@ -416,7 +425,7 @@ def _save_checkpoint(run_dir: Path, step: int, m: _Models, cfg: PPOConfig, actor
             "step": step,
             "actor_optimizer": actor_opt.state_dict(), "actor_scheduler": actor_sched.state_dict(),
             "critic_optimizer": critic_opt.state_dict(), "critic_scheduler": critic_sched.state_dict(),
-            "kl_controller": kl_ctl.state_dict(),
+            "kl_controller": kl_ctl.state_dict(), "counters": dict(counters),
             "sampler": sampler.state_dict(), "ptx_sampler": ptx_sampler.state_dict() if ptx_sampler else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -426,6 +435,19 @@ def _save_checkpoint(run_dir: Path, step: int, m: _Models, cfg: PPOConfig, actor
     for old in done[:-cfg.train.keep_checkpoints]:
         import shutil
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _claim_output_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to start a fresh run on top of an earlier one (its checkpoints would be mixed with ours)."""
+    earlier = [run_dir / n for n in ("checkpoints", "metrics.jsonl", "samples.jsonl") if (run_dir / n).exists()]
+    if not earlier:
+        return
+    if not overwrite:
+        raise FileExistsError(f"output.dir {run_dir} already holds a run ({', '.join(p.name for p in earlier)}); "
+                              f"continue it with --resume {run_dir}, or start afresh with --output.overwrite true")
+    import shutil
+    for p in earlier:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:
@@ -439,7 +461,7 @@ def _latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _load_trainer_state(ckpt: Path, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler,
-                        ptx_sampler) -> int:
+                        ptx_sampler) -> tuple[int, dict]:
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     actor_opt.load_state_dict(state["actor_optimizer"])
     actor_sched.load_state_dict(state["actor_scheduler"])
@@ -453,7 +475,7 @@ def _load_trainer_state(ckpt: Path, actor_opt, actor_sched, critic_opt, critic_s
     random.setstate(state["rng"]["python"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"])
+    return int(state["step"]), dict(state["counters"])
 
 
 def _write_samples(run_dir: Path, step: int, prompts: list[str], completions: list[str], scores, components,
@@ -477,7 +499,10 @@ def cli(argv: list[str]) -> int:
     def run(cfg: PPOConfig, resume_dir=None) -> int:
         try:
             run_dir = train(cfg, resume_dir=resume_dir)
-        except (DataError, ModelLoadError, FileNotFoundError, FloatingPointError) as e:
+        except (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError) as e:
+            print(f"proximal ppo: {e}", file=sys.stderr)  # bad input: one line, no traceback
+            return 2
+        except FloatingPointError as e:
             print(f"proximal ppo: {e}", file=sys.stderr)
             return 1
         print(f"proximal ppo: done; run directory {run_dir}")

@@ -27,7 +27,6 @@ class ModelConfig:
     dtype: str = option("float32", "Weights' dtype.", choices=("float32", "bfloat16", "float16"))
     lora_r: int = option(0, LORA_HELP)
     lora_alpha: float = option(16.0, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = option(0.0, "Dropout on the LoRA path (0 keeps rollout and update policies identical).")
     lora_target_modules: list[str] = option(help="Modules that get adapters; ['all-linear'] = every linear layer "
                                                  "except the output head.", default_factory=lambda: ["all-linear"])
     critic_lora: bool = option(False, "Train the critic with LoRA too (its scalar head stays fully trainable).")
@@ -122,6 +121,8 @@ class OutputConfig:
     progress: bool = option(True, "Show a progress bar with ETA.")
     tensorboard: bool = option(False, "Also log to TensorBoard (needs the tensorboard extra).")
     wandb_project: str | None = option(None, "Also log to this Weights & Biases project (needs the wandb extra).")
+    overwrite: bool = option(False, "Start afresh in an output.dir that already holds a run (its checkpoints and "
+                                     "logs are deleted). Without it such a directory is refused; use --resume to continue.")
 
 
 @dataclass
@@ -159,6 +160,9 @@ class PPOConfig:
             e.append(f"data.prompts: {d.prompts!r} does not exist")
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")
+        for i, spec in enumerate(m.reward_functions):
+            if ":" not in spec:
+                e.append(f"model.reward_functions[{i}] = {spec!r}: expected 'module:function'")
         if d.ptx_file and not Path(d.ptx_file).exists():
             e.append(f"data.ptx_file: {d.ptx_file!r} does not exist")
         for name, v in (("data.max_prompt_length", d.max_prompt_length), ("rollout.max_new_tokens", r.max_new_tokens),
@@ -184,6 +188,8 @@ class PPOConfig:
             e.append(f"kl.beta = {k.beta} must be ≥ 0")
         if k.controller != "fixed" and k.target <= 0:
             e.append(f"kl.target = {k.target} must be > 0 for the {k.controller} controller")
+        if k.controller != "fixed" and k.beta <= 0:
+            e.append(f"kl.beta = {k.beta} must be > 0 for the {k.controller} controller (it scales β, so 0 stays 0)")
         if k.controller == "adaptive" and not 0 < k.k_beta < 1:
             e.append(f"kl.k_beta = {k.k_beta} must lie in (0, 1)")
         if k.controller == "proportional" and k.horizon <= 0:
