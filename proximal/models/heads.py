@@ -29,7 +29,7 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA layers live inside
     hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                             position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     head = score_head(model)
     return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
 

@@ -129,5 +129,5 @@ def response_logits(model, rollout_or_ids, attention_mask: torch.Tensor | None =
     else:
         input_ids = rollout_or_ids
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask)).logits
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # no KV cache to keep
     return logits[:, prompt_len - 1: -1]

@@ -289,7 +289,7 @@ def _ptx_loss(m, texts: list[str], sampler: PromptSampler, cfg: PPOConfig) -> to
         att[i, :len(r)] = 1
     dev = next(m.actor.parameters()).device
     ids, att = ids.to(dev), att.to(dev)
-    logits = m.actor(input_ids=ids, attention_mask=att).logits
+    logits = m.actor(input_ids=ids, attention_mask=att, use_cache=False).logits
     return ptx_loss(logits[:, :-1], ids[:, 1:], att[:, 1:].bool())
 
 
