@@ -1,0 +1,41 @@
+"""Rollouts sample from π_θ at the configured temperature / top-p / top-k and nothing else (seed §1,
+§5: the ratio r_t and the KL assume the tokens came from exactly the policy whose log-probabilities
+are recomputed). A checkpoint's own ``generation_config.json`` must not add processors of its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proximal.models.loading import load_causal_lm, load_tokenizer
+from proximal.rollout.sampling import pad_left, sample
+
+# Fields real checkpoints ship (Qwen2.5-Instruct: repetition_penalty; BART: no_repeat_ngram_size;
+# Whisper: suppress_tokens) that would silently change the sampling distribution.
+CHECKPOINT_GENERATION_FIELDS = {
+    "no_repeat_ngram_size": {"no_repeat_ngram_size": 1},
+    "repetition_penalty": {"repetition_penalty": 3.0},
+    "suppress_tokens": {"suppress_tokens": [4, 5, 6, 7]},
+}
+
+
+@pytest.mark.parametrize("field", list(CHECKPOINT_GENERATION_FIELDS))
+def test_sampling_ignores_the_checkpoints_generation_config(field, assets, tmp_path):
+    policy = assets.policy("llama")
+    tok = load_tokenizer(str(policy))
+    clean = load_causal_lm(str(policy))
+    tainted = load_causal_lm(str(policy))
+    for k, v in CHECKPOINT_GENERATION_FIELDS[field].items():
+        setattr(tainted.generation_config, k, v)
+    tainted.save_pretrained(tmp_path / "tainted")
+    tainted = load_causal_lm(str(tmp_path / "tainted"))
+    assert getattr(tainted.generation_config, field) is not None
+
+    ids, mask = pad_left([tok("ab 1", add_special_tokens=False).input_ids] * 32, tok.pad_token_id)
+    out = []
+    for model in (clean, tainted):
+        torch.manual_seed(0)
+        out.append(sample(model, tok, ids, mask, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0))
+    differ = int((out[0].response_ids != out[1].response_ids).any(1).sum())
+    assert differ == 0, (f"the checkpoint's generation_config {CHECKPOINT_GENERATION_FIELDS[field]} changed "
+                         f"{differ} of 32 sampled responses")
