@@ -22,20 +22,46 @@ ARCHITECTURES = ("llama", "gpt2", "qwen2")
 
 def build_char_tokenizer(alphabet: Sequence[str], *, specials: Sequence[str] = SPECIAL_TOKENS,
                          chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer: one token per character of ``alphabet``.
+    """A character-level fast tokenizer: one token per character of ``alphabet`` (ASCII).
 
-    ``specials`` are, in order, pad, eos, bos and unk; their ids are 0..3 unless reordered.
+    ``specials`` are, in order, pad, eos, bos and unk; their ids are 0..3, the characters follow.
+
+    It is written as a byte-level BPE with no merges, the format of GPT-2, Llama-3 and Qwen2
+    tokenizers: transformers 5 rebuilds a ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer``
+    whatever class was saved, and only a byte-level vocabulary survives that with the same ids
+    (a plain word-level one silently loses its spaces there).
     """
     pad, eos, bos, unk = specials
-    vocab = {t: i for i, t in enumerate(list(specials) + [c for c in alphabet if c not in specials])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
+    chars = [c for c in alphabet if c not in specials]
+    for c in chars:
+        if len(c) != 1 or ord(c) > 127:
+            raise ValueError(f"build_char_tokenizer: {c!r} is not a single ASCII character")
+    symbol = _bytes_to_unicode()
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in chars:
+        vocab[symbol[ord(c)]] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token=eos, bos_token=bos,
                                    unk_token=unk)
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable-character map (byte-level BPE's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden: int = 32, layers: int = 2, heads: int = 2,

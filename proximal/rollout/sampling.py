@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from proximal.models.heads import position_ids_from_mask
 
@@ -81,9 +82,11 @@ def stop_mask(response_ids: torch.Tensor, stop_token_ids: list[int], generated_l
 
 
 def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor,
-                         stop_strings: list[str]) -> torch.Tensor:
-    """For each row, the number of tokens up to and including the first stop string (or its current length)."""
+                         stop_strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row, the number of tokens up to and including the first stop string (or its current
+    length), and whether a stop string was found. Shapes (B,), (B,) bool."""
     lengths = mask.sum(1).clone()
+    found = torch.zeros(len(lengths), dtype=torch.bool, device=lengths.device)
     for b in range(response_ids.shape[0]):
         ids = response_ids[b, : int(lengths[b])].tolist()
         text = tokenizer.decode(ids, skip_special_tokens=False)
@@ -94,8 +97,9 @@ def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tens
             prefix = tokenizer.decode(ids[:n], skip_special_tokens=False)
             if any(s in prefix for s in stop_strings):
                 lengths[b] = n
+                found[b] = True
                 break
-    return lengths
+    return lengths, found
 
 
 @torch.no_grad()
@@ -104,18 +108,31 @@ def sample(policy, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
            stop_strings: list[str] | None = None) -> Rollout:
     """Sample one response per prompt with Hugging Face ``generate`` (KV-cached) and mask after the stop."""
     eos = [tokenizer.eos_token_id] + list(stop_token_ids or [])
-    out = policy.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
-        top_p=top_p, top_k=top_k if top_k > 0 else None, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, min_new_tokens=0,
-    )
+    # generate() fills every argument not passed from the checkpoint's generation_config.json
+    # (repetition_penalty, suppress_tokens, ...), which would sample from a distribution other than
+    # softmax(logits / T) — the one whose log-probabilities PPO uses. Sample under a neutral config.
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    saved = getattr(model, "generation_config", None)
+    if saved is not None:
+        model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                                                   bos_token_id=tokenizer.bos_token_id)
+    try:
+        out = policy.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
+            top_p=top_p, top_k=top_k if top_k > 0 else 0, max_new_tokens=max_new_tokens,
+            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, min_new_tokens=0,
+        )
+    finally:
+        if saved is not None:
+            model.generation_config = saved
     response_ids = out[:, prompt_ids.shape[1]:]
     if response_ids.shape[1] == 0:  # every row stopped at once cannot happen (≥ 1 token), but be safe
         response_ids = torch.full((len(prompt_ids), 1), tokenizer.pad_token_id, device=prompt_ids.device)
     mask, ended = stop_mask(response_ids, eos)
     if stop_strings:
-        lengths = _stop_string_lengths(tokenizer, response_ids, mask, stop_strings)
+        lengths, found = _stop_string_lengths(tokenizer, response_ids, mask, stop_strings)
         mask, ended = stop_mask(response_ids, eos, generated_len=lengths)
+        ended = ended | found  # a stop string completed in the last slot still ended the response
     response_ids = torch.where(mask, response_ids, tokenizer.pad_token_id)
     return Rollout(prompt_ids, prompt_mask, response_ids, mask, ended)
 

@@ -27,7 +27,7 @@ from proximal import distributed as dist
 from proximal.checkpoint import atomic_dir, atomic_write_text
 from proximal.config import ConfigError, save_config
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, entropy_from_logits,
-                           gae, logprobs_from_logits, masked_mean, ppo_policy_loss, ptx_loss, shape_rewards,
+                           gae, logprobs_from_logits, masked_mean_var, ppo_policy_loss, ptx_loss, shape_rewards,
                            value_loss, whiten)
 from proximal.data.jsonl import DataError
 from proximal.data.prompts import PromptSampler, load_prompts, load_texts
@@ -119,6 +119,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         mask = rollout.response_mask
         rewards, kl = shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_ctl.beta, cfg.ppo.kl_estimator)
         advantages, returns = gae(rewards, old_values, mask, cfg.ppo.gamma, cfg.ppo.lam)
+        explained_var = _explained_variance(old_values, returns, mask)
         if cfg.ppo.whiten_advantages:
             advantages = whiten(advantages, mask, all_reduce=dist.all_reduce_sum)
 
@@ -141,7 +142,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             **{f"score/{k}": dist.global_mean(v) for k, v in components.items()},
             "reward/total_mean": dist.global_mean(rewards.sum(1)),
             "kl/seq_mean": seq_kl, "kl/beta": beta_used, "kl/beta_next": kl_ctl.beta,
-            **update_stats,
+            **update_stats, "value/explained_variance": explained_var,
             "response/length_mean": dist.global_mean(lengths), "response/eos_frac": dist.global_mean(rollout.ended.float()),
             "data/skipped_nonfinite": counters["skipped_nonfinite"], "data/epoch": sampler.epoch,
             "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
@@ -231,8 +232,7 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
                 for k, v in {"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": entropy,
                              "policy/clipfrac": pg_stats["clipfrac"], "policy/approx_kl": pg_stats["approx_kl_k3"],
                              "policy/approx_kl_k1": pg_stats["approx_kl_k1"], "policy/ratio_max": pg_stats["ratio_max"],
-                             "value/clipfrac": vf_stats["vf_clipfrac"],
-                             "value/explained_variance": vf_stats["explained_variance"]}.items():
+                             "value/clipfrac": vf_stats["vf_clipfrac"]}.items():
                     v = float(v.detach())
                     acc[k] = max(acc.get(k, v), v) if k == "policy/ratio_max" else acc.get(k, 0.0) + float(w) * v
             if ptx_texts is not None:                                                   # γ_PTX·(−L^PTX)
@@ -254,6 +254,15 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
     stats["lr/actor"] = actor_sched.get_last_lr()[0]
     stats["lr/critic"] = critic_sched.get_last_lr()[0]
     return stats, tokens
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[R − V] / Var[R] over every valid token of the (global) batch, with V the rollout-time
+    values: how much of the return the critic predicted before this step's update. NaN when the
+    returns are constant."""
+    _, var_r = masked_mean_var(returns, mask, all_reduce=dist.all_reduce_sum)
+    _, var_res = masked_mean_var(returns - values, mask, all_reduce=dist.all_reduce_sum)
+    return float(1 - var_res / var_r) if var_r > 0 else math.nan
 
 
 def _values(critic, r: Rollout) -> torch.Tensor:

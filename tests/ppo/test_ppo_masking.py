@@ -110,9 +110,11 @@ def test_stop_string_lengths_across_token_boundaries(assets):
     tok = assets.tokenizer
     ids = torch.tensor([_ids(tok, "abcdefgh"), _ids(tok, "hgfedcba")])
     mask = torch.ones_like(ids, dtype=torch.bool)
-    assert _stop_string_lengths(tok, ids, mask, ["cde", "ba"]).tolist() == [5, 8]
+    lengths, found = _stop_string_lengths(tok, ids, mask, ["cde", "ba"])
+    assert lengths.tolist() == [5, 8] and found.tolist() == [True, True]
     mask[1, 6:] = False  # the stop string lies past the row's end: not found
-    assert _stop_string_lengths(tok, ids, mask, ["ba"]).tolist() == [8, 6]
+    lengths, found = _stop_string_lengths(tok, ids, mask, ["ba"])
+    assert lengths.tolist() == [8, 6] and found.tolist() == [False, False]
 
 
 # ----------------------------------------------------------------------------------------------
