@@ -218,8 +218,7 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: 
     rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
     for m in (actor, ref, rm):
         freeze(m)
-    scorer = Scorer(tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, functions={"gold": gold_score},
-                    function_weights={"gold": 0.0}, micro_batch_size=batch_size)
+    scorer = Scorer(tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, micro_batch_size=batch_size)
     prompts = load_prompts(str(prompts_file), tokenizer, max_length=64)
     order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
 
@@ -231,12 +230,14 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: 
         r = sample(actor, tokenizer, ids, mask, max_new_tokens=max_new_tokens)
         texts = [prompts.texts[i] for i in idx]
         _, comp = scorer(r, texts)
+        completions = scorer.completions(r)
+        golds = gold_score(texts, completions)  # in Python floats, exactly as the task defines it
         logp = torch.log_softmax(response_logits(actor, r).float(), -1)
         logq = torch.log_softmax(response_logits(ref, r).float(), -1)
         kl_tok = (logp.exp() * (logp - logq)).sum(-1)                       # (B, T), exact per state
         kl = torch.where(r.response_mask, kl_tok, 0.0).sum(1)
-        for j, completion in enumerate(scorer.completions(r)):
-            rows.append({"prompt": texts[j], "response": completion, "gold": float(comp["gold"][j]),
+        for j, completion in enumerate(completions):
+            rows.append({"prompt": texts[j], "response": completion, "gold": golds[j],
                          "proxy": float(comp["reward_model"][j]), "kl": float(kl[j]),
                          "length": int(r.response_mask[j].sum()), "eos": bool(r.ended[j])})
     mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in ("gold", "proxy", "kl", "length", "eos")}
@@ -277,7 +278,8 @@ def reward_model_gold_agreement(reward_model: str | Path, pairs_file: str | Path
 
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="proximal demo", description=__doc__.splitlines()[0].strip("`"),
+        prog="proximal demo",
+        description="The whole of RLHF offline on a CPU: task data -> SFT -> reward model -> PPO, then a report.",
         epilog="The report is <out>/report.md; docs/demo.md explains how to read it.")
     parser.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
     parser.add_argument("--quick", action="store_true", help="the shrunken CI demo: less data, fewer steps")

@@ -1,0 +1,158 @@
+"""``proximal demo --quick`` end to end: every artifact exists, and the report's numbers are the run files' numbers.
+
+The quick demo runs once for the module (about a minute and a half on 2 CPU cores) through the real
+command line; the tests then read what it wrote. Expected values are taken from the trainers' own
+``metrics.jsonl`` files and from ``eval.json``, never from the report code under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from proximal.cli import main
+
+pytestmark = pytest.mark.slow
+
+GOLD = "score/proximal.tasks.digits:gold_score"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(["demo", "--quick", "--out", str(out)])
+    assert rc == 0
+    return out, stdout.getvalue()
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_every_artifact_exists(demo):
+    out, _ = demo
+    expected = [
+        "task/task.json", "task/tokenizer/tokenizer.json", "task/base_model/model.safetensors",
+        *(f"task/{k}_{s}.jsonl" for k in ("sft", "prefs", "prompts") for s in ("train", "eval")),
+        "sft/model.safetensors", "sft/config.json", "sft/tokenizer.json", "sft/metrics.jsonl", "sft/config.yaml",
+        "rm/model.safetensors", "rm/config.json", "rm/metrics.jsonl", "rm/config.yaml",
+        *(f"{run}/{f}" for run in ("ppo", "ppo_overopt")
+          for f in ("metrics.jsonl", "samples.jsonl", "config.yaml", "checkpoints/latest")),
+        "eval.json", "demo.json", "report.md", "report.json", "plots/ppo_training.png", "plots/overoptimisation.png",
+    ]
+    missing = [p for p in expected if not (out / p).is_file()]
+    assert not missing
+    for png in ("plots/ppo_training.png", "plots/overoptimisation.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    report = (out / "report.md").read_text()
+    assert "](plots/ppo_training.png)" in report and "](plots/overoptimisation.png)" in report
+
+
+def test_checkpoints_load_with_plain_transformers(demo):
+    out, _ = demo
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from proximal.demo import final_policy
+
+    for path in (out / "sft", final_policy(out / "ppo"), final_policy(out / "ppo_overopt")):
+        AutoModelForCausalLM.from_pretrained(path)
+        AutoTokenizer.from_pretrained(path)
+    rm = AutoModelForSequenceClassification.from_pretrained(out / "rm")
+    assert rm.config.num_labels == 1
+
+
+def test_ppo_curves_in_report_are_the_metrics_files(demo):
+    out, _ = demo
+    r = json.loads((out / "report.json").read_text())
+    for run in ("ppo", "ppo_overopt"):
+        rows = _jsonl(out / run / "metrics.jsonl")
+        got = r["runs"][run]
+        assert got["step"] == [row["step"] for row in rows] == list(range(1, len(rows) + 1))
+        assert got["proxy"] == [row["score/reward_model"] for row in rows]
+        assert got["gold"] == [row[GOLD] for row in rows]
+        assert got["kl"] == [row["kl/seq_mean"] for row in rows]
+        assert got["beta"] == [row["kl/beta"] for row in rows]
+    # the gold column PPO logged is the task's gold score of the logged samples
+    from proximal.tasks.digits import gold_score
+    samples = _jsonl(out / "ppo" / "samples.jsonl")
+    assert [s[GOLD] for s in samples] == pytest.approx(gold_score([s["prompt"] for s in samples],
+                                                                  [s["response"] for s in samples]), abs=1e-6)
+    # the over-optimisation summary: trailing means over `window` steps, recomputed here by hand
+    o, w = r["overopt"], r["overopt"]["window"]
+    gold = [row[GOLD] for row in _jsonl(out / "ppo_overopt" / "metrics.jsonl")]
+    assert o["gold_final"] == pytest.approx(sum(gold[-w:]) / w, abs=1e-12)
+    assert f"{o['gold_final']:.3f}" in (out / "report.md").read_text()
+
+
+def test_reward_model_and_sft_numbers_are_the_metrics_files(demo):
+    out, _ = demo
+    r = json.loads((out / "report.json").read_text())
+    report = (out / "report.md").read_text()
+    rm_evals = [row for row in _jsonl(out / "rm" / "metrics.jsonl") if "eval/accuracy" in row]
+    assert r["rm"]["eval_accuracy"] == rm_evals[-1]["eval/accuracy"]
+    assert f"Held-out accuracy **{rm_evals[-1]['eval/accuracy']:.3f}**" in report
+    sft_evals = [row for row in _jsonl(out / "sft" / "metrics.jsonl") if "eval/loss" in row]
+    assert (r["sft"]["eval_loss_start"], r["sft"]["eval_loss_end"]) == (sft_evals[0]["eval/loss"],
+                                                                          sft_evals[-1]["eval/loss"])
+    assert f"from {sft_evals[0]['eval/loss']:.3f} to {sft_evals[-1]['eval/loss']:.3f}" in report
+    assert sft_evals[-1]["eval/loss"] < sft_evals[0]["eval/loss"]
+
+
+def test_heldout_table_is_eval_json(demo):
+    out, stdout = demo
+    evaluation = json.loads((out / "eval.json").read_text())
+    report = (out / "report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ") and "KL to reference" not in line]
+    for policy, label in (("sft", "SFT"), ("ppo", "PPO, β = 1"), ("ppo_overopt", "PPO over-optimised, β = 0.01")):
+        rows = evaluation[policy]["rows"]
+        assert evaluation[policy]["n"] == len(rows) == 64
+        # means recomputed from the individual responses
+        mean = {k: sum(float(x[k]) for x in rows) / len(rows) for k in ("gold", "proxy", "kl", "length", "eos")}
+        assert evaluation[policy]["mean"] == pytest.approx(mean, abs=1e-12)
+        cells = [f"{mean[k]:.3f}" for k in ("gold", "proxy", "kl", "length", "eos")]
+        line = next(t for t in table if t.startswith(f"| {label}"))
+        assert [c.strip() for c in line.strip("|").split("|")][1:] == cells
+        # the terminal ends with the same table
+        assert any(s.startswith(label) and re.split(r"\s{2,}", s.strip())[1:] == cells for s in stdout.splitlines())
+    assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the SFT model
+    from proximal.tasks.digits import gold
+    assert all(x["gold"] == gold(x["prompt"], x["response"]) for x in evaluation["ppo"]["rows"])
+
+
+def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
+    out, stdout = demo
+    for n, name in enumerate(("task", "sft", "rm", "ppo", "ppo_overopt", "eval + report"), start=1):
+        assert f"[{n}/6] {name}:" in stdout
+    assert "same as: proximal sft --config" in stdout and "same as: proximal ppo --config" in stdout
+    assert stdout.rstrip().splitlines()[-1] == f"Report: {out / 'report.md'}"
+
+
+def test_evaluation_is_deterministic_given_the_seed(demo):
+    out, _ = demo
+    from proximal.demo import evaluate_policy, final_policy
+
+    kwargs = dict(reference=out / "sft", reward_model=out / "rm", prompts_file=out / "task" / "prompts_eval.jsonl",
+                  max_new_tokens=12)
+    a = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)
+    b = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)
+    c = evaluate_policy(final_policy(out / "ppo"), seed=4, **kwargs)
+    assert a == b
+    assert [x["response"] for x in a["rows"]] != [x["response"] for x in c["rows"]]
+    # and the demo's own evaluation (seed 0) is reproduced exactly
+    assert evaluate_policy(final_policy(out / "ppo"), seed=0, **kwargs)["rows"] == \
+        json.loads((out / "eval.json").read_text())["ppo"]["rows"]
+
+
+def test_missing_configs_is_a_clear_error(tmp_path, capsys):
+    rc = main(["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(tmp_path / "nowhere")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml not found" in err and "--configs" in err
