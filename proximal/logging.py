@@ -37,13 +37,13 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError("logging.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'") from e
+                raise ImportError("output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'") from e
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb_project:
             try:
                 import wandb
             except ImportError as e:
-                raise ImportError("logging.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'") from e
+                raise ImportError("output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'") from e
             self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -25,6 +25,10 @@ from proximal.models.heads import last_token_scores
 from proximal.rollout.sampling import Rollout
 
 
+class RewardFunctionError(ValueError):
+    """A reward function returned something other than one finite-or-NaN number per completion."""
+
+
 def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
     """Import ``module:function``; raise ConfigError naming the spec when it can't."""
     if ":" not in spec:
@@ -117,9 +121,13 @@ class Scorer:
         if self.functions:
             texts = self.completions(rollout)
             for name, fn in self.functions.items():
-                values = fn(list(prompts), texts)
+                values = list(fn(list(prompts), texts))
                 if len(values) != len(texts):
-                    raise ValueError(f"reward function {name!r} returned {len(values)} scores for {len(texts)} completions")
-                components[name] = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+                    raise RewardFunctionError(f"reward function {name!r} returned {len(values)} scores for "
+                                              f"{len(texts)} completions")
+                try:
+                    components[name] = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+                except (TypeError, ValueError) as e:
+                    raise RewardFunctionError(f"reward function {name!r} returned a non-number ({e})") from e
                 total = total + self.function_weights[name] * components[name]
         return total, components

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from proximal.models.heads import token_values
 from proximal.models.loading import ModelLoadError, freeze, load_sequence_scorer, load_tokenizer
 from proximal.models.policy import Reference, build_actor, build_critic, trainable_parameters
 from proximal.rollout.sampling import Rollout, pad_left, response_logits, sample
-from proximal.rollout.scoring import Scorer, load_reward_function, same_tokenizer
+from proximal.rollout.scoring import RewardFunctionError, Scorer, load_reward_function, same_tokenizer
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "cli"]
@@ -52,8 +53,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     ckpt = _latest_checkpoint(run_dir) if resume_dir else None
     if resume_dir and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}")
-    if not resume_dir:
-        _claim_output_dir(run_dir, cfg.output.overwrite)
+    earlier_run = [] if resume_dir else _earlier_run(run_dir, cfg.output.overwrite)
     functions = {spec: load_reward_function(spec) for spec in cfg.model.reward_functions}  # fail before loading models
     _seed_everything(cfg.train.seed)
 
@@ -72,6 +72,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     if ckpt is not None:
         start, counters = _load_trainer_state(ckpt, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler,
                                               ptx_sampler)
+    for p in earlier_run:  # only now that everything loaded: a failed start never costs the old run
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
@@ -442,21 +444,18 @@ def _save_checkpoint(run_dir: Path, step: int, m: _Models, cfg: PPOConfig, actor
     atomic_write_text(root / "latest", f"step_{step:06d}\n")
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[:-cfg.train.keep_checkpoints]:
-        import shutil
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _claim_output_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to start a fresh run on top of an earlier one (its checkpoints would be mixed with ours)."""
-    earlier = [run_dir / n for n in ("checkpoints", "metrics.jsonl", "samples.jsonl") if (run_dir / n).exists()]
-    if not earlier:
-        return
-    if not overwrite:
+def _earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
+    """The files of an earlier run in ``run_dir``, to delete before starting afresh; refused without
+    ``overwrite`` (its checkpoints would be mixed with ours)."""
+    names = ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard")
+    earlier = [run_dir / n for n in names if (run_dir / n).exists()]
+    if earlier and not overwrite:
         raise FileExistsError(f"output.dir {run_dir} already holds a run ({', '.join(p.name for p in earlier)}); "
                               f"continue it with --resume {run_dir}, or start afresh with --output.overwrite true")
-    import shutil
-    for p in earlier:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return earlier
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:
@@ -484,7 +483,7 @@ def _load_trainer_state(ckpt: Path, actor_opt, actor_sched, critic_opt, critic_s
     random.setstate(state["rng"]["python"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"]), dict(state["counters"])
+    return int(state["step"]), dict(state.get("counters", {"skipped_nonfinite": 0, "wall_s": 0.0}))
 
 
 def _write_samples(run_dir: Path, step: int, prompts: list[str], completions: list[str], scores, components,
@@ -508,7 +507,8 @@ def cli(argv: list[str]) -> int:
     def run(cfg: PPOConfig, resume_dir=None) -> int:
         try:
             run_dir = train(cfg, resume_dir=resume_dir)
-        except (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError) as e:
+        except (ConfigError, DataError, ModelLoadError, RewardFunctionError, FileNotFoundError, FileExistsError,
+                ImportError) as e:
             print(f"proximal ppo: {e}", file=sys.stderr)  # bad input: one line, no traceback
             return 2
         except FloatingPointError as e:
