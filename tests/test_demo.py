@@ -1,6 +1,6 @@
 """``proximal demo --quick`` end to end: every artifact exists, and the report's numbers are the run files' numbers.
 
-The quick demo runs once for the module (about a minute and a half on 2 CPU cores) through the real
+The quick demo runs once for the module (under 20 s on 2 quiet CPU cores) through the real
 command line; the tests then read what it wrote. Expected values are taken from the trainers' own
 ``metrics.jsonl`` files and from ``eval.json``, never from the report code under test.
 """
