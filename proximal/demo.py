@@ -70,11 +70,12 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
              configs: str | Path | None = None, echo: Callable[[str], None] = print) -> dict:
     """Run every stage into ``out_dir`` and write the report; return the report's numbers.
 
-    The returned dict is ``report.json``: held-out results per policy (``eval``), the reward model's
-    held-out accuracy, the per-step PPO curves, timings and the paths of the report and its plots.
+    The returned dict is ``report.json`` (:func:`proximal.report.collect`): held-out means per policy
+    (``heldout``), the reward model's held-out accuracy (``rm``), the per-step PPO curves (``runs``),
+    the over-optimisation summary (``overopt``), timings and the paths of the report and its plots.
+    Raises ConfigError for a bad config file, DataError / ModelLoadError for bad inputs.
     """
     from proximal import report
-    from proximal.config import load_config
     from proximal.tasks.digits import make_task_data
     from proximal.trainers import ppo, reward, sft
 
@@ -98,58 +99,45 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
         timings[name] = time.perf_counter() - t0
         echo(f"      {summary}  ({timings[name]:.0f} s)")
 
-    def trainer(cls, yaml_name: str, overrides: dict, cli_name: str):
-        overrides = {k: str(v) for k, v in overrides.items()}
-        echo("      same as: proximal " + cli_name + f" --config {configs / yaml_name} "
-             + " ".join(f"--{k} {v}" for k, v in overrides.items()))
-        return load_config(cls, configs / yaml_name, overrides)
-
     # 1. Task data, tokenizer, random base model.
     t0 = stage(1, "task", f"digit-sorting data, tokenizer and a random tiny llama -> {task}")
     info = make_task_data(task, seed, **plan.task)
     done("task", t0, f"teacher gold {info['teacher_gold_eval']:.3f}; labeller agrees with gold on "
                      f"{info['label_gold_agreement_train']:.1%} of training pairs")
+    # Every config is loaded and validated now, so a mistake in any YAML stops the demo before training.
+    cfgs = stage_configs(configs, out, seed, plan)
+
+    def run_stage(n: int, name: str, what: str, train) -> None:
+        cfg, command = cfgs[name]
+        t0 = stage(n, name, what)
+        echo(f"      same as: {command}")
+        train(cfg)
+        rows = _metrics(out / name)
+        if name == "sft":
+            loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
+            summary = f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
+        elif name == "rm":
+            acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+            summary = (f"held-out accuracy {acc[-1]:.3f} (the labels agree with gold on "
+                       f"{info['label_gold_agreement_eval']:.1%} of these pairs)")
+        else:
+            last = rows[-1]
+            summary = (f"last step: proxy {last['score/reward_model']:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
+                       f"KL {last['kl/seq_mean']:.3f}")
+        done(name, t0, summary)
 
     # 2. SFT on the teacher's demonstrations.
-    t0 = stage(2, "sft", "supervised fine-tuning on the sloppy teacher's demonstrations")
-    cfg = trainer(sft.SFTConfig, "sft.yaml", {
-        "model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
-        "data.eval_file": task / "sft_eval.jsonl", "output.dir": out / "sft", "seed": seed, **plan.sft}, "sft")
-    sft.train(cfg)
-    loss = [r["eval/loss"] for r in _metrics(out / "sft") if "eval/loss" in r]
-    done("sft", t0, f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}")
-
+    run_stage(2, "sft", "supervised fine-tuning on the sloppy teacher's demonstrations", sft.train)
     # 3. Reward model from the SFT model, on the noisy preference pairs.
-    t0 = stage(3, "rm", "Bradley-Terry reward model on the noisy labeller's preference pairs")
-    cfg = trainer(reward.RMConfig, "rm.yaml", {
-        "model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
-        "data.eval_file": task / "prefs_eval.jsonl", "output.dir": out / "rm", "seed": seed, **plan.rm}, "rm")
-    reward.train(cfg)
-    acc = [r["eval/accuracy"] for r in _metrics(out / "rm") if "eval/accuracy" in r]
-    done("rm", t0, f"held-out accuracy {acc[-1]:.3f} (the labels agree with gold on "
-                   f"{info['label_gold_agreement_eval']:.1%} of these pairs)")
+    run_stage(3, "rm", "Bradley-Terry reward model on the noisy labeller's preference pairs", reward.train)
+    # 4-5. PPO twice: a sane beta, and a tiny one. The gold score rides along with weight 0.
+    run_stage(4, "ppo", "PPO with a sane beta (critic initialised from the reward model)", ppo.train)
+    run_stage(5, "ppo_overopt", "PPO with a tiny beta: over-optimising the proxy", ppo.train)
 
-    # 4. PPO twice: a sane beta, and a tiny one.
-    ppo_cfgs = {}
-    for n, (name, what) in enumerate((("ppo", "PPO with a sane beta (critic initialised from the reward model)"),
-                                      ("ppo_overopt", "PPO with a tiny beta: over-optimising the proxy")), start=4):
-        t0 = stage(n, name, what)
-        cfg = trainer(ppo.PPOConfig, f"{name}.yaml", {
-            "model.policy": out / "sft", "model.reward_model": out / "rm", "data.prompts": task / "prompts_train.jsonl",
-            "output.dir": out / name, "train.seed": seed, **getattr(plan, name)}, "ppo")
-        if cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]:
-            raise ValueError(f"configs/demo/{name}.yaml must log the gold score with weight 0 "
-                             f"(model.reward_functions: [{GOLD_FN}], model.reward_function_weights: [0.0])")
-        ppo.train(cfg)
-        ppo_cfgs[name] = cfg
-        last = _metrics(out / name)[-1]
-        done(name, t0, f"last step: proxy {last['score/reward_model']:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
-                       f"KL {last['kl/seq_mean']:.3f}")
-
-    # 5. Held-out evaluation of the SFT and both PPO policies, with one shared sampling seed.
+    # 6. Held-out evaluation of the SFT and both PPO policies, with one shared sampling seed; the report.
     t0 = stage(6, "eval + report", f"sampling {plan.eval_samples_per_prompt} response(s) per held-out prompt "
                                    "from each policy; writing the report")
-    max_new = ppo_cfgs["ppo"].rollout.max_new_tokens
+    max_new = cfgs["ppo"][0].rollout.max_new_tokens
     policies = {"sft": out / "sft", **{name: final_policy(out / name) for name in RUNS}}
     evaluation = {name: evaluate_policy(path, reference=out / "sft", reward_model=out / "rm",
                                         prompts_file=task / "prompts_eval.jsonl",
@@ -166,6 +154,44 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     echo(f"      done  ({time.perf_counter() - t0:.0f} s)")
     echo("\n" + report.terminal_summary(results))
     return results
+
+
+def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
+    """``{stage: (config, equivalent command line)}``: each YAML file with paths, seed and ``plan`` filled in.
+
+    All four are loaded (and validated) together; ConfigError lists what is wrong.
+    """
+    from proximal.config import ConfigError, load_config
+    from proximal.trainers import ppo, reward, sft
+
+    task = out / "task"
+    stages = {
+        "sft": (sft.SFTConfig, {"model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
+                                "data.eval_file": task / "sft_eval.jsonl", "output.dir": out / "sft", "seed": seed}),
+        "rm": (reward.RMConfig, {"model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
+                                 "data.eval_file": task / "prefs_eval.jsonl", "output.dir": out / "rm", "seed": seed}),
+        **{name: (ppo.PPOConfig, {"model.policy": out / "sft", "model.reward_model": out / "rm",
+                                  "data.prompts": task / "prompts_train.jsonl", "output.dir": out / name,
+                                  "train.seed": seed}) for name in RUNS},
+    }
+    result, errors = {}, []
+    for name, (cls, overrides) in stages.items():
+        overrides = {k: str(v) for k, v in {**overrides, **getattr(plan, name)}.items()}
+        path = configs / f"{name}.yaml"
+        command = (f"proximal {'ppo' if name in RUNS else name} --config {path} "
+                   + " ".join(f"--{k} {v}" for k, v in overrides.items()))
+        try:
+            cfg = load_config(cls, path, overrides)
+        except ConfigError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        if name in RUNS and (cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]):
+            errors.append(f"{path}: the demo logs the gold score without training on it; keep "
+                          f"model.reward_functions: [{GOLD_FN}] and model.reward_function_weights: [0.0]")
+        result[name] = (cfg, command)
+    if errors:
+        raise ConfigError("demo configs:\n" + "\n".join(errors))
+    return result
 
 
 def final_policy(run_dir: Path) -> Path:

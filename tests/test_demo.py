@@ -156,3 +156,22 @@ def test_missing_configs_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml not found" in err and "--configs" in err
+
+
+def test_config_mistakes_stop_the_demo_before_training(tmp_path, capsys):
+    import shutil
+
+    from proximal.demo import DEFAULT_CONFIGS
+
+    configs = tmp_path / "configs"
+    shutil.copytree(DEFAULT_CONFIGS, configs)
+    ppo = configs / "ppo.yaml"
+    ppo.write_text(ppo.read_text().replace("reward_function_weights: [0.0]", "reward_function_weights: [1.0]"))
+    overopt = configs / "ppo_overopt.yaml"
+    overopt.write_text(overopt.read_text().replace("  beta: 0.01", "  beta: 0.01\n  betta: 0.02"))
+    rc = main(["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(configs)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{ppo}: the demo logs the gold score without training on it" in err
+    assert f"{overopt}: invalid configuration" in err and "kl.betta: unknown key" in err
+    assert not (tmp_path / "o" / "sft").exists()  # nothing was trained
