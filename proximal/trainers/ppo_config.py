@@ -110,7 +110,7 @@ class TrainConfig:
     steps: int = option(100, "PPO steps (rollout batches) in the run.")
     seed: int = option(0, "Seed of every random choice (sampling, data order, mini-batches).")
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
-    save_every: int = option(0, "Write a checkpoint every N steps (0 = only at the end).")
+    save_every: int = option(50, "Write a checkpoint every N steps, and always after the last (0 = only then).")
     keep_checkpoints: int = option(2, "How many step checkpoints to keep (oldest are deleted).")
 
 
