@@ -20,6 +20,7 @@ from proximal.core.logprobs import logprobs_from_logits, token_entropy
 from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
+    explained_variance,
     ppo_policy_loss,
     ptx_loss,
     value_loss,
@@ -38,6 +39,7 @@ __all__ = [
     "ProportionalKLController",
     "bradley_terry_loss",
     "entropy_from_logits",
+    "explained_variance",
     "gae",
     "kl_penalty",
     "last_valid_index",

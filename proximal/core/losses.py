@@ -22,7 +22,7 @@ from torch import Tensor
 
 from proximal.core.kl import kl_penalty
 from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
-from proximal.core.stats import check_mask, masked_aggregate, masked_mean, masked_mean_var
+from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean, masked_mean_var
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
@@ -119,14 +119,32 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     loss = 0.5 * masked_aggregate(torch.maximum(err, err_clipped), response_mask, aggregation)
 
     with torch.no_grad():
-        _, var_returns = masked_mean_var(returns.detach(), response_mask)
-        _, var_residual = masked_mean_var((returns - values).detach(), response_mask)
-        explained = 1 - var_residual / var_returns if var_returns > 0 else torch.full_like(var_returns, math.nan)
         stats = {
             "vf_clipfrac": masked_mean((err_clipped > err).to(err.dtype), response_mask),
-            "explained_variance": explained,
+            "explained_variance": explained_variance(values.detach(), returns.detach(), response_mask),
         }
     return loss, stats
+
+
+def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor, *,
+                       all_reduce: AllReduce | None = None) -> Tensor:
+    """How much of the return the critic predicts: 1 − Var[R − V] / Var[R] over valid tokens.
+
+    1 is a perfect critic, 0 one no better than the mean return, negative worse than that; NaN when
+    the returns are constant (the ratio is undefined).
+
+    Args:
+        values: V(s_t), (B, T).
+        returns: R_t, e.g. the GAE targets V_t^targ, (B, T).
+        response_mask: bool (B, T).
+        all_reduce: as in :func:`~proximal.core.stats.masked_mean`, for the global batch.
+
+    Returns:
+        Scalar tensor.
+    """
+    _, var_returns = masked_mean_var(returns, response_mask, all_reduce=all_reduce)
+    _, var_residual = masked_mean_var(returns - values, response_mask, all_reduce=all_reduce)
+    return 1 - var_residual / var_returns if var_returns > 0 else torch.full_like(var_returns, math.nan)
 
 
 def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: float = 1.0, *,

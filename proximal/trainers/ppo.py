@@ -28,7 +28,7 @@ from proximal import distributed as dist
 from proximal.checkpoint import atomic_dir, atomic_write_text
 from proximal.config import ConfigError, save_config
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, entropy_from_logits,
-                           gae, logprobs_from_logits, masked_mean_var, ppo_policy_loss, ptx_loss, shape_rewards,
+                           explained_variance, gae, logprobs_from_logits, ppo_policy_loss, ptx_loss, shape_rewards,
                            value_loss, whiten)
 from proximal.data.jsonl import DataError
 from proximal.data.prompts import PromptSampler, load_prompts, load_texts
@@ -121,7 +121,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         mask = rollout.response_mask
         rewards, kl = shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_ctl.beta, cfg.ppo.kl_estimator)
         advantages, returns = gae(rewards, old_values, mask, cfg.ppo.gamma, cfg.ppo.lam)
-        explained_var = _explained_variance(old_values, returns, mask)
+        explained_var = float(explained_variance(old_values, returns, mask, all_reduce=dist.all_reduce_sum))
         if cfg.ppo.whiten_advantages:
             advantages = whiten(advantages, mask, all_reduce=dist.all_reduce_sum)
 
@@ -256,15 +256,6 @@ def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_s
     stats["lr/actor"] = actor_sched.get_last_lr()[0]
     stats["lr/critic"] = critic_sched.get_last_lr()[0]
     return stats, tokens
-
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 − Var[R − V] / Var[R] over every valid token of the (global) batch, with V the rollout-time
-    values: how much of the return the critic predicted before this step's update. NaN when the
-    returns are constant."""
-    _, var_r = masked_mean_var(returns, mask, all_reduce=dist.all_reduce_sum)
-    _, var_res = masked_mean_var(returns - values, mask, all_reduce=dist.all_reduce_sum)
-    return float(1 - var_res / var_r) if var_r > 0 else math.nan
 
 
 def _values(critic, r: Rollout) -> torch.Tensor:

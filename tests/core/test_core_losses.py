@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from proximal.core import (
     bradley_terry_loss,
     entropy_from_logits,
+    explained_variance,
     ppo_policy_loss,
     ptx_loss,
     value_loss,
@@ -197,6 +198,18 @@ def test_value_loss_without_clipping_is_half_mse():
     loss, stats = value_loss(t([VALUES]), t([OLD_VALUES]), t([RETURNS]), b([[True] * 4]), clip_eps=INF)
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.0 + 1.0 + 9.0) / 4, abs=1e-12)
     assert stats["vf_clipfrac"].item() == 0.0
+
+
+def test_explained_variance_by_hand_and_over_two_simulated_ranks(simulate_ranks):
+    # Hand values: R = [2, 0, 1, 3], V = [1, 0, 2, 0] → R − V = [1, 0, −1, 3].
+    # Var[R] = mean of (0.5², 1.5², 0.5², 1.5²) = 1.25; Var[R − V] = mean of (0.25², 0.75², 1.75², 2.25²) = 2.1875
+    mask = b([[True, True], [True, True]])
+    values, returns = t([[1.0, 0.0], [2.0, 0.0]]), t([[2.0, 0.0], [1.0, 3.0]])
+    assert explained_variance(values, returns, mask).item() == pytest.approx(1 - 2.1875 / 1.25, abs=1e-12)
+    # Each rank holds one row; with the SUM all-reduce the statistics are those of both rows.
+    got = simulate_ranks([lambda ar, i=i: explained_variance(values[i:i + 1], returns[i:i + 1], mask[i:i + 1],
+                                                             all_reduce=ar) for i in range(2)])
+    assert [g.item() for g in got] == pytest.approx([1 - 2.1875 / 1.25] * 2, abs=1e-12)
 
 
 def test_value_loss_explained_variance_constant_returns_is_nan():
