@@ -30,9 +30,9 @@ from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.sft import ON_TOO_LONG
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import DTYPES
-from proximal.trainers.sft import (TrainSection, build_optimizer, check_fits, common_errors, data_metrics,
-                                   finalize_run, index_batches, lr_at, plan_steps, prepare_output_dir,
-                                   resolve_device, run_and_report, set_lr, to_device)
+from proximal.trainers.common import (TrainSection, build_optimizer, check_fits, common_errors, data_metrics,
+                                      finalize_run, index_batches, lr_at, plan_steps, prepare_output_dir,
+                                      resolve_device, run_and_report, set_lr, to_device)
 
 # ----------------------------------------------------------------------------------------------
 # Config

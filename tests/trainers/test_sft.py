@@ -19,7 +19,8 @@ from proximal.cli import main
 from proximal.config import ConfigError, describe, load_config
 from proximal.logging import read_metrics
 from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
-from proximal.trainers.sft import SFTConfig, lr_at, response_nll_sum, train
+from proximal.trainers.common import lr_at
+from proximal.trainers.sft import SFTConfig, response_nll_sum, train
 
 LETTERS = "abcdefgh"
 
