@@ -54,10 +54,3 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             os.unlink(tmp)
         raise
 
-
-def save_hf_checkpoint(model, tokenizer, directory: str | Path) -> None:
-    """``save_pretrained`` (safetensors) of a model and its tokenizer, atomically."""
-    with atomic_dir(directory) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)

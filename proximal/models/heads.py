@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from proximal.models.loading import score_head
+from proximal.models.loading import score_head, unwrap
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def backbone(model):
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA layers live inside
+    model = unwrap(model)
     hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     head = score_head(model)

@@ -123,6 +123,11 @@ def score_head(model) -> torch.nn.Module:
     raise ModelLoadError(f"{type(model).__name__}: no scalar head found (looked for score, classifier)")
 
 
+def unwrap(model):
+    """The Hugging Face model under a peft wrapper (the model itself otherwise); LoRA layers live inside it."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def freeze(model) -> None:
     """Eval mode, gradients off: the reference and the reward model are never updated (seed §2)."""
     model.eval()

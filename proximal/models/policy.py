@@ -25,11 +25,6 @@ def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str])
     return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
 
 
-def unwrap(model):
-    """The Hugging Face model under a peft wrapper (the model itself otherwise)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def build_actor(path: str, *, dtype: str, lora: dict | None = None, adapter_path: str | None = None):
     """The trainable policy. With ``lora`` (r, alpha, target_modules) only adapters train;
     ``adapter_path`` resumes adapters saved by an earlier run."""

@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from proximal.models.heads import position_ids_from_mask
+from proximal.models.loading import unwrap
 
 
 @dataclass
@@ -102,6 +103,17 @@ def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tens
     return lengths, found
 
 
+def pad_right(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu"):
+    """Right-padded ids and attention mask, shape (B, L), from token id lists (full sequences for scoring)."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 @torch.no_grad()
 def sample(policy, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
@@ -111,7 +123,7 @@ def sample(policy, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     # generate() fills every argument not passed from the checkpoint's generation_config.json
     # (repetition_penalty, suppress_tokens, ...), which would sample from a distribution other than
     # softmax(logits / T) — the one whose log-probabilities PPO uses. Sample under a neutral config.
-    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    model = unwrap(policy)
     saved = getattr(model, "generation_config", None)
     if saved is not None:
         model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,

@@ -22,7 +22,7 @@ import torch
 from proximal.config import ConfigError
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.models.heads import last_token_scores
-from proximal.rollout.sampling import Rollout
+from proximal.rollout.sampling import Rollout, pad_right
 
 
 class RewardFunctionError(ValueError):
@@ -49,16 +49,6 @@ def same_tokenizer(a, b) -> bool:
     """True when two tokenizers map text to the same ids (same vocabulary and special tokens)."""
     return (a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
             and a.bos_token_id == b.bos_token_id)
-
-
-def _right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), L), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
-        mask[i, : len(r)] = 1
-    return ids, mask
 
 
 class Scorer:
@@ -114,7 +104,7 @@ class Scorer:
             pad = self.reward_tokenizer.pad_token_id
             scores = []
             for i in range(0, len(rows), self.micro_batch_size):
-                ids, mask = _right_pad(rows[i: i + self.micro_batch_size], pad, device)
+                ids, mask = pad_right(rows[i: i + self.micro_batch_size], pad, device)
                 scores.append(last_token_scores(self.reward_model, ids, mask).float())
             components["reward_model"] = torch.cat(scores)
             total = total + self.reward_model_weight * components["reward_model"]

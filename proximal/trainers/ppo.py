@@ -36,8 +36,9 @@ from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models.heads import token_values
 from proximal.models.loading import ModelLoadError, freeze, load_sequence_scorer, load_tokenizer
 from proximal.models.policy import Reference, build_actor, build_critic, trainable_parameters
-from proximal.rollout.sampling import Rollout, pad_left, response_logits, sample
+from proximal.rollout.sampling import Rollout, pad_left, pad_right, response_logits, sample
 from proximal.rollout.scoring import RewardFunctionError, Scorer, load_reward_function, same_tokenizer
+from proximal.trainers.common import resolve_device
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "cli"]
@@ -49,7 +50,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     run_dir = Path(resume_dir or cfg.output.dir)
-    device = _device(cfg.train.device)
+    device = resolve_device(cfg.train.device)
     ckpt = _latest_checkpoint(run_dir) if resume_dir else None
     if resume_dir and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}")
@@ -283,14 +284,7 @@ def _experience(m, rollout: Rollout, cfg: PPOConfig) -> tuple[torch.Tensor, torc
 def _ptx_loss(m, texts: list[str], sampler: PromptSampler, cfg: PPOConfig) -> torch.Tensor:
     tok = m.tokenizer
     rows = [tok(texts[i], add_special_tokens=True).input_ids[: cfg.data.ptx_max_length] for i in sampler.next_batch()]
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), tok.pad_token_id, dtype=torch.long)
-    att = torch.zeros((len(rows), L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        att[i, :len(r)] = 1
-    dev = next(m.actor.parameters()).device
-    ids, att = ids.to(dev), att.to(dev)
+    ids, att = pad_right(rows, tok.pad_token_id, next(m.actor.parameters()).device)
     logits = m.actor(input_ids=ids, attention_mask=att, use_cache=False).logits
     return ptx_loss(logits[:, :-1], ids[:, 1:], att[:, 1:].bool())
 
@@ -388,12 +382,6 @@ def _kl_controller(cfg: PPOConfig):
     if k.controller == "proportional":
         return ProportionalKLController(k.beta, k.target, k.horizon)
     return FixedKLController(k.beta)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _seed_everything(seed: int) -> None:
