@@ -11,6 +11,7 @@ Conventions, stated once (each module's docstring repeats the notation):
 
 from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten
 from proximal.core.kl import (
+    ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     ProportionalKLController,
@@ -21,11 +22,16 @@ from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
     explained_variance,
+    pair_mean,
     ppo_policy_loss,
     ptx_loss,
+    sft_loss,
+    token_nll,
     value_loss,
 )
 from proximal.core.stats import (
+    AGGREGATIONS,
+    aggregation_units,
     masked_aggregate,
     masked_mean,
     masked_mean_var,
@@ -34,12 +40,15 @@ from proximal.core.stats import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
+    "ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
     "bradley_terry_loss",
     "entropy_from_logits",
     "explained_variance",
+    "aggregation_units",
     "gae",
     "kl_penalty",
     "last_valid_index",
@@ -49,10 +58,13 @@ __all__ = [
     "masked_mean_var",
     "masked_sum",
     "masked_var",
+    "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
+    "sft_loss",
     "shape_rewards",
     "token_entropy",
+    "token_nll",
     "value_loss",
     "whiten",
 ]

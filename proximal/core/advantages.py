@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from proximal.core.kl import kl_penalty
+from proximal.core.ranges import check
 from proximal.core.stats import AllReduce, check_mask, masked_mean_var
 
 
@@ -49,8 +50,7 @@ def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, respon
     check_mask(ref_logprobs, response_mask, "response_mask")
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
-    if not float(beta) >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
+    check("beta", float(beta))
     last = last_valid_index(response_mask)  # (B,)
     empty = (last < 0).nonzero().flatten().tolist()
     if empty:
@@ -93,10 +93,8 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1
     """
     check_mask(rewards, response_mask, "response_mask")
     check_mask(values, response_mask, "response_mask")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam must be in [0, 1], got {lam}")
+    check("gamma", gamma)
+    check("lam", lam)
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     rewards = torch.where(response_mask, rewards.to(dtype), 0.0)
     values = torch.where(response_mask, values.to(dtype), 0.0)
@@ -141,8 +139,7 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, keep_mean: bool = False, 
         ValueError: if the (global) mask selects nothing.
     """
     check_mask(x, mask)
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    check("whiten_eps", eps)
     mean, var = masked_mean_var(x, mask, all_reduce=all_reduce)
     std = var.sqrt()
     x = torch.where(mask, x.to(mean.dtype), 0.0)

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from proximal.core.ranges import check
+
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -116,8 +118,7 @@ def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check("temperature", temperature)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if mask is not None:

@@ -21,13 +21,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from proximal.core.kl import kl_penalty
+from proximal.core.ranges import RANGES, check
 from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
-from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean, masked_mean_var
+from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean, masked_mean_var, stat_mean
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                     response_mask: Tensor, clip_eps: float = 0.2,
-                    aggregation: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+                    aggregation: str = "token-mean", *, max_length: int | None = None,
+                    normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated clipped surrogate of the seed's §5::
 
         r_t = exp(log π_θ(y_t|s_t) − log π_old(y_t|s_t))
@@ -43,8 +45,11 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         advantages: Â_t (whitened or not, detached), (B, T).
         response_mask: bool (B, T).
         clip_eps: ε ∈ (0, 1); the seed suggests 0.1–0.2.
-        aggregation: ``"token-mean"`` (the seed's Ê_t over all valid tokens) or
-            ``"seq-mean-token-mean"`` (see :func:`~proximal.core.stats.masked_aggregate`).
+        aggregation: ``"token-mean"`` (the seed's Ê_t over all valid tokens),
+            ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"`` (see
+            :func:`~proximal.core.stats.masked_aggregate`, which also explains ``max_length``).
+        normalizer: the aggregation's unit count summed over the whole batch when this call sees
+            only a micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
 
     Returns:
         ``(loss, stats)``; stats (token means over valid tokens, whatever the aggregation):
@@ -56,26 +61,24 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         if t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     check_mask(logprobs, response_mask, "response_mask")
-    if not 0 < clip_eps < 1:
-        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    check("clip_eps", clip_eps)
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
     advantages = torch.where(response_mask, advantages, 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    loss = masked_aggregate(-torch.minimum(unclipped, clipped), response_mask, aggregation)
+    loss = masked_aggregate(-torch.minimum(unclipped, clipped), response_mask, aggregation,
+                            max_length=max_length, normalizer=normalizer)
 
     with torch.no_grad():
         # k1/k3 of KL(π_old ‖ π_θ): samples come from π_old, so kl_penalty's "policy" is π_old.
         log_ratio = log_ratio.detach()
         ratio = ratio.detach()
         stats = {
-            "clipfrac": masked_mean((clipped < unclipped).to(ratio.dtype), response_mask),
-            "approx_kl_k1": masked_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"),
-                                        response_mask),
-            "approx_kl_k3": masked_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"),
-                                        response_mask),
-            "ratio_mean": masked_mean(ratio, response_mask),
+            "clipfrac": stat_mean((clipped < unclipped).to(ratio.dtype), response_mask),
+            "approx_kl_k1": stat_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"), response_mask),
+            "approx_kl_k3": stat_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"), response_mask),
+            "ratio_mean": stat_mean(ratio, response_mask),
             "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
             "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
         }
@@ -84,7 +87,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                clip_eps: float = 0.2,
-               aggregation: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+               aggregation: str = "token-mean", *, max_length: int | None = None,
+               normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The seed's §6 clipped value loss::
 
         V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
@@ -97,7 +101,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
             before any whitening of Â), (B, T).
         response_mask: bool (B, T).
         clip_eps: ε_v > 0; ``math.inf`` turns clipping off (plain ½·MSE).
-        aggregation: as in :func:`ppo_policy_loss`.
+        aggregation, max_length, normalizer: as in :func:`ppo_policy_loss`.
 
     Returns:
         ``(loss, stats)``; stats: ``vf_clipfrac`` (fraction of valid tokens where the clipped error
@@ -108,7 +112,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
         if t.shape != values.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != values shape {tuple(values.shape)}")
     check_mask(values, response_mask, "response_mask")
-    if not clip_eps > 0:  # also rejects NaN
+    if clip_eps not in RANGES["value_clip_eps"][0]:  # also rejects NaN
         raise ValueError(f"clip_eps must be > 0 (math.inf disables clipping), got {clip_eps}")
     values = torch.where(response_mask, values, 0.0)
     old_values = torch.where(response_mask, old_values, 0.0)
@@ -116,12 +120,14 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     err = (values - returns) ** 2
     err_clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_aggregate(torch.maximum(err, err_clipped), response_mask, aggregation)
+    loss = 0.5 * masked_aggregate(torch.maximum(err, err_clipped), response_mask, aggregation,
+                                  max_length=max_length, normalizer=normalizer)
 
     with torch.no_grad():
         stats = {
-            "vf_clipfrac": masked_mean((err_clipped > err).to(err.dtype), response_mask),
-            "explained_variance": explained_variance(values.detach(), returns.detach(), response_mask),
+            "vf_clipfrac": stat_mean((err_clipped > err).to(err.dtype), response_mask),
+            "explained_variance": (explained_variance(values.detach(), returns.detach(), response_mask)
+                                   if response_mask.any() else torch.tensor(math.nan)),
         }
     return loss, stats
 
@@ -148,7 +154,8 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor, *
 
 
 def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: float = 1.0, *,
-                        aggregation: str = "token-mean",
+                        aggregation: str = "token-mean", max_length: int | None = None,
+                        normalizer: float | Tensor | None = None,
                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """Mean policy entropy S[π_θ](s_t) = −Σ_a π_θ(a|s_t) log π_θ(a|s_t) over valid tokens (seed §6's
     entropy bonus, weighted by c2 in the trainer). Computed a chunk of the sequence at a time with
@@ -159,22 +166,24 @@ def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: floa
         logits: (B, T, V); ``logits[:, t]`` is π_θ(· | s_t) for response position t (caller shifts).
         response_mask: bool (B, T).
         temperature: τ > 0; the entropy is that of softmax(logits / τ), the sampling distribution.
-        aggregation: as in :func:`ppo_policy_loss`.
+        aggregation, max_length, normalizer: as in :func:`ppo_policy_loss`.
         chunk_tokens: see :func:`~proximal.core.logprobs.logprobs_from_logits`.
 
     Returns:
         Scalar entropy in nats (differentiable).
     """
     per_token = token_entropy(logits, temperature, mask=response_mask, chunk_tokens=chunk_tokens)
-    return masked_aggregate(per_token, response_mask, aggregation)
+    return masked_aggregate(per_token, response_mask, aggregation, max_length=max_length, normalizer=normalizer)
 
 
-def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
-    """Negative log-likelihood of pre-training text: −L^PTX, the seed's §6
-    L^PTX(θ) = E[log π_θ(x_pretrain)], as a mean over valid tokens::
+def token_nll(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float | Tensor | None = None,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Mean negative log-likelihood of the masked tokens (temperature 1: the model's likelihood)::
 
         loss = −(1/n) Σ_{(b,t) ∈ mask} log softmax(logits[b, t])[labels[b, t]]
+
+    with n the number of True positions, or ``normalizer`` when given (the token count of the whole
+    batch, for a micro-batch or one rank's share; a slice with no valid token then gives 0).
 
     The caller aligns: ``logits[:, t]`` must predict ``labels[:, t]`` (for a causal LM pass
     ``out.logits[:, :-1]`` with ``input_ids[:, 1:]`` and the matching mask). Nothing is shifted here.
@@ -183,17 +192,38 @@ def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *,
         logits: (B, L, V).
         labels: (B, L) token ids; values where ``mask`` is False (e.g. -100) are never read.
         mask: bool (B, L), True = a token whose likelihood counts.
+        normalizer: see above (> 0).
         chunk_tokens: see :func:`~proximal.core.logprobs.logprobs_from_logits`.
 
     Returns:
-        Scalar mean NLL in nats per token (temperature 1: this is the model's likelihood).
+        Scalar NLL in nats per token.
     """
     logprobs = logprobs_from_logits(logits, labels, mask=mask, chunk_tokens=chunk_tokens)
-    return -masked_mean(logprobs, mask)
+    return -masked_aggregate(logprobs, mask, "token-mean", normalizer=normalizer)
+
+
+def sft_loss(logits: Tensor, labels: Tensor, response_mask: Tensor, *,
+             normalizer: float | Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Supervised fine-tuning's objective: the mean NLL of the **response** tokens (and their EOS)
+    given the prompt and the response prefix, −(1/n) Σ_t log π_θ(y_t | x, y_<t) — maximum likelihood
+    on the demonstrations (Ouyang et al. 2022, §3.5). The prompt is given, never learned: its
+    positions are False in ``response_mask``. Same alignment and arguments as :func:`token_nll`.
+    """
+    return token_nll(logits, labels, response_mask, normalizer=normalizer, chunk_tokens=chunk_tokens)
+
+
+def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float | Tensor | None = None,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Negative log-likelihood of pre-training text: −L^PTX, with InstructGPT's (Ouyang et al. 2022)
+    L^PTX(θ) = E_{x ~ D_pretrain}[log π_θ(x)], as a mean over valid tokens. Same alignment and
+    arguments as :func:`token_nll`.
+    """
+    return token_nll(logits, labels, mask, normalizer=normalizer, chunk_tokens=chunk_tokens)
 
 
 def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
-                       margin: float | Tensor = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+                       margin: float | Tensor = 0.0, *,
+                       normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the seed's §2 Bradley–Terry preference model::
 
         P(y_w ≻ y_l | x) = σ(R_ψ(x, y_w) − R_ψ(x, y_l))
@@ -206,6 +236,8 @@ def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
         chosen_scores: r_w = R_ψ(x, y_w), (B,).
         rejected_scores: r_l = R_ψ(x, y_l), (B,).
         margin: m, a float or a (B,) tensor.
+        normalizer: the number of pairs of the whole batch when this call sees a micro-batch or one
+            rank's share; the loss is then Σ over these pairs / ``normalizer``.
 
     Returns:
         ``(loss, stats)``; stats: ``accuracy`` = fraction of pairs with r_w > r_l strictly (a tie
@@ -218,10 +250,22 @@ def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
     if chosen_scores.numel() == 0:
         raise ValueError("bradley_terry_loss: empty batch")
     gap = chosen_scores - rejected_scores
-    loss = -F.logsigmoid(gap - margin).mean()
+    loss = pair_mean(-F.logsigmoid(gap - margin), normalizer)
     with torch.no_grad():
         stats = {
             "accuracy": (gap > 0).to(gap.dtype).mean(),
             "score_gap": gap.mean(),
         }
     return loss, stats
+
+
+def pair_mean(per_pair: Tensor, normalizer: float | Tensor | None = None) -> Tensor:
+    """Mean of a per-pair (or per-sequence) loss, (B,) → scalar: Σ / B, or Σ / ``normalizer`` when the
+    caller holds a micro-batch or one rank's share of a larger batch of ``normalizer`` pairs."""
+    if normalizer is None:
+        if per_pair.numel() == 0:
+            raise ValueError("pair_mean: empty batch")
+        return per_pair.mean()
+    if not float(normalizer) > 0:
+        raise ValueError(f"pair_mean: normalizer must be > 0, got {float(normalizer)}")
+    return per_pair.sum() / normalizer

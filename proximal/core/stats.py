@@ -37,7 +37,8 @@ from torch import Tensor
 
 AllReduce = Callable[[Tensor], Tensor]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+#: Loss aggregations, in the names verl uses; see :func:`masked_aggregate`.
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -109,6 +110,18 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, *,
     return stat[0] / stat[1]
 
 
+def stat_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean for a logged statistic: like :func:`masked_mean`, but 0 for an empty mask.
+
+    A loss evaluated on one micro-batch or one rank's share may see no valid token (its part of the
+    loss is then 0); its statistics are weighted by their token count (0) when combined, so any
+    finite value will do and raising would stop a correct run.
+    """
+    check_mask(x, mask)
+    n = mask.sum()
+    return masked_sum(x, mask) / n.clamp_min(1).to(_acc_dtype(x))
+
+
 def masked_mean_var(x: Tensor, mask: Tensor, *,
                     all_reduce: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """``(μ, σ²)`` over valid positions in two small reductions; see :func:`masked_var`."""
@@ -150,35 +163,78 @@ def masked_var(x: Tensor, mask: Tensor, *, all_reduce: AllReduce | None = None) 
     return masked_mean_var(x, mask, all_reduce=all_reduce)[1]
 
 
-def masked_aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean") -> Tensor:
+def aggregation_units(mask: Tensor, aggregation: str = "token-mean") -> Tensor:
+    """How many units ``aggregation`` averages over in ``mask`` (B, T): valid tokens for
+    ``"token-mean"``, responses with at least one valid token for the two sequence means.
+
+    This is the denominator of :func:`masked_aggregate`. A trainer that splits a batch into
+    micro-batches (and ranks) sums this count over the whole batch and passes the total as
+    ``normalizer``, so that the accumulated gradient is that of the whole batch's loss — whatever
+    the aggregation, including one added later (an unknown name raises here, it is never guessed).
+
+    Returns:
+        Scalar float32 tensor (a count).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    if mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"mask must be a bool (B, T) tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
+    if aggregation == "token-mean":
+        return mask.sum().to(torch.float32)
+    return mask.any(1).sum().to(torch.float32)
+
+
+def masked_aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", *,
+                     max_length: int | None = None, normalizer: float | Tensor | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar, over valid tokens only.
 
-    Aggregations (verl's names; algorithms differ on this, so it is an explicit argument):
+    Aggregations (verl's names; algorithms differ on this, so it is an explicit argument). With n_b
+    the valid tokens of row b and R the rows with n_b > 0:
 
     - ``"token-mean"``: Σ_{b,t valid} ℓ_{b,t} / Σ_b n_b — every valid token of the batch weighs the
-      same (long responses weigh more). This is the seed's Ê_t.
-    - ``"seq-mean-token-mean"``: mean over rows with n_b > 0 of (Σ_t ℓ_{b,t} / n_b) — every response
-      weighs the same, whatever its length. Rows with no valid token are left out of the row mean.
+      same (long responses weigh more). The Ê_t of PPO (Schulman et al. 2017) and of DAPO (Yu et
+      al. 2025).
+    - ``"seq-mean-token-mean"``: Σ_{b ∈ R} (Σ_t ℓ_{b,t} / n_b) / |R| — every response weighs the
+      same, whatever its length (GRPO, Shao et al. 2024, eq. 3).
+    - ``"seq-mean-token-sum-norm"``: Σ_{b ∈ R} (Σ_t ℓ_{b,t} / L) / |R| with L = ``max_length``, a
+      constant — each token weighs 1/(L·|R|) whatever the length of its response (Dr. GRPO, Liu et
+      al. 2025, which removes GRPO's length bias).
+
+    Every aggregation is ``unit_sum / units``: the numerator sums over tokens (token-mean) or over
+    per-row terms (the two others), the denominator is :func:`aggregation_units`. ``normalizer``
+    replaces the denominator with a count the caller summed over a larger batch (micro-batches,
+    data-parallel ranks): then the result is this slice's share of the whole batch's loss, and a
+    slice with no valid token contributes exactly 0 instead of raising.
 
     Args:
         per_token: (B, T).
         mask: bool (B, T).
-        aggregation: one of ``"token-mean"``, ``"seq-mean-token-mean"``.
+        aggregation: one of :data:`AGGREGATIONS`.
+        max_length: L, required by ``"seq-mean-token-sum-norm"`` (the generation budget, T_max).
+        normalizer: the denominator to use instead of this batch's own unit count (> 0).
 
     Raises:
-        ValueError: unknown ``aggregation``, or no valid token in the whole batch.
+        ValueError: unknown ``aggregation``, a missing ``max_length``, or — without ``normalizer``
+            — no valid token in the whole batch.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    units = aggregation_units(mask, aggregation)  # validates the name and the mask
     check_mask(per_token, mask)
     if per_token.dim() != 2:
         raise ValueError(f"per_token must be (B, T), got shape {tuple(per_token.shape)}")
+    if aggregation == "seq-mean-token-sum-norm" and not (max_length is not None and max_length > 0):
+        raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs max_length > 0, got {max_length}")
+    if normalizer is None:
+        _count(units, "masked_aggregate")
+        denominator = units
+    else:
+        denominator = torch.as_tensor(normalizer, dtype=torch.float32, device=per_token.device)
+        if not bool(denominator > 0):
+            raise ValueError(f"masked_aggregate: normalizer must be > 0, got {float(denominator)}")
     if aggregation == "token-mean":
-        return masked_mean(per_token, mask)
+        return masked_sum(per_token, mask) / denominator
     row_sum = masked_sum(per_token, mask, dim=1)  # (B,)
+    if aggregation == "seq-mean-token-sum-norm":
+        return row_sum.sum() / max_length / denominator
     row_n = mask.sum(1)  # (B,)
-    has_tokens = row_n > 0
-    n_rows = has_tokens.sum()
-    _count(n_rows, "masked_aggregate")
-    row_mean = torch.where(has_tokens, row_sum / row_n.clamp_min(1), 0.0)
-    return row_mean.sum() / n_rows
+    row_mean = torch.where(row_n > 0, row_sum / row_n.clamp_min(1), 0.0)
+    return row_mean.sum() / denominator
