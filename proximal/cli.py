@@ -5,22 +5,21 @@
 
     proximal ppo --config run.yaml [--section.key value ...]
     proximal ppo --resume RUN_DIR
+    torchrun --nproc_per_node 8 -m proximal ppo --config run.yaml      (several processes)
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-from typing import Any, Callable
 
 # command -> (module, function taking argv, one-line summary)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "ppo": ("proximal.trainers.ppo", "cli", "PPO-based RLHF: actor, reference, reward model and critic (seed §1-§6)"),
+    "ppo": ("proximal.trainers.ppo", "cli", "PPO-based RLHF: actor, reference, reward model and critic"),
     "sft": ("proximal.trainers.sft", "cli", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
     "demo": ("proximal.demo", "cli", "the whole of RLHF offline on a CPU: SFT -> RM -> PPO, with a report"),
-    "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models (seed §7)"),
+    "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models"),
 }
 
 
@@ -42,6 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
 
+def entry() -> None:
+    """The ``proximal`` console script: :func:`main`, then exit — under torchrun through
+    :func:`proximal.train.dist.shutdown_and_exit`, which leaves the process group cleanly."""
+    code = main()
+    from proximal.train import dist
+
+    if dist.is_distributed():
+        dist.shutdown_and_exit(code)
+    sys.exit(code)
+
+
 def _quiet_transformers() -> None:
     """Our own progress bars say what is happening; the per-file loading bars of transformers are noise."""
     try:
@@ -59,39 +69,5 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def config_command(argv: list[str], *, prog: str, description: str, config_cls: type,
-                   run: Callable[..., Any], resumable: bool = True) -> int:
-    """Shared entry for ``proximal ppo|sft|rm --config FILE [--section.key value ...] [--resume DIR]``.
-
-    ``run(cfg, resume_dir=None)`` is called with the loaded, validated config. Config errors are
-    printed as one message and exit with status 2 before any model is loaded.
-    """
-    from proximal.config import ConfigError, help_text, load_config, parse_overrides
-
-    parser = argparse.ArgumentParser(prog=f"proximal {prog}", description=description,
-                                     epilog=help_text(config_cls),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file with the run's config sections")
-    if resumable:
-        parser.add_argument("--resume", metavar="RUN_DIR",
-                            help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used)")
-    args, rest = parser.parse_known_args(argv)
-    try:
-        overrides = parse_overrides(rest)
-        resume_dir = getattr(args, "resume", None)
-        config_path = args.config
-        if resume_dir is not None:
-            from pathlib import Path
-            saved = Path(resume_dir) / "config.yaml"
-            if not saved.is_file():
-                raise ConfigError(f"--resume {resume_dir}: no config.yaml there; is it a run directory?")
-            config_path = config_path or saved
-        cfg = load_config(config_cls, config_path, overrides)
-    except ConfigError as e:
-        print(f"proximal {prog}: {e}", file=sys.stderr)
-        return 2
-    return int(run(cfg, resume_dir=resume_dir) or 0) if resumable else int(run(cfg) or 0)
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

@@ -34,9 +34,11 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def section(cls: type, help: str = "") -> Any:
-    """A nested config section, built from its own defaults."""
-    return dataclasses.field(default_factory=cls, metadata={"help": help, "choices": None})
+def section(cls: type, help: str = "", **defaults: Any) -> Any:
+    """A nested config section, built from its own defaults and then ``defaults`` (the command's own,
+    e.g. ``section(OptimSection, lr=1e-6)``)."""
+    factory = (lambda: cls(**defaults)) if defaults else cls
+    return dataclasses.field(default_factory=factory, metadata={"help": help, "choices": None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,11 +134,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 # Loading
 # ----------------------------------------------------------------------------------------------
 
-def _apply(cfg: Any, data: dict, prefix: str, errors: list[str]) -> None:
+def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[str, str]) -> None:
     hints = _hints(type(cfg))
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if where in renamed:
+            errors.append(f"{where}: no longer a field; {renamed[where]}")
+            continue
         if key not in fields:
             known = ", ".join(sorted(fields))
             errors.append(f"{where}: unknown key (known here: {known})")
@@ -146,7 +151,7 @@ def _apply(cfg: Any, data: dict, prefix: str, errors: list[str]) -> None:
             if not isinstance(value, dict):
                 errors.append(f"{where}: expected a section (mapping), got {value!r}")
                 continue
-            _apply(getattr(cfg, key), value, where + ".", errors)
+            _apply(getattr(cfg, key), value, where + ".", errors, renamed)
             continue
         try:
             coerced = _coerce(value, tp, where)
@@ -198,9 +203,12 @@ def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, 
                 base: Any | None = None) -> Any:
     """Build a ``cls`` config from defaults (or ``base``), a YAML file and dotted overrides, then validate.
 
-    Raises one ConfigError listing every problem found.
+    Raises one ConfigError listing every problem found. A key listed in the class's ``RENAMED``
+    (``{"old.path": "what to write instead"}``) is an error that names its new place, so an old config
+    file never silently loses a setting.
     """
     cfg = base if base is not None else cls()
+    renamed = dict(getattr(cls, "RENAMED", {}))
     errors: list[str] = []
     if path is not None:
         p = Path(path)
@@ -214,9 +222,9 @@ def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, 
             raise ConfigError(f"config file {p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: the top level must be a mapping of sections")
-        _apply(cfg, data, "", errors)
+        _apply(cfg, data, "", errors, renamed)
     if overrides:
-        _apply(cfg, _nest(dict(overrides)), "", errors)
+        _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
     if hasattr(cfg, "validate"):  # fields that failed to load kept their (valid) defaults
         errors.extend(cfg.validate())
     if errors:
@@ -232,15 +240,17 @@ def save_config(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """Every leaf field as ``(dotted name, type, default, help)``, for ``--help`` and the docs."""
+def describe(cls: type, prefix: str = "", inst: Any = None) -> list[tuple[str, str, Any, str]]:
+    """Every leaf field as ``(dotted name, type, default, help)``, for ``--help`` and the docs.
+
+    Defaults are read from a default-built instance, so a command's own section defaults show."""
     rows = []
-    inst = cls()
+    inst = cls() if inst is None else inst
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if _is_section(tp):
-            rows.extend(describe(tp, prefix + f.name + "."))
+            rows.extend(describe(tp, prefix + f.name + ".", getattr(inst, f.name)))
         else:
             help_ = f.metadata.get("help", "")
             if f.metadata.get("choices"):

@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-#: Where the demo's YAML configs live in a source checkout (``configs/demo`` at the repository root).
-DEFAULT_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
+#: The demo's YAML configs, shipped inside the package (so a plain ``pip install`` runs the demo).
+DEFAULT_CONFIGS = Path(__file__).resolve().parent / "configs" / "demo"
 GOLD_FN = "proximal.tasks.digits:gold_score"
 RUNS = ("ppo", "ppo_overopt")
 
@@ -54,8 +54,8 @@ FULL = Plan(task={}, sft={}, rm={}, ppo={}, ppo_overopt={}, eval_samples_per_pro
 QUICK = Plan(
     task=dict(n_sft_train=1024, n_sft_eval=64, n_prefs_train=1024, n_prefs_eval=128, n_prompts_train=256,
               n_prompts_eval=64),
-    sft={"train.max_steps": 150, "train.warmup_steps": 10, "train.eval_every": 50},
-    rm={"train.max_steps": 100, "train.warmup_steps": 10, "train.eval_every": 50},
+    sft={"train.steps": 150, "optim.warmup_steps": 10, "train.eval_every": 50},
+    rm={"train.steps": 100, "optim.warmup_steps": 10, "train.eval_every": 50},
     ppo={"train.steps": 12},
     ppo_overopt={"train.steps": 12},
     eval_samples_per_prompt=1,
@@ -84,7 +84,7 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     missing = [n for n in ("sft.yaml", "rm.yaml", "ppo.yaml", "ppo_overopt.yaml") if not (configs / n).is_file()]
     if missing:
         raise FileNotFoundError(f"demo configs: {', '.join(missing)} not found in {configs}; pass --configs DIR "
-                                "(the repository's configs/demo)")
+                                f"(a copy of {DEFAULT_CONFIGS})")
     plan = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task"
@@ -167,10 +167,12 @@ def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
     task = out / "task"
     stages = {
         "sft": (sft.SFTConfig, {"model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
-                                "data.eval_file": task / "sft_eval.jsonl", "output.dir": out / "sft", "seed": seed}),
+                                "data.eval_file": task / "sft_eval.jsonl", "output.dir": out / "sft",
+                                "train.seed": seed}),
         "rm": (reward.RMConfig, {"model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
-                                 "data.eval_file": task / "prefs_eval.jsonl", "output.dir": out / "rm", "seed": seed}),
-        **{name: (ppo.PPOConfig, {"model.policy": out / "sft", "model.reward_model": out / "rm",
+                                 "data.eval_file": task / "prefs_eval.jsonl", "output.dir": out / "rm",
+                                 "train.seed": seed}),
+        **{name: (ppo.PPOConfig, {"model.path": out / "sft", "model.reward_model": out / "rm",
                                   "data.prompts": task / "prompts_train.jsonl", "output.dir": out / name,
                                   "train.seed": seed}) for name in RUNS},
     }
@@ -233,7 +235,9 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: 
     """
     from proximal.data.prompts import load_prompts
     from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
-    from proximal.rollout.sampling import pad_left, response_logits, sample
+    from proximal.data.collate import pad_left
+    from proximal.rollout.engine import row_seed
+    from proximal.rollout.sampling import response_logits, sample
     from proximal.rollout.scoring import Scorer
     from proximal.tasks.digits import gold_score
 
@@ -248,12 +252,12 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: 
     prompts = load_prompts(str(prompts_file), tokenizer, max_length=64)
     order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
 
-    torch.manual_seed(seed)
     rows = []
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id)
-        r = sample(actor, tokenizer, ids, mask, max_new_tokens=max_new_tokens)
+        seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one generator per response
+        r = sample(actor, tokenizer, ids, mask, seeds=seeds, max_new_tokens=max_new_tokens)
         texts = [prompts.texts[i] for i in idx]
         _, comp = scorer(r, texts)
         completions = scorer.completions(r)

@@ -23,11 +23,16 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     if not p.is_file():
         raise DataError(f"{p}: not a file")
     try:
-        fh = p.open("r", encoding="utf-8")
+        fh = p.open("rb")
     except OSError as e:
         raise DataError(f"{p}: cannot read ({e.strerror})") from None
     with fh:
-        for lineno, line in enumerate(fh, start=1):
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -25,7 +25,8 @@ import torch
 
 from proximal.data.chat import apply_template, check_messages, encode_prompt, encode_response, prompt_context
 from proximal.data.jsonl import DataError, read_jsonl
-from proximal.data.sft import ON_TOO_LONG, LoadReport, too_long_error
+from proximal.data.collate import right_padded_with_spans
+from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, LoadReport, empty_error, too_long_error
 
 
 @dataclass
@@ -34,6 +35,7 @@ class PreferencePair:
     rejected_ids: list[int]   # prompt ids + rejected response ids + EOS
     margin: float | None      # the row's 'margin', if it has one
     where: str                # "file:line"
+    prompt_len: int = 0       # prompt ids at the front of both sides
 
 
 def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, str]:
@@ -85,16 +87,18 @@ def _margin(record: dict, where: str) -> float | None:
     return float(m)
 
 
-def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int,
-                          on_too_long: str = "error") -> tuple[list[PreferencePair], LoadReport]:
+def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_too_long: str = "error",
+                          on_empty: str = "error") -> tuple[list[PreferencePair], LoadReport]:
     """Read and tokenise a JSONL file of preference pairs.
 
     Raises DataError naming ``file:line`` for a malformed row, a side longer than ``max_length`` (when
-    ``on_too_long == "error"``), an empty file, a file where every row was skipped, or a file where
-    only some rows have a margin (the loss would mean different things for different rows).
+    ``on_too_long == "error"``), an empty ``chosen`` or ``rejected`` or a pair whose two sides are the
+    same response (when ``on_empty == "error"``: nothing to learn from either), an empty file, a file
+    where every row was skipped, or a file where only some rows have a margin (the loss would mean
+    different things for different rows).
     """
-    if on_too_long not in ON_TOO_LONG:
-        raise ValueError(f"on_too_long = {on_too_long!r} is not one of {', '.join(ON_TOO_LONG)}")
+    if on_too_long not in ON_TOO_LONG or on_empty not in ON_EMPTY:
+        raise ValueError(f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected 'error' or 'skip'")
     report = LoadReport(str(path))
     pairs: list[PreferencePair] = []
     first_margin: tuple[str, bool] | None = None  # (where, has margin) of the first row
@@ -110,23 +114,35 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int,
                             f"{first_margin[0]} {'has' if first_margin[1] else 'has none'}; give a margin on "
                             "every row or on none")
         prompt_ids = encode_prompt(prompt, tokenizer)
+        if not prompt_ids:
+            raise DataError(f"{where}: the prompt is empty after tokenisation (and the tokenizer adds no BOS), so "
+                            "the first response token has nothing to be predicted from")
+        responses = {name: encode_response(text, tokenizer) for name, text in (("chosen", chosen),
+                                                                                ("rejected", rejected))}
+        problem = next((f"'{name}'" for name, ids in responses.items() if len(ids) <= 1), None)
+        if problem is None and responses["chosen"] == responses["rejected"]:
+            problem = "the difference between 'chosen' and 'rejected' (they are the same response)"
+        if problem is not None:
+            if on_empty == "skip":
+                report.skipped_empty += 1
+                continue
+            raise empty_error(where, problem)
         sides = []
-        for name, text in (("prompt + chosen", chosen), ("prompt + rejected", rejected)):
-            ids = prompt_ids + encode_response(text, tokenizer)
-            if len(ids) > max_length:
+        for name, ids in responses.items():
+            full = prompt_ids + ids
+            if len(full) > max_length:
                 if on_too_long == "skip":
                     break
-                raise too_long_error(where, name, len(ids), len(prompt_ids), max_length)
-            sides.append(ids)
+                raise too_long_error(where, f"prompt + {name}", len(full), len(prompt_ids), max_length)
+            sides.append(full)
         if len(sides) < 2:
             report.skipped += 1
             continue
-        pairs.append(PreferencePair(sides[0], sides[1], margin, where))
+        pairs.append(PreferencePair(sides[0], sides[1], margin, where, len(prompt_ids)))
     if report.rows == 0:
         raise DataError(f"{path}: the file has no records (it is empty or blank)")
     if not pairs:
-        raise DataError(f"{path}: all {report.rows} rows are longer than data.max_length = {max_length} "
-                        "and were skipped; raise data.max_length")
+        raise report.none_left(max_length)
     return pairs, report
 
 
@@ -139,16 +155,12 @@ def collate_pairs(pairs: list[PreferencePair], pad_token_id: int) -> dict[str, t
     Returns:
         input_ids: (2B, L) long, padded with ``pad_token_id`` on the right.
         attention_mask: (2B, L) long, 1 = real token.
+        response_mask: (2B, L) bool, True on each side's response tokens and its EOS.
         margin: (B,) float, only when the pairs have margins.
     """
     seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
-    L = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), L), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, :len(s)] = torch.tensor(s)
-        attention_mask[i, :len(s)] = 1
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    starts = [p.prompt_len for p in pairs] * 2
+    batch = right_padded_with_spans(seqs, starts, pad_token_id)
     if pairs[0].margin is not None:
         batch["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return batch

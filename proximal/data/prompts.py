@@ -8,10 +8,8 @@ is) or skipped and counted, as configured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from proximal.data.chat import encode_prompt, render_prompt
 from proximal.data.jsonl import DataError, read_jsonl, require_str
@@ -26,6 +24,7 @@ class PromptSet:
     messages: list[list | None]
     skipped_too_long: int = 0
     truncated: int = 0
+    skipped_empty: int = 0
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -51,13 +50,25 @@ def _records(path: str):
             yield f"{p}:{lineno}", record
 
 
-def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "truncate_left") -> PromptSet:
-    """Read, render and tokenize every prompt. Raises DataError for bad rows or an empty set."""
+def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "truncate_left",
+                 on_empty: str = "error") -> PromptSet:
+    """Read, render and tokenize every prompt. Raises DataError for bad rows or an empty set.
+
+    A prompt that tokenizes to nothing (an empty string, or text the tokenizer drops) would have the
+    model "answer" pure padding: an error naming its file:line, or with ``on_empty='skip'`` dropped
+    and counted.
+    """
     texts, ids, messages = [], [], []
-    skipped = truncated = 0
+    skipped = truncated = empty = 0
     for where, record in _records(path):
         text = render_prompt(record, tokenizer, where)
         tok = encode_prompt(text, tokenizer)
+        if not tok:
+            if on_empty == "skip":
+                empty += 1
+                continue
+            raise DataError(f"{where}: the prompt {text!r:.60} has no tokens after tokenisation; give it some text "
+                            "or set data.on_empty_prompt: skip")
         if len(tok) > max_length:
             if on_too_long == "skip":
                 skipped += 1
@@ -69,9 +80,13 @@ def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "t
         ids.append(tok)
         messages.append(record.get("messages"))
     if not texts:
-        extra = f" ({skipped} prompts were longer than data.max_prompt_length={max_length} and skipped)" if skipped else ""
-        raise DataError(f"{path}: no prompts{extra}")
-    return PromptSet(texts, ids, messages, skipped_too_long=skipped, truncated=truncated)
+        why = []
+        if skipped:
+            why.append(f"{skipped} were longer than data.max_prompt_length={max_length} and skipped")
+        if empty:
+            why.append(f"{empty} were empty and skipped")
+        raise DataError(f"{path}: no prompts" + (f" ({'; '.join(why)})" if why else ""))
+    return PromptSet(texts, ids, messages, skipped_too_long=skipped, truncated=truncated, skipped_empty=empty)
 
 
 def load_texts(path: str, *, key: str = "text") -> list[str]:
@@ -82,51 +97,15 @@ def load_texts(path: str, *, key: str = "text") -> list[str]:
     else:
         if not p.is_file():
             raise DataError(f"{p}: file not found")
-        texts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = []
+        for lineno, raw in enumerate(p.read_bytes().splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                "save the file as UTF-8") from None
+            if line.strip():
+                texts.append(line)
     if not texts:
         raise DataError(f"{p}: no pretraining texts")
     return texts
-
-
-@dataclass
-class PromptSampler:
-    """Shuffled passes over ``n`` items in batches; its state (epoch, position) resumes exactly.
-
-    Each epoch's order is a permutation drawn from a generator seeded with ``seed + epoch``, so the
-    order depends on nothing but the seed and the position.
-    """
-
-    n: int
-    batch_size: int
-    seed: int
-    shuffle: bool = True
-    epoch: int = 0
-    position: int = 0
-    _order: list[int] = field(default_factory=list, repr=False)
-
-    def _perm(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
-
-    def next_batch(self) -> list[int]:
-        out: list[int] = []
-        while len(out) < self.batch_size:
-            if not self._order:
-                self._order = self._perm()
-            if self.position >= self.n:
-                self.epoch += 1
-                self.position = 0
-                self._order = self._perm()
-            take = min(self.batch_size - len(out), self.n - self.position)
-            out.extend(self._order[self.position: self.position + take])
-            self.position += take
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._perm()

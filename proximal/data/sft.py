@@ -1,8 +1,8 @@
 """Prompt/response pairs for supervised fine-tuning: loading, the response mask, and batching.
 
 One example is ``prompt ids + response ids + EOS`` with a bool ``response_mask`` that is True on
-exactly the response ids and the EOS — the tokens the loss is computed on (see
-:func:`proximal.trainers.sft.response_nll`). Record formats are described in :mod:`proximal.data.chat`.
+exactly the response ids and the EOS — the tokens the loss is computed on
+(:func:`proximal.core.sft_loss`). Record formats are described in :mod:`proximal.data.chat`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from pathlib import Path
 import torch
 
 from proximal.data.chat import encode_prompt, encode_response, render_pair
+from proximal.data.collate import right_padded_with_spans
 from proximal.data.jsonl import DataError, read_jsonl
 
+#: ``data.on_too_long`` and ``data.on_empty``: stop with the row's file:line, or drop and count it.
 ON_TOO_LONG = ("error", "skip")
+ON_EMPTY = ("error", "skip")
 
 
 @dataclass
@@ -24,6 +27,11 @@ class SFTExample:
     prompt_len: int           # number of prompt ids at the front
     where: str                # "file:line", for messages about this row
 
+    @property
+    def n_targets(self) -> int:
+        """Tokens the loss is computed on: the response ids and the EOS."""
+        return len(self.input_ids) - self.prompt_len
+
 
 @dataclass
 class LoadReport:
@@ -31,6 +39,26 @@ class LoadReport:
     path: str
     rows: int = 0             # rows read
     skipped: int = 0          # rows dropped for being longer than max_length (on_too_long = "skip")
+    skipped_empty: int = 0    # rows dropped for an empty response (on_empty = "skip")
+
+    @property
+    def kept(self) -> int:
+        return self.rows - self.skipped - self.skipped_empty
+
+    def metrics(self, split: str) -> dict:
+        return {f"data/{split}_rows": self.kept, f"data/{split}_skipped": self.skipped,
+                f"data/{split}_skipped_empty": self.skipped_empty}
+
+    def none_left(self, max_length: int) -> DataError:
+        if not self.skipped_empty:
+            return DataError(f"{self.path}: all {self.rows} rows are longer than data.max_length = {max_length} "
+                             "and were skipped; raise data.max_length")
+        why = []
+        if self.skipped:
+            why.append(f"{self.skipped} longer than data.max_length = {max_length}")
+        if self.skipped_empty:
+            why.append(f"{self.skipped_empty} with an empty response")
+        return DataError(f"{self.path}: all {self.rows} rows were skipped ({'; '.join(why)})")
 
 
 def too_long_error(where: str, what: str, n: int, prompt_len: int, max_length: int) -> DataError:
@@ -39,15 +67,21 @@ def too_long_error(where: str, what: str, n: int, prompt_len: int, max_length: i
                      "data.max_length or set data.on_too_long: skip to drop such rows")
 
 
-def load_sft_examples(path: str | Path, tokenizer, *, max_length: int,
-                      on_too_long: str = "error") -> tuple[list[SFTExample], LoadReport]:
+def empty_error(where: str, what: str) -> DataError:
+    return DataError(f"{where}: {what} is empty, so there is nothing to learn from this row; fix the row or set "
+                     "data.on_empty: skip to drop such rows")
+
+
+def load_sft_examples(path: str | Path, tokenizer, *, max_length: int, on_too_long: str = "error",
+                      on_empty: str = "error") -> tuple[list[SFTExample], LoadReport]:
     """Read and tokenise a JSONL file of prompt/response records.
 
     Raises DataError naming ``file:line`` for a malformed row, a row longer than ``max_length`` (when
-    ``on_too_long == "error"``), an empty file, or a file where every row was skipped.
+    ``on_too_long == "error"``), an empty response (when ``on_empty == "error"``), an empty file, or
+    a file where every row was skipped.
     """
-    if on_too_long not in ON_TOO_LONG:
-        raise ValueError(f"on_too_long = {on_too_long!r} is not one of {', '.join(ON_TOO_LONG)}")
+    if on_too_long not in ON_TOO_LONG or on_empty not in ON_EMPTY:
+        raise ValueError(f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected 'error' or 'skip'")
     report = LoadReport(str(path))
     examples = []
     for lineno, record in read_jsonl(path):
@@ -60,7 +94,13 @@ def load_sft_examples(path: str | Path, tokenizer, *, max_length: int,
             # (and no BOS) there is nothing to predict it from.
             raise DataError(f"{where}: the prompt is empty after tokenisation (and the tokenizer adds no "
                             "BOS), so the first response token cannot be trained")
-        ids = prompt_ids + encode_response(response, tokenizer)
+        response_ids = encode_response(response, tokenizer)
+        if len(response_ids) <= 1:  # the EOS alone
+            if on_empty == "skip":
+                report.skipped_empty += 1
+                continue
+            raise empty_error(where, "the response")
+        ids = prompt_ids + response_ids
         if len(ids) > max_length:
             if on_too_long == "skip":
                 report.skipped += 1
@@ -70,8 +110,7 @@ def load_sft_examples(path: str | Path, tokenizer, *, max_length: int,
     if report.rows == 0:
         raise DataError(f"{path}: the file has no records (it is empty or blank)")
     if not examples:
-        raise DataError(f"{path}: all {report.rows} rows are longer than data.max_length = {max_length} "
-                        "and were skipped; raise data.max_length")
+        raise report.none_left(max_length)
     return examples, report
 
 
@@ -83,14 +122,4 @@ def collate_sft(examples: list[SFTExample], pad_token_id: int) -> dict[str, torc
         attention_mask: (B, L) long, 1 = real token.
         response_mask: (B, L) bool, True = a response token or its EOS (the positions with a loss).
     """
-    L = max(len(e.input_ids) for e in examples)
-    B = len(examples)
-    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
-    response_mask = torch.zeros((B, L), dtype=torch.bool)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        input_ids[i, :n] = torch.tensor(e.input_ids)
-        attention_mask[i, :n] = 1
-        response_mask[i, e.prompt_len:n] = True
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    return right_padded_with_spans([e.input_ids for e in examples], [e.prompt_len for e in examples], pad_token_id)

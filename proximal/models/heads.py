@@ -27,11 +27,14 @@ def backbone(model):
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
-    model = unwrap(model)
-    hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    head = score_head(model)
-    return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
+    from proximal.models.parallel import autocast
+
+    with autocast(model):
+        inner = unwrap(model)
+        hidden = backbone(inner)(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        head = score_head(inner)
+        return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
 
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,11 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
             model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(dtype), **kwargs)
     except Exception as e:
         raise ModelLoadError(f"{role}: cannot load a sequence-classification model from {path!r}: {e}") from e
+    architectures = getattr(model.config, "architectures", None) or []
+    if not new_head and architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ModelLoadError(f"{role}: {path!r} is a {architectures[0]} (a language model), not a reward model; a "
+                             "reward model is an AutoModelForSequenceClassification with one label, such as the "
+                             "output of `proximal rm`")
     if model.config.num_labels != 1:
         raise ModelLoadError(f"{role}: {path!r} has {model.config.num_labels} labels; a reward model must "
                              "have exactly one (a scalar score)")
@@ -126,6 +131,36 @@ def score_head(model) -> torch.nn.Module:
 def unwrap(model):
     """The Hugging Face model under a peft wrapper (the model itself otherwise); LoRA layers live inside it."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_fits(model, tokenizer, max_length: int, path: str, field: str = "model.path") -> None:
+    """ConfigError-like ModelLoadError if ``max_length`` exceeds the model's context, or the tokenizer's
+    ids exceed its embedding."""
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if limit is not None and max_length > limit:
+        raise ModelLoadError(f"data.max_length = {max_length} is longer than the context of {field} = {path} "
+                             f"({limit} positions)")
+    n_embed = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_embed:
+        raise ModelLoadError(f"{field} = {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                             f"embedding has only {n_embed} rows")
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (compute the output layer for the last N
+    positions only; every causal LM of recent ``transformers`` does)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(type(unwrap(model)).forward).parameters
+
+
+def cache_argument(model) -> str:
+    """The name of the KV-cache argument (and output field) of the model's forward: ``cache`` in
+    ``transformers`` ≥ 5.2x, ``past_key_values`` before."""
+    import inspect
+
+    params = inspect.signature(type(unwrap(model)).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def freeze(model) -> None:

@@ -1,11 +1,14 @@
-"""The four PPO models of seed §2, built from config values.
+"""The models of the online and preference methods, built from config values.
 
-- actor π_θ: an ``AutoModelForCausalLM``, optionally with LoRA adapters (peft);
-- reference π_ref: a frozen copy of the actor's starting weights — or, with LoRA, the same weights
+- policy π_θ: an ``AutoModelForCausalLM``, optionally with LoRA adapters (peft);
+- reference π_ref: a frozen copy of the policy's starting weights — or, with LoRA, the same weights
   with the adapters disabled, so no second copy is held in memory;
-- reward model r_ψ: a frozen one-label ``AutoModelForSequenceClassification``;
-- critic V_φ: a one-label sequence-classification model used per token, initialised from the reward
-  model (the default), from the policy (a fresh zero head) or from a path.
+- critic V_φ (PPO): a one-label sequence-classification model read at every token, initialised from
+  the reward model (the default), from the policy (a fresh zero head) or from a path.
+
+The reward model is loaded with the scorer (:func:`proximal.rollout.scoring.build_scorer`).
+Each builder loads in the dtype ``train.precision`` asks for and places the model (device, FSDP2
+sharding across processes) through :mod:`proximal.models.parallel`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import contextlib
 
 import torch
 
-from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer
+from proximal.models.loading import load_causal_lm, load_sequence_scorer, load_tokenizer
+from proximal.models.parallel import load_dtype, prepare_frozen, prepare_trained
 
 
 def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str]):
@@ -25,18 +29,15 @@ def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str])
     return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
 
 
-def build_actor(path: str, *, dtype: str, lora: dict | None = None, adapter_path: str | None = None):
-    """The trainable policy. With ``lora`` (r, alpha, target_modules) only adapters train;
-    ``adapter_path`` resumes adapters saved by an earlier run."""
-    model = load_causal_lm(path, role="policy", dtype=dtype)
+def build_actor(path: str, *, dtype: str, lora: dict | None = None):
+    """The trainable policy, in eval mode (no dropout: the rollout and the update must see one
+    policy). With ``lora`` (r, alpha, target_modules) only the adapters train."""
+    model = load_causal_lm(path, role="policy (model.path)", dtype=dtype)
     if lora:
-        from peft import PeftModel, get_peft_model
+        from peft import get_peft_model
 
-        if adapter_path is not None:
-            model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-        else:
-            model = get_peft_model(model, lora_config("CAUSAL_LM", **lora))
-    model.eval()  # no dropout anywhere in RLHF: the rollout and the update must see one policy
+        model = get_peft_model(model, lora_config("CAUSAL_LM", **lora))
+    model.eval()
     return model
 
 
@@ -48,8 +49,7 @@ class Reference:
         if shares_actor:
             self.model = actor
         else:
-            self.model = load_causal_lm(path, role="reference", dtype=dtype)
-            freeze(self.model)
+            self.model = load_causal_lm(path, role="reference (model.path)", dtype=dtype)
 
     @contextlib.contextmanager
     def active(self):
@@ -60,26 +60,35 @@ class Reference:
             yield self.model
 
 
+def build_policy(path: str, *, lora: dict | None, precision: str, device: torch.device, world_size: int,
+                 activation_checkpointing: bool = False, reference: bool = True, frozen_sharding: str = "shard"):
+    """``(tokenizer, actor, reference or None)``, placed and (several processes) sharded."""
+    tokenizer = load_tokenizer(path, role="policy tokenizer (model.path)")
+    actor = build_actor(path, dtype=load_dtype(precision, trained=True), lora=lora)
+    ref = None
+    if reference:
+        ref = Reference(actor, path=path, dtype=load_dtype(precision, trained=False), shares_actor=lora is not None)
+        if not ref.shares_actor:
+            prepare_frozen(ref.model, device=device, world_size=world_size, sharding=frozen_sharding)
+    prepare_trained(actor, device=device, precision=precision, world_size=world_size,
+                    activation_checkpointing=activation_checkpointing)
+    return tokenizer, actor, ref
+
+
 def build_critic(source: str, *, policy_path: str, reward_model_path: str | None, dtype: str,
-                 pad_token_id: int, lora: dict | None = None, path: str | None = None):
-    """V_φ. ``source``: 'reward_model', 'policy' or a checkpoint path; ``path`` overrides (resume)."""
-    if path is not None:
-        model = load_sequence_scorer(path, role="critic", dtype=dtype, pad_token_id=pad_token_id)
-    elif source == "reward_model":
-        model = load_sequence_scorer(reward_model_path, role="critic (from the reward model)", dtype=dtype,
+                 pad_token_id: int, lora: dict | None = None):
+    """V_φ. ``source``: 'reward_model', 'policy' or a checkpoint path."""
+    if source == "reward_model":
+        model = load_sequence_scorer(reward_model_path, role="critic (from model.reward_model)", dtype=dtype,
                                      pad_token_id=pad_token_id)
     elif source == "policy":
-        model = load_sequence_scorer(policy_path, role="critic (from the policy)", dtype=dtype,
+        model = load_sequence_scorer(policy_path, role="critic (from model.path)", dtype=dtype,
                                      pad_token_id=pad_token_id, new_head=True)
     else:
-        model = load_sequence_scorer(source, role="critic", dtype=dtype, pad_token_id=pad_token_id)
+        model = load_sequence_scorer(source, role="critic (model.critic)", dtype=dtype, pad_token_id=pad_token_id)
     if lora:
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config("SEQ_CLS", **lora))
     model.eval()
     return model
-
-
-def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

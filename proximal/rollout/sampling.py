@@ -1,22 +1,25 @@
-"""Sampling responses from the policy: the token-level MDP of seed §1.
+"""Sampling responses from the policy: the token-level MDP of Ziegler et al. (2019) and Ouyang et al.
+(2022), written out in docs/formulas.md (§1).
 
 The state s_t is the prompt plus the response prefix; the action is the next token; the episode ends
 at EOS (or a configured stop token / stop string) or after T = ``max_new_tokens`` tokens. Everything
 after the stop is masked out: ``response_mask`` is True exactly on the tokens the policy chose up to
-and including the stop, so no loss ever sees what follows.
+and including the stop, so no loss ever sees what follows. Generation itself goes through the
+rollout engine (:mod:`proximal.rollout.engine`).
 
 Notation: B = batch, P = padded prompt length, T = padded response length (≤ max_new_tokens).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
-from transformers import GenerationConfig
 
 from proximal.models.heads import position_ids_from_mask
-from proximal.models.loading import unwrap
+from proximal.models.loading import accepts_logits_to_keep
+from proximal.models.parallel import autocast
+from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -46,20 +49,15 @@ class Rollout:
         return self.prompt_ids.shape[0]
 
     def select(self, idx: torch.Tensor) -> "Rollout":
-        return Rollout(*(getattr(self, f)[idx] for f in ("prompt_ids", "prompt_mask", "response_ids",
-                                                          "response_mask", "ended")))
-
-
-def pad_left(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu"):
-    """Left-padded prompt ids and attention mask, shape (B, P), from token id lists."""
-    P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), P), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, P - len(r):] = 1
-    return ids.to(device), mask.to(device)
+        """The rows ``idx``, with the columns no selected row uses trimmed (left padding of the prompt,
+        right padding of the response)."""
+        r = Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+        if len(r) == 0:
+            return r
+        p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
+        t1 = max(1, int(r.response_mask.sum(1).max()))
+        return Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.response_ids[:, :t1], r.response_mask[:, :t1],
+                       r.ended)
 
 
 def stop_mask(response_ids: torch.Tensor, stop_token_ids: list[int], generated_len: torch.Tensor | None = None,
@@ -103,43 +101,21 @@ def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tens
     return lengths, found
 
 
-def pad_right(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu"):
-    """Right-padded ids and attention mask, shape (B, L), from token id lists (full sequences for scoring)."""
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return ids.to(device), mask.to(device)
+def sample(engine: RolloutEngine | torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+           seeds: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+           stop_token_ids: list[int] | None = None, stop_strings: list[str] | None = None) -> Rollout:
+    """One response per prompt from the engine (or, given a model, :class:`HFEngine` over it), masked
+    after the stop: EOS, any of ``stop_token_ids``, or the token that completes a stop string.
 
-
-@torch.no_grad()
-def sample(policy, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
-           stop_strings: list[str] | None = None) -> Rollout:
-    """Sample one response per prompt with Hugging Face ``generate`` (KV-cached) and mask after the stop."""
+    ``seeds`` holds one seed per row (:func:`proximal.rollout.engine.row_seed`); a row's tokens depend
+    on its seed and prompt only.
+    """
+    if isinstance(engine, torch.nn.Module):
+        engine = HFEngine(engine, tokenizer.pad_token_id)
     eos = [tokenizer.eos_token_id] + list(stop_token_ids or [])
-    # generate() fills every argument not passed from the checkpoint's generation_config.json
-    # (repetition_penalty, suppress_tokens, ...), which would sample from a distribution other than
-    # softmax(logits / T) — the one whose log-probabilities PPO uses. Sample under a neutral config.
-    model = unwrap(policy)
-    saved = getattr(model, "generation_config", None)
-    if saved is not None:
-        model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                                                   bos_token_id=tokenizer.bos_token_id)
-    try:
-        out = policy.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
-            top_p=top_p, top_k=top_k if top_k > 0 else 0, max_new_tokens=max_new_tokens,
-            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, min_new_tokens=0,
-        )
-    finally:
-        if saved is not None:
-            model.generation_config = saved
-    response_ids = out[:, prompt_ids.shape[1]:]
-    if response_ids.shape[1] == 0:  # every row stopped at once cannot happen (≥ 1 token), but be safe
-        response_ids = torch.full((len(prompt_ids), 1), tokenizer.pad_token_id, device=prompt_ids.device)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos), temperature=temperature,
+                            top_p=top_p, top_k=top_k)
+    response_ids = engine.generate(prompt_ids, prompt_mask, list(seeds), params)
     mask, ended = stop_mask(response_ids, eos)
     if stop_strings:
         lengths, found = _stop_string_lengths(tokenizer, response_ids, mask, stop_strings)
@@ -151,12 +127,18 @@ def sample(policy, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
 
 def response_logits(model, rollout_or_ids, attention_mask: torch.Tensor | None = None,
                     prompt_len: int | None = None) -> torch.Tensor:
-    """Logits predicting each response token: positions P-1 … P+T-2 of the full sequence. Shape (B, T, V)."""
+    """Logits predicting each response token: positions P-1 … P+T-2 of the full sequence. Shape (B, T, V).
+
+    Only those positions go through the output layer (``logits_to_keep``): the vocabulary-sized
+    logits of the prompt are never computed."""
     if attention_mask is None:
         r = rollout_or_ids
         input_ids, attention_mask, prompt_len = r.input_ids, r.attention_mask, r.prompt_ids.shape[1]
     else:
         input_ids = rollout_or_ids
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # no KV cache to keep
-    return logits[:, prompt_len - 1: -1]
+    T = input_ids.shape[1] - prompt_len
+    extra = {"logits_to_keep": T + 1} if accepts_logits_to_keep(model) else {}
+    with autocast(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask), use_cache=False, **extra).logits
+    return logits[:, -(T + 1):-1]

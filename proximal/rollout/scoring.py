@@ -1,4 +1,5 @@
-"""Scoring responses: the frozen reward model r_ψ(x, y) of seed §2 and rule-based reward functions.
+"""Scoring responses: a frozen reward model r_ψ(x, y) (Bradley–Terry, trained by ``proximal rm``) and
+rule-based reward functions (verifiers).
 
 The total score of a response is a weighted sum of components: the reward model (if any) and any
 number of Python functions ``module:function(prompts, completions) -> scores``. Each component is
@@ -13,6 +14,7 @@ with the reward model's tokenizer (its chat template applied when the prompt cam
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 import sys
 from typing import Callable
@@ -22,11 +24,13 @@ import torch
 from proximal.config import ConfigError
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.models.heads import last_token_scores
-from proximal.rollout.sampling import Rollout, pad_right
+from proximal.data.collate import pad_right
+from proximal.rollout.sampling import Rollout
 
 
 class RewardFunctionError(ValueError):
-    """A reward function returned something other than one finite-or-NaN number per completion."""
+    """A reward function failed or returned something other than one number per completion; the
+    message names the function (and the step)."""
 
 
 def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
@@ -93,9 +97,11 @@ class Scorer:
         return rows
 
     @torch.no_grad()
-    def __call__(self, rollout: Rollout, prompts: list[str], messages: list | None = None,
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Total score (B,) float32 and each component (B,) by name ("reward_model", function names)."""
+    def __call__(self, rollout: Rollout, prompts: list[str], messages: list | None = None, *,
+                 step: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Total score (B,) float32 and each component (B,) by name ("reward_model", function names).
+
+        ``step`` only names the step in the message of a reward function that fails."""
         device = rollout.response_ids.device
         components: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(rollout), dtype=torch.float32, device=device)
@@ -111,13 +117,49 @@ class Scorer:
         if self.functions:
             texts = self.completions(rollout)
             for name, fn in self.functions.items():
-                values = list(fn(list(prompts), texts))
-                if len(values) != len(texts):
-                    raise RewardFunctionError(f"reward function {name!r} returned {len(values)} scores for "
-                                              f"{len(texts)} completions")
-                try:
-                    components[name] = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
-                except (TypeError, ValueError) as e:
-                    raise RewardFunctionError(f"reward function {name!r} returned a non-number ({e})") from e
+                components[name] = call_reward_function(name, fn, list(prompts), texts, step).to(device)
                 total = total + self.function_weights[name] * components[name]
         return total, components
+
+
+def call_reward_function(name: str, fn: Callable, prompts: list[str], completions: list[str],
+                         step: int | None = None) -> torch.Tensor:
+    """``fn(prompts, completions)`` as a (B,) float32 tensor (NaN allowed: the trainer's
+    ``rollout.nonfinite_scores`` decides); RewardFunctionError naming the function and the step when
+    it raises or returns anything but one real number per completion."""
+    where = f"reward function {name!r}" + (f" at step {step}" if step is not None else "")
+    try:
+        values = fn(prompts, completions)
+    except Exception as e:  # the user's code: report it as theirs, in one line
+        raise RewardFunctionError(f"{where} raised {type(e).__name__}: {e}") from e
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardFunctionError(f"{where} returned {type(values).__name__} {values!r:.60}; it must return a "
+                                  f"list of {len(completions)} numbers, one per completion")
+    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    if len(values) != len(completions):
+        raise RewardFunctionError(f"{where} returned {len(values)} scores for {len(completions)} completions")
+    bad = [(i, v) for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+    if bad:
+        i, v = bad[0]
+        raise RewardFunctionError(f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60}")
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def build_scorer(policy_tokenizer, *, reward_model: str | None, reward_model_weight: float, functions: dict,
+                 function_weights: dict[str, float], precision: str, device: torch.device, world_size: int,
+                 frozen_sharding: str = "shard", micro_batch_size: int = 8) -> Scorer:
+    """The frozen reward model (if any) loaded, checked, placed and (several processes) sharded, with
+    the reward functions, as one :class:`Scorer`."""
+    from proximal.models.loading import load_sequence_scorer, load_tokenizer
+    from proximal.models.parallel import load_dtype, prepare_frozen
+
+    model = tokenizer = None
+    if reward_model is not None:
+        tokenizer = load_tokenizer(reward_model, role="reward-model tokenizer (model.reward_model)",
+                                   padding_side="right")
+        model = load_sequence_scorer(reward_model, role="reward model (model.reward_model)",
+                                     dtype=load_dtype(precision, trained=False), pad_token_id=tokenizer.pad_token_id)
+        prepare_frozen(model, device=device, world_size=world_size, sharding=frozen_sharding)
+    return Scorer(policy_tokenizer, reward_model=model, reward_tokenizer=tokenizer,
+                  reward_model_weight=reward_model_weight, functions=functions, function_weights=function_weights,
+                  micro_batch_size=micro_batch_size)

@@ -1,14 +1,45 @@
-"""Data-parallel helpers: the one place global statistics cross ranks.
+"""Distribution on PyTorch's own engine: torchrun's environment, one process group, and the helpers
+through which every global quantity and every decision crosses ranks.
 
-Every global quantity in a training loop (advantage whitening, the KL controller's observed KL,
-logged metrics) goes through :func:`all_reduce_sum`. Without ``torch.distributed`` initialised (one
-process, CPU or one GPU) it returns its input unchanged, so single-process runs pay nothing.
+``torchrun --nproc_per_node N proximal <command> ...`` starts N processes with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR``/``MASTER_PORT`` set (multi-node: the usual
+``--nnodes`` / ``--rdzv-*`` flags). :func:`init` joins them into one process group — NCCL on CUDA,
+gloo on CPU — with a short timeout, so a rank that died ends the job instead of leaving the others
+waiting for half an hour. Without those variables (one process) every helper here is the identity
+and costs nothing.
+
+Rules the trainers follow (each is a way to hang or to compute the wrong thing otherwise):
+
+- every rank runs the same number of forward/backward passes and collectives: rows are masked,
+  never dropped on one rank only; decisions (early stop, skip) go through :func:`any_rank`;
+- every global statistic (means, counts, maxima for logging and for loss normalisers) goes through
+  :func:`all_reduce_sum` / :func:`all_reduce_max`;
+- every rank takes part in saving (sharded state and the gathered full export).
+
+See ``docs/distributed.md`` for the whole picture.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import sys
+
 import torch
 import torch.distributed as dist
+
+#: Environment variables torchrun (and other launchers) set for each process.
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def launched_world_size() -> int:
+    """``WORLD_SIZE`` from the environment (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """``RANK`` from the environment (0 when not launched by torchrun); valid before :func:`init`."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def is_distributed() -> bool:
@@ -23,8 +54,50 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def is_main() -> bool:
     return rank() == 0
+
+
+def init(device: torch.device, timeout_s: float) -> None:
+    """Join the process group torchrun set up (no-op for one process or when already joined).
+
+    The backend follows the device: NCCL for CUDA (each process on ``cuda:LOCAL_RANK``), gloo on CPU.
+    ``timeout_s`` bounds every collective: a rank that waits longer for a peer (because the peer
+    raised, was killed, or is stuck) fails with a timeout instead of hanging.
+    """
+    if launched_world_size() <= 1 or is_distributed():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def shutdown_and_exit(code: int) -> None:
+    """Leave the process group, flush, and end the process with ``code``.
+
+    FSDP2 jobs on gloo sometimes abort at interpreter shutdown after all work is done ("terminate
+    called without an active exception": a gloo worker thread released during finalisation, an open
+    upstream bug). Destroying the group and leaving through ``os._exit`` skips that finalisation.
+    """
+    if is_distributed():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - nothing useful to do while exiting
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -36,9 +109,61 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum of ``t`` over ranks (a copy)."""
+    if not is_distributed():
+        return t
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def global_sum(value: float | int | torch.Tensor, device: torch.device | str = "cpu") -> float:
+    """Σ of a number over ranks, as a Python float."""
+    t = value.detach().double().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value),
+                                                                                                 dtype=torch.float64)
+    return float(all_reduce_sum(t.to(device)))
+
+
 def global_mean(values: torch.Tensor, weights: torch.Tensor | None = None) -> float:
-    """Mean of ``values`` (optionally weighted) over every element on every rank."""
+    """Mean of ``values`` (optionally weighted) over every element on every rank; NaN for no weight."""
     values = values.detach().double().flatten()
-    w = torch.ones_like(values) if weights is None else weights.detach().double().flatten()
-    s = all_reduce_sum(torch.stack([(values * w).sum(), w.sum()]))
+    w = torch.ones_like(values) if weights is None else weights.detach().double().flatten().to(values.device)
+    s = all_reduce_sum(torch.stack([torch.where(w > 0, values * w, 0.0).sum(), w.sum()]))
     return (s[0] / s[1]).item() if s[1] > 0 else float("nan")
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank if ``flag`` is True on any: one decision for all (early stop, abort)."""
+    if not is_distributed():
+        return bool(flag)
+    return bool(all_reduce_max(torch.tensor([int(bool(flag))], device=device))[0])
+
+
+def all_gather_object(obj):
+    """``[obj of rank 0, obj of rank 1, ...]`` (``[obj]`` in one process)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of every rank along dim 0, in rank order."""
+    if not is_distributed():
+        return t
+    send = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool collectives
+    parts = [torch.empty_like(send) for _ in range(world_size())]
+    dist.all_gather(parts, send.contiguous())
+    out = torch.cat(parts, dim=0)
+    return out.bool() if t.dtype == torch.bool else out

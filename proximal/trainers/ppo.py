@@ -1,12 +1,17 @@
-"""PPO-based RLHF with the four models of the seed (§1–§6): actor, reference, reward model, critic.
+"""PPO-based RLHF with four models: actor π_θ, frozen reference π_ref, frozen reward model r_ψ, critic V_φ.
 
-One step reads top to bottom in :func:`train`.
+One step reads top to bottom in :func:`train`, along the data flow rollout → experience → update:
+(1) a global batch of prompts, (2) responses sampled from π_θ, (3) scored by r_ψ and the reward
+functions, (4) the experience — log π_old, log π_ref and V_old, (5) per-token rewards shaped with
+β·KL, GAE and whitened advantages, (6) ``ppo.epochs`` passes of clipped-surrogate and clipped-value
+updates over shuffled mini-batches (:func:`ppo_update`), (7) the KL controller's β, (8) logs and
+checkpoints. The math is in :mod:`proximal.core` (each equation in docs/formulas.md); set-up,
+checkpoints and logging are the shared layer's (:mod:`proximal.train`), models' set-up below the loop.
 
-Each step: (1) sample prompts, (2) roll out responses from π_θ, (3) score them with r_ψ and the reward
-functions, (4) record log π_old, log π_ref and V_old, (5) shape per-token rewards with β·KL, run GAE and
-whiten the advantages, (6) run ``ppo.epochs`` passes of clipped-surrogate / clipped-value updates over
-shuffled mini-batches, (7) update β, (8) log and checkpoint. All math is in :mod:`proximal.core`;
-set-up, checkpoints and logging live in helpers below the loop so the loop stays readable.
+With several processes (``torchrun``) every rank samples, scores and computes the experience of its
+share of the batch; the update then cuts mini-batches from the gathered batch in one global order
+and each rank trains on its part, with every normaliser and decision global — so 1 and N processes
+compute the same step (docs/distributed.md).
 
 Tensor notation: B rollout batch, P padded prompt length, T padded response length, V vocabulary.
 """
@@ -14,34 +19,33 @@ Tensor notation: B rollout batch, P padded prompt length, T padded response leng
 from __future__ import annotations
 
 import json
-import math
-import random
-import shutil
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from proximal import distributed as dist
-from proximal.checkpoint import atomic_dir, atomic_write_text
-from proximal.config import ConfigError, save_config
-from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, entropy_from_logits,
-                           explained_variance, gae, logprobs_from_logits, ppo_policy_loss, ptx_loss, shape_rewards,
-                           value_loss, whiten)
-from proximal.data.jsonl import DataError
-from proximal.data.prompts import PromptSampler, load_prompts, load_texts
-from proximal.logging import MetricsLogger, truncate_jsonl
-from proximal.models.heads import token_values
-from proximal.models.loading import ModelLoadError, freeze, load_sequence_scorer, load_tokenizer
-from proximal.models.policy import Reference, build_actor, build_critic, trainable_parameters
-from proximal.rollout.sampling import Rollout, pad_left, pad_right, response_logits, sample
-from proximal.rollout.scoring import RewardFunctionError, Scorer, load_reward_function, same_tokenizer
-from proximal.trainers.common import resolve_device
-from proximal.trainers.ppo_config import PPOConfig
+from proximal.config import ConfigError
+from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, aggregation_units,
+                           entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
+                           ptx_loss, shape_rewards, value_loss, whiten)
+from proximal.data.collate import pad_left, pad_right
+from proximal.data.prompts import load_prompts, load_texts
+from proximal.data.sampler import Sampler
+from proximal.models.loading import ModelLoadError, load_tokenizer
+from proximal.models.parallel import load_dtype, prepare_trained
+from proximal.models.policy import build_critic, build_policy
+from proximal.rollout.engine import HFEngine, row_seed
+from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
+from proximal.rollout.sampling import response_logits, sample
+from proximal.rollout.scoring import build_scorer, load_reward_function, same_tokenizer
+from proximal.train import dist
+from proximal.train.command import config_command
+from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.run import open_run
+from proximal.trainers.ppo_config import PPOConfig, PPOLossConfig
 
-__all__ = ["PPOConfig", "train", "cli"]
+__all__ = ["PPOConfig", "train", "ppo_update", "cli"]
 
 
 def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
@@ -49,451 +53,323 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     problems = cfg.validate()
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    run_dir = Path(resume_dir or cfg.output.dir)
-    device = resolve_device(cfg.train.device)
-    ckpt = _latest_checkpoint(run_dir) if resume_dir else None
-    if resume_dir and ckpt is None:
-        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}")
-    earlier_run = [] if resume_dir else _earlier_run(run_dir, cfg.output.overwrite)
-    functions = {spec: load_reward_function(spec) for spec in cfg.model.reward_functions}  # fail before loading models
-    _seed_everything(cfg.train.seed)
+    t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
+    run = open_run("ppo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
+                   dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
+    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}  # fail before loading models
 
-    m = _build_models(cfg, device, ckpt, functions)
-    prompts = load_prompts(cfg.data.prompts, m.tokenizer, max_length=cfg.data.max_prompt_length,
-                           on_too_long=cfg.data.on_long_prompt)
-    ptx_texts = load_texts(cfg.data.ptx_file) if cfg.ppo.ptx_coef > 0 else None
-    sampler = PromptSampler(len(prompts), cfg.rollout.batch_size, seed=cfg.train.seed + 1000 * dist.rank(),
-                            shuffle=cfg.data.shuffle)
-    ptx_sampler = PromptSampler(len(ptx_texts), cfg.data.ptx_batch_size, seed=cfg.train.seed + 7) if ptx_texts else None
-    opt_steps = cfg.train.steps * cfg.ppo.epochs * (cfg.rollout.batch_size // cfg.ppo.mini_batch_size)
-    actor_opt, actor_sched = _optimizer(m.actor, cfg.optim.actor_lr, cfg, opt_steps)
-    critic_opt, critic_sched = _optimizer(m.critic, cfg.optim.critic_lr, cfg, opt_steps)
-    kl_ctl = _kl_controller(cfg)
-    start, counters = 0, {"skipped_nonfinite": 0, "wall_s": 0.0}
-    if ckpt is not None:
-        start, counters = _load_trainer_state(ckpt, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler,
-                                              ptx_sampler)
-    for p in earlier_run:  # only now that everything loaded: a failed start never costs the old run
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    logger = MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
-    truncate_jsonl(run_dir / "metrics.jsonl", start)  # a fresh run starts empty; a resumed one drops
-    truncate_jsonl(run_dir / "samples.jsonl", start)  # lines of steps after its checkpoint
-    wall0 = time.perf_counter() - counters["wall_s"]
-    bar = _progress(cfg, start)
+    models = build_models(cfg, run.device, run.world_size, functions)
+    tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
+    prompts = load_prompts(cfg.data.prompts, tokenizer, max_length=cfg.data.max_prompt_length,
+                           on_too_long=cfg.data.on_long_prompt, on_empty=cfg.data.on_empty_prompt)
+    sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
+                      world_size=run.world_size)
+    ptx = None
+    if p.ptx_coef > 0:
+        texts = load_texts(cfg.data.ptx_file)
+        ptx = PTXData(texts, Sampler(len(texts), cfg.data.ptx_batch_size, seed=t.seed + 7, rank=run.rank,
+                                     world_size=run.world_size), cfg.data.ptx_max_length)
+    opt_steps = t.steps * p.epochs * (r.batch_size // p.mini_batch_size)
+    actor_opt, actor_sched = optimizer_and_scheduler(actor, cfg.optim, total_steps=opt_steps)
+    critic_opt, critic_sched = optimizer_and_scheduler(critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps)
+    kl_ctl = kl_controller(cfg.kl.controller, beta=cfg.kl.beta, target=cfg.kl.target, k_beta=cfg.kl.k_beta,
+                           horizon=cfg.kl.horizon)
+    engine = HFEngine(actor, tokenizer.pad_token_id)
+    trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
+    stateful = {"actor_scheduler": actor_sched, "critic_scheduler": critic_sched, "kl_controller": kl_ctl,
+                "sampler": sampler, "ptx_sampler": ptx.sampler if ptx else None}
+    start, counters = run.restore(trained, stateful)
+    counters = {"skipped_nonfinite": 0, **counters}
+    run.begin(cfg, start=start, total=t.steps, counters=counters, progress=cfg.output.progress,
+              tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
 
-    for step in range(start + 1, cfg.train.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
-        # 1. A batch of prompts x (seed §1: the initial state s_1 = x).
-        idx = sampler.next_batch()
-        prompt_ids, prompt_mask = pad_left([prompts.token_ids[i] for i in idx], m.tokenizer.pad_token_id, device)
-        texts = [prompts.texts[i] for i in idx]
-        messages = [prompts.messages[i] for i in idx]
+        # 1. A global batch of prompts x (the initial states s_1 = x); this rank takes its share.
+        batch = sampler.next_global_batch()
+        rows = sampler.local_part(list(range(len(batch))))  # positions of this rank's rows in the batch
+        idx = [batch[i] for i in rows]
+        prompt_ids, prompt_mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id, run.device)
+        texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
 
-        # 2. Roll out y ~ π_θ(·|x) until EOS / a stop, or T tokens; mask what follows the stop.
-        rollout = sample(m.actor, m.tokenizer, prompt_ids, prompt_mask, max_new_tokens=cfg.rollout.max_new_tokens,
-                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                         stop_token_ids=cfg.rollout.stop_token_ids, stop_strings=cfg.rollout.stop_strings)
+        # 2. Roll out y ~ π_θ(·|x) until EOS / a stop, or T tokens; each row has its own seeded generator.
+        rollout = sample(engine, tokenizer, prompt_ids, prompt_mask, seeds=[row_seed(t.seed, step, i) for i in rows],
+                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                         stop_token_ids=r.stop_token_ids, stop_strings=r.stop_strings)
         t_gen = time.perf_counter() - t0
 
-        # 3. Scores r_ψ(x, y) (+ reward functions); an optional penalty for hitting T without a stop.
-        scores, components = m.scorer(rollout, texts, messages)
-        if cfg.rollout.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores + cfg.rollout.missing_eos_penalty)
-        finite = torch.isfinite(scores)
-        if not finite.all():
-            bad = (~finite).nonzero().flatten().tolist()
-            if cfg.rollout.nonfinite_scores == "error":
-                raise FloatingPointError(f"step {step}: non-finite scores {scores[bad].tolist()} for prompts "
-                                         f"{[texts[i][:60] for i in bad]} (set rollout.nonfinite_scores: skip)")
-            counters["skipped_nonfinite"] += len(bad)
-            keep = finite.nonzero().flatten()
-            if len(keep) == 0:
-                raise FloatingPointError(f"step {step}: every score in the batch is non-finite")
-            rollout, scores = rollout.select(keep), scores[keep]
-            components = {k: v[keep] for k, v in components.items()}
-            texts = [texts[i] for i in keep.tolist()]
+        # 3. Scores r_ψ(x, y) (+ reward functions); a row with a non-finite score is masked out, not dropped.
+        scores, components = models.scorer(rollout, texts, messages, step=step)
+        if r.missing_eos_penalty is not None:
+            scores = torch.where(rollout.ended, scores, scores + r.missing_eos_penalty)
+        valid = finite_scores(scores, texts, step=step, policy=r.nonfinite_scores, device=run.device)
+        counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
-        # 4. log π_old, log π_ref and V_old on the sampled tokens (no gradients).
-        old_logprobs, ref_logprobs, old_values = _experience(m, rollout, cfg)
+        # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients).
+        exp = compute_experience(rollout, scores, valid, actor=actor, reference=models.reference, critic=critic,
+                                 temperature=r.temperature, micro_batch_size=p.micro_batch_size)
 
-        # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at t = T), GAE(γ, λ), whitened advantages.
-        mask = rollout.response_mask
-        rewards, kl = shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_ctl.beta, cfg.ppo.kl_estimator)
-        advantages, returns = gae(rewards, old_values, mask, cfg.ppo.gamma, cfg.ppo.lam)
-        explained_var = float(explained_variance(old_values, returns, mask, all_reduce=dist.all_reduce_sum))
-        if cfg.ppo.whiten_advantages:
+        # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
+        mask = exp.mask
+        rewards, kl = shape_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, rollout.response_mask, kl_ctl.beta,
+                                    p.kl_estimator)
+        advantages, returns = gae(rewards, exp.values, mask, p.gamma, p.lam)
+        explained_var = float(explained_variance(exp.values, returns, mask, all_reduce=dist.all_reduce_sum))
+        if p.whiten_advantages:
             advantages = whiten(advantages, mask, all_reduce=dist.all_reduce_sum)
+        exp = exp.replace(advantages=advantages, returns=returns)
 
-        # 6. PPO epochs: clipped surrogate for the actor, clipped value loss for the critic.
+        # 6. PPO epochs on the whole batch: clipped surrogate for the actor, clipped value loss for the critic.
         t1 = time.perf_counter()
-        batch = _Batch(rollout, old_logprobs, old_values, advantages, returns)
-        update_stats, train_tokens = _ppo_epochs(m, batch, cfg, actor_opt, critic_opt, actor_sched, critic_sched,
-                                                 ptx_texts, ptx_sampler)
+        update = ppo_update(gather(exp), actor=Trained(actor, actor_opt, actor_sched),
+                            critic=Trained(critic, critic_opt, critic_sched), hp=p, temperature=r.temperature,
+                            max_length=r.max_new_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+                            shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer)
+        engine.after_update()
         t_train = time.perf_counter() - t1
 
-        # 7. The KL controller sees the batch's mean sequence KL (seed §3, d_t).
-        seq_kl = dist.global_mean(kl.sum(dim=1))
+        # 7. The KL controller sees the batch's mean sequence KL, d = mean_b Σ_t KL_t.
+        seq_kl = dist.global_mean(kl.sum(dim=1), weights=valid.float())
         beta_used = kl_ctl.beta
-        kl_ctl.update(seq_kl, n_steps=len(rollout) * dist.world_size())
+        kl_ctl.update(seq_kl, n_steps=int(dist.global_sum(int(valid.sum()))))
 
         # 8. Log, sample rows, checkpoint.
-        lengths = mask.sum(1).float()
+        w, lengths = valid.float(), rollout.response_mask.sum(1).float()
+        gen_tokens = dist.global_sum(lengths.sum())
         metrics = {
-            "score/mean": dist.global_mean(scores),
-            **{f"score/{k}": dist.global_mean(v) for k, v in components.items()},
-            "reward/total_mean": dist.global_mean(rewards.sum(1)),
+            "score/mean": dist.global_mean(scores, w),
+            **{f"score/{k}": dist.global_mean(v, w) for k, v in components.items()},
+            "reward/total_mean": dist.global_mean(rewards.sum(1), w),
             "kl/seq_mean": seq_kl, "kl/beta": beta_used, "kl/beta_next": kl_ctl.beta,
-            **update_stats, "value/explained_variance": explained_var,
-            "response/length_mean": dist.global_mean(lengths), "response/eos_frac": dist.global_mean(rollout.ended.float()),
+            **update.pop("stats"), "value/explained_variance": explained_var,
+            "response/length_mean": dist.global_mean(lengths, w), "response/eos_frac": dist.global_mean(rollout.ended.float(), w),
             "data/skipped_nonfinite": counters["skipped_nonfinite"], "data/epoch": sampler.epoch,
             "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
-            "speed/gen_tokens_per_s": lengths.sum().item() / max(t_gen, 1e-9),
-            "speed/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
-            "time/step_s": time.perf_counter() - t0, "time/wall_s": time.perf_counter() - wall0,
+            "data/prompts_skipped_empty": prompts.skipped_empty,
+            "speed/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
+            "time/step_s": time.perf_counter() - t0, "time/wall_s": run.wall_s(),
         }
-        if dist.is_main():
-            logger.log(step, metrics)
-            _write_samples(run_dir, step, texts, m.scorer.completions(rollout), scores, components,
-                           cfg.output.samples_per_step)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{seq_kl:.3f}", beta=f"{kl_ctl.beta:.3g}")
-        if step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            counters["wall_s"] = time.perf_counter() - wall0
-            _save_checkpoint(run_dir, step, m, cfg, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl,
-                             sampler, ptx_sampler, counters)
+        run.log(step, metrics, postfix={"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta})
+        if run.is_main:
+            write_samples(run.dir, step, texts, models.scorer.completions(rollout), scores, components, valid,
+                          cfg.output.samples_per_step)
+        if run.save_due(step, t.steps, t.save_every):
+            run.save(step, trained=trained, stateful=stateful, counters=counters,
+                     exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)}, keep=t.keep_checkpoints)
 
-    if bar is not None:
-        bar.close()
-    logger.close()
-    return run_dir
+    run.finish()
+    return run.dir
 
 
 # ----------------------------------------------------------------------------------------------
-# The PPO update (seed §5–§6)
+# The PPO update (the clipped surrogate, the clipped value loss, entropy and PTX)
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
-class _Batch:
-    rollout: Rollout
-    old_logprobs: torch.Tensor   # (B, T)
-    old_values: torch.Tensor     # (B, T)
-    advantages: torch.Tensor     # (B, T)
-    returns: torch.Tensor        # (B, T)
+class Trained:
+    """A model being trained, with its optimiser and learning-rate schedule."""
 
-    def select(self, idx: torch.Tensor) -> "_Batch":
-        r = self.rollout.select(idx)
-        # Drop columns no row of this slice uses: left padding of the prompt, right padding of the response.
-        p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
-        t1 = int(r.response_mask.any(0).nonzero().max()) + 1
-        r = Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.response_ids[:, :t1], r.response_mask[:, :t1],
-                    r.ended)
-        return _Batch(r, *(getattr(self, f)[idx][:, :t1] for f in ("old_logprobs", "old_values", "advantages", "returns")))
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
 
 
-def _ppo_epochs(m, batch: _Batch, cfg: PPOConfig, actor_opt, critic_opt, actor_sched, critic_sched,
-                ptx_texts, ptx_sampler) -> tuple[dict, int]:
-    """``ppo.epochs`` passes over shuffled mini-batches, accumulating gradients over micro-batches.
+@dataclass
+class PTXData:
+    """Pretraining texts for the PTX loss and the sampler that picks a batch per optimiser step."""
 
-    Per-micro-batch losses are weighted by their share of the mini-batch (tokens for token-mean,
-    sequences for seq-mean-token-mean) so the accumulated gradient is that of the whole mini-batch.
+    texts: list[str]
+    sampler: Sampler
+    max_length: int
+
+
+#: Statistics averaged over the valid tokens of each mini-batch (weighted by their count).
+_TOKEN_STATS = (("policy/clipfrac", "clipfrac"), ("policy/approx_kl", "approx_kl_k3"),
+                ("policy/approx_kl_k1", "approx_kl_k1"), ("value/clipfrac", "vf_clipfrac"))
+
+
+def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossConfig, temperature: float,
+               max_length: int, max_grad_norm: float, shuffle_seed: int, ptx: PTXData | None = None,
+               tokenizer=None) -> dict:
+    """``hp.epochs`` passes over shuffled mini-batches of the **whole** batch ``exp`` (every rank holds
+    it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th part of each mini-batch,
+    in micro-batches whose gradients accumulate.
+
+    Every loss is normalised by the aggregation's unit count over the whole mini-batch
+    (:func:`proximal.core.aggregation_units`) divided by the number of ranks, because FSDP averages
+    gradients over ranks: the accumulated gradient is exactly that of the mini-batch's loss, whatever
+    the micro-batch size and the number of processes. The ``target_kl`` early stop is decided on the
+    global approximate KL, so every rank stops at the same mini-batch.
+
+    Returns ``{"stats": {...}, "tokens": int}``: mean losses and statistics over the optimiser steps,
+    and the tokens this update passed through the models (all ranks).
     """
-    p, T = cfg.ppo, cfg.rollout.temperature
-    B = len(batch.rollout)
-    mb = min(p.mini_batch_size, B)
+    W, rank = dist.world_size(), dist.rank()
+    B, mb = len(exp), min(hp.mini_batch_size, len(exp))
+    per_rank = mb // W
+    g = torch.Generator().manual_seed(shuffle_seed)
+    device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
     tokens = 0
-    stop = False
-    for _epoch in range(p.epochs):
-        order = torch.randperm(B)
-        for start in range(0, B, mb):  # the last mini-batch is smaller only after skipped samples
+    stopped, epochs_run = False, 0
+    for _epoch in range(hp.epochs):
+        epochs_run += 1
+        order = torch.randperm(B, generator=g).to(device)
+        for start in range(0, B, mb):
             mini = order[start:start + mb]
-            mini_mask = batch.rollout.response_mask[mini]
-            weight_total = mini_mask.sum() if p.aggregation == "token-mean" else mini_mask.any(1).sum()
-            actor_opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
-            acc: dict[str, float] = {}
-            for mstart in range(0, len(mini), p.micro_batch_size):
-                micro = batch.select(mini[mstart:mstart + p.micro_batch_size])
-                r, mask = micro.rollout, micro.rollout.response_mask
-                w = (mask.sum() if p.aggregation == "token-mean" else mask.any(1).sum()) / weight_total
-                logits = response_logits(m.actor, r)                                    # (b, T, V)
-                logprobs = logprobs_from_logits(logits, r.response_ids, T, mask=mask)
-                pg_loss, pg_stats = ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask,
-                                                    p.clip_eps, p.aggregation)
-                with torch.set_grad_enabled(p.entropy_coef > 0):  # logged always, differentiated only if used
-                    entropy = entropy_from_logits(logits, mask, T, aggregation=p.aggregation)
-                actor_loss = pg_loss - p.entropy_coef * entropy                         # −(L^CLIP + c2·S)
-                (w * actor_loss).backward()
-                values = _values(m.critic, r)
-                vf_loss, vf_stats = value_loss(values, micro.old_values, micro.returns, mask, p.value_clip_eps,
-                                               aggregation=p.aggregation)
-                (w * p.vf_coef * vf_loss).backward()                                    # c1·L^VF
-                tokens += int(r.attention_mask.sum())
-                for k, v in {"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": entropy,
-                             "policy/clipfrac": pg_stats["clipfrac"], "policy/approx_kl": pg_stats["approx_kl_k3"],
-                             "policy/approx_kl_k1": pg_stats["approx_kl_k1"], "policy/ratio_max": pg_stats["ratio_max"],
-                             "value/clipfrac": vf_stats["vf_clipfrac"]}.items():
-                    v = float(v.detach())
-                    acc[k] = max(acc.get(k, v), v) if k == "policy/ratio_max" else acc.get(k, 0.0) + float(w) * v
-            if ptx_texts is not None:                                                   # γ_PTX·(−L^PTX)
-                ptx = _ptx_loss(m, ptx_texts, ptx_sampler, cfg)
-                (p.ptx_coef * ptx).backward()
-                acc["loss/ptx"] = float(ptx.detach())
-            acc["grad_norm/actor"] = _clip_and_step(m.actor, actor_opt, actor_sched, cfg.optim.max_grad_norm)
-            acc["grad_norm/critic"] = _clip_and_step(m.critic, critic_opt, critic_sched, cfg.optim.max_grad_norm)
-            for k, v in acc.items():
+            units = float(aggregation_units(exp.mask[mini], hp.aggregation))
+            if units == 0:  # every row of this mini-batch was masked out: the same on every rank
+                continue
+            norm = units / W
+            mine = mini[rank * per_rank:(rank + 1) * per_rank]
+            acc = torch.zeros(len(_TOKEN_STATS) + 4, dtype=torch.float64, device=device)  # see below
+            ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
+            for mstart in range(0, len(mine), hp.micro_batch_size):
+                m = exp.select(mine[mstart:mstart + hp.micro_batch_size])
+                mask, n_tok = m.mask, m.mask.sum()
+                logits = response_logits(actor.module, m.rollout)                                # (b, T, V)
+                logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
+                pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
+                                              max_length=max_length, normalizer=norm)
+                with torch.set_grad_enabled(hp.entropy_coef > 0):  # logged always, differentiated only if used
+                    entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
+                                                  max_length=max_length, normalizer=norm)
+                (pg_loss - hp.entropy_coef * entropy).backward()                                # −(L^CLIP + c2·S)
+                values = critic_values(critic.module, m.rollout)
+                vf_loss, vf = value_loss(values, m.values, m.returns, mask, hp.value_clip_eps,
+                                         aggregation=hp.aggregation, max_length=max_length, normalizer=norm)
+                (hp.vf_coef * vf_loss).backward()                                               # c1·L^VF
+                tokens += int(m.rollout.attention_mask.sum())
+                stats = {**pg, **vf}
+                acc += torch.stack([float(stats[k]) * n_tok.double() for _, k in _TOKEN_STATS]
+                                   + [n_tok.double(), pg_loss.detach().double(), vf_loss.detach().double(),
+                                      entropy.detach().double()])
+                if n_tok > 0:
+                    ratio_max = torch.maximum(ratio_max, pg["ratio_max"].double().reshape(1))
+            acc, ratio_max = dist.all_reduce_sum(acc), dist.all_reduce_max(ratio_max)
+            n = acc[len(_TOKEN_STATS)]
+            row = {name: float(acc[i] / n) for i, (name, _) in enumerate(_TOKEN_STATS)}
+            row.update({"loss/policy": float(acc[-3]) / W, "loss/value": float(acc[-2]) / W,
+                        "policy/entropy": float(acc[-1]) / W, "policy/ratio_max": float(ratio_max)})
+            if ptx is not None:                                                                 # γ_PTX·(−L^PTX)
+                loss = ptx_step(actor.module, tokenizer, ptx)
+                (hp.ptx_coef * loss).backward()
+                row["loss/ptx"] = dist.global_sum(loss.detach()) / W
+            lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
+            row["grad_norm/actor"] = clip_and_step(actor.module, actor.optimizer, actor.scheduler, max_grad_norm,
+                                                   what="actor")
+            row["grad_norm/critic"] = clip_and_step(critic.module, critic.optimizer, critic.scheduler, max_grad_norm,
+                                                    what="critic")
+            for k, v in row.items():
                 history.setdefault(k, []).append(v)
-            if p.target_kl is not None and acc["policy/approx_kl"] > p.target_kl:
-                stop = True
+            if hp.target_kl is not None and row["policy/approx_kl"] > hp.target_kl:  # global, so every rank agrees
+                stopped = True
                 break
-        if stop:
+        if stopped:
             break
     stats = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in history.items()}
-    stats["policy/epochs_run"] = _epoch + 1
-    stats["policy/early_stopped"] = float(stop)
-    stats["lr/actor"] = actor_sched.get_last_lr()[0]
-    stats["lr/critic"] = critic_sched.get_last_lr()[0]
-    return stats, tokens
+    stats["policy/epochs_run"] = epochs_run
+    stats["policy/early_stopped"] = float(stopped)
+    if history:
+        stats["lr/actor"], stats["lr/critic"] = lrs
+    return {"stats": stats, "tokens": int(dist.global_sum(tokens))}
 
 
-def _values(critic, r: Rollout) -> torch.Tensor:
-    """V_φ(s_t) for each response position t: the head at the token before y_t. (B, T)."""
-    P = r.prompt_ids.shape[1]
-    return token_values(critic, r.input_ids, r.attention_mask)[:, P - 1:-1].float()
+def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
+    """This rank's share of −L^PTX on the next global batch of pretraining texts (normalised by the
+    whole batch's token count, like the PPO losses)."""
+    batch = ptx.sampler.next_global_batch()
+    rows = [tokenizer(ptx.texts[i], add_special_tokens=True).input_ids[:ptx.max_length] for i in batch]
+    total = sum(max(len(x) - 1, 0) for x in rows)  # predicted tokens, all ranks
+    mine = ptx.sampler.local_part(rows)
+    ids, att = pad_right(mine, tokenizer.pad_token_id, next(actor.parameters()).device)
+    from proximal.models.parallel import autocast
 
-
-@torch.no_grad()
-def _experience(m, rollout: Rollout, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log π_old, log π_ref and V_old, each (B, T), computed micro-batch by micro-batch."""
-    T = cfg.rollout.temperature
-    old, ref, val = [], [], []
-    n = cfg.ppo.micro_batch_size
-    for i in range(0, len(rollout), n):
-        r = rollout.select(torch.arange(i, min(i + n, len(rollout))))
-        mask = r.response_mask
-        old.append(logprobs_from_logits(response_logits(m.actor, r), r.response_ids, T, mask=mask))
-        with m.reference.active() as ref_model:
-            ref.append(logprobs_from_logits(response_logits(ref_model, r), r.response_ids, T, mask=mask))
-        val.append(torch.where(mask, _values(m.critic, r), 0.0))
-    return torch.cat(old), torch.cat(ref), torch.cat(val)
-
-
-def _ptx_loss(m, texts: list[str], sampler: PromptSampler, cfg: PPOConfig) -> torch.Tensor:
-    tok = m.tokenizer
-    rows = [tok(texts[i], add_special_tokens=True).input_ids[: cfg.data.ptx_max_length] for i in sampler.next_batch()]
-    ids, att = pad_right(rows, tok.pad_token_id, next(m.actor.parameters()).device)
-    logits = m.actor(input_ids=ids, attention_mask=att, use_cache=False).logits
-    return ptx_loss(logits[:, :-1], ids[:, 1:], att[:, 1:].bool())
-
-
-def _clip_and_step(model, opt, sched, max_norm: float) -> float:
-    params = trainable_parameters(model)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    opt.step()
-    sched.step()
-    return float(norm)
+    with autocast(actor):
+        logits = actor(input_ids=ids, attention_mask=att, use_cache=False).logits
+    return ptx_loss(logits[:, :-1], ids[:, 1:], att[:, 1:].bool(), normalizer=total / dist.world_size())
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up: models, optimisers, controllers
+# Set-up: models, the KL controller, the non-finite-score guard, sample rows
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
-class _Models:
+class PPOModels:
     tokenizer: object
-    actor: object
-    reference: Reference
-    critic: object
-    scorer: Scorer
-    extra: dict = field(default_factory=dict)
+    actor: torch.nn.Module
+    reference: object          # proximal.models.policy.Reference
+    critic: torch.nn.Module
+    scorer: object             # proximal.rollout.scoring.Scorer
 
 
-def _build_models(cfg: PPOConfig, device, ckpt: Path | None, functions: dict) -> _Models:
-    mc = cfg.model
-    tokenizer = load_tokenizer(mc.policy, role="policy tokenizer")
-    lora = (dict(r=mc.lora_r, alpha=mc.lora_alpha, target_modules=mc.lora_target_modules)
-            if mc.lora_r > 0 else None)
-    actor_path = str(ckpt / "policy") if ckpt is not None else None
-    if lora:
-        actor = build_actor(mc.policy, dtype=mc.dtype, lora=lora, adapter_path=actor_path)
-    else:
-        actor = build_actor(actor_path or mc.policy, dtype=mc.dtype)
-    reference = Reference(actor, path=mc.policy, dtype=mc.dtype, shares_actor=lora is not None)
-
-    reward_model = reward_tokenizer = None
-    if mc.reward_model is not None:
-        reward_tokenizer = load_tokenizer(mc.reward_model, role="reward-model tokenizer", padding_side="right")
-        reward_model = load_sequence_scorer(mc.reward_model, role="reward model", dtype=mc.dtype,
-                                            pad_token_id=reward_tokenizer.pad_token_id)
-        freeze(reward_model)
-    weights = dict(zip(mc.reward_functions, mc.reward_function_weights or [1.0] * len(functions)))
-
-    critic_source = mc.critic
-    if critic_source == "reward_model":
-        if not same_tokenizer(tokenizer, reward_tokenizer):
+def build_models(cfg: PPOConfig, device: torch.device, world_size: int, functions: dict) -> PPOModels:
+    """The four models, loaded in train.precision's dtypes, placed, and sharded across processes."""
+    mc, t = cfg.model, cfg.train
+    lora = mc.lora()
+    tokenizer, actor, reference = build_policy(mc.path, lora=lora, precision=t.precision, device=device,
+                                               world_size=world_size, activation_checkpointing=t.activation_checkpointing,
+                                               frozen_sharding=mc.frozen_sharding)
+    scorer = build_scorer(tokenizer, reward_model=mc.reward_model, reward_model_weight=mc.reward_model_weight,
+                          functions=functions, function_weights=mc.function_weights(), precision=t.precision,
+                          device=device, world_size=world_size, frozen_sharding=mc.frozen_sharding,
+                          micro_batch_size=cfg.ppo.micro_batch_size)
+    if mc.critic == "reward_model":
+        if not same_tokenizer(tokenizer, scorer.reward_tokenizer):
             raise ModelLoadError(f"model.critic = reward_model, but the reward model's tokenizer ({mc.reward_model}) "
-                                 f"differs from the policy's ({mc.policy}); the critic reads the policy's tokens. "
+                                 f"differs from the policy's ({mc.path}); the critic reads the policy's tokens. "
                                  "Set model.critic: policy, or a critic checkpoint with the policy's tokenizer.")
-    elif critic_source != "policy":
-        critic_tok = load_tokenizer(critic_source, role="critic tokenizer")
+    elif mc.critic != "policy":
+        critic_tok = load_tokenizer(mc.critic, role="critic tokenizer (model.critic)")
         if not same_tokenizer(tokenizer, critic_tok):
-            raise ModelLoadError(f"model.critic {critic_source!r}: its tokenizer differs from the policy's "
-                                 f"({mc.policy}); the critic must read the policy's tokens")
-    critic_lora = lora if (lora and mc.critic_lora) else None
-    critic = build_critic(critic_source, policy_path=mc.policy, reward_model_path=mc.reward_model, dtype=mc.dtype,
-                          pad_token_id=tokenizer.pad_token_id, lora=critic_lora,
-                          path=str(ckpt / "critic") if ckpt is not None and not critic_lora else None)
-    if critic_lora and ckpt is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-        set_peft_model_state_dict(critic, load_file(str(ckpt / "critic" / "adapter_model.safetensors")))
-    for model in (actor, critic, reference.model, reward_model):
-        if model is not None:
-            model.to(device)
-    scorer = Scorer(tokenizer, reward_model=reward_model, reward_tokenizer=reward_tokenizer,
-                    reward_model_weight=mc.reward_model_weight, functions=functions, function_weights=weights,
-                    micro_batch_size=cfg.ppo.micro_batch_size)
-    return _Models(tokenizer, actor, reference, critic, scorer)
+            raise ModelLoadError(f"model.critic {mc.critic!r}: its tokenizer differs from the policy's "
+                                 f"({mc.path}); the critic must read the policy's tokens")
+    critic = build_critic(mc.critic, policy_path=mc.path, reward_model_path=mc.reward_model,
+                          dtype=load_dtype(t.precision, trained=True), pad_token_id=tokenizer.pad_token_id,
+                          lora=lora if mc.critic_lora else None)
+    prepare_trained(critic, device=device, precision=t.precision, world_size=world_size,
+                    activation_checkpointing=t.activation_checkpointing)
+    return PPOModels(tokenizer, actor, reference, critic, scorer)
 
 
-def _optimizer(model, lr: float, cfg: PPOConfig, total_steps: int):
-    o = cfg.optim
-    opt = torch.optim.AdamW(trainable_parameters(model), lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                            weight_decay=o.weight_decay)
-
-    def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        frac = min(1.0, (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps))
-        return 1.0 - frac if o.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+def kl_controller(name: str, *, beta: float, target: float, k_beta: float, horizon: int):
+    if name == "adaptive":
+        return AdaptiveKLController(beta, target, k_beta)
+    if name == "proportional":
+        return ProportionalKLController(beta, target, horizon)
+    return FixedKLController(beta)
 
 
-def _kl_controller(cfg: PPOConfig):
-    k = cfg.kl
-    if k.controller == "adaptive":
-        return AdaptiveKLController(k.beta, k.target, k.k_beta)
-    if k.controller == "proportional":
-        return ProportionalKLController(k.beta, k.target, k.horizon)
-    return FixedKLController(k.beta)
+def finite_scores(scores: torch.Tensor, prompts: list[str], *, step: int, policy: str,
+                  device: torch.device) -> torch.Tensor:
+    """(B,) bool: which scores are finite. With ``policy='error'`` a non-finite score on any rank stops
+    every rank (FloatingPointError); with 'skip' the rows are masked out of training — unless no row
+    of the whole batch is left."""
+    finite = torch.isfinite(scores)
+    bad = (~finite).nonzero().flatten().tolist()
+    stop = policy == "error" and bool(bad)
+    if dist.any_rank(stop, device):
+        where = (f"non-finite scores {scores[bad].tolist()} for prompts {[prompts[i][:60] for i in bad]}" if stop
+                 else "a non-finite score on another rank")
+        raise FloatingPointError(f"step {step}: {where} (set rollout.nonfinite_scores: skip)")
+    if dist.global_sum(int(finite.sum()), device) == 0:
+        raise FloatingPointError(f"step {step}: every score in the batch is non-finite")
+    return finite
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _progress(cfg: PPOConfig, start: int):
-    if not cfg.output.progress or not dist.is_main():
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.train.steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: policy and critic in Hugging Face format + the trainer state, written atomically
-# ----------------------------------------------------------------------------------------------
-
-def _save_checkpoint(run_dir: Path, step: int, m: _Models, cfg: PPOConfig, actor_opt, actor_sched, critic_opt,
-                     critic_sched, kl_ctl, sampler, ptx_sampler, counters: dict) -> None:
-    if not dist.is_main():
-        return
-    root = run_dir / "checkpoints"
-    with atomic_dir(root / f"step_{step:06d}") as tmp:
-        m.actor.save_pretrained(tmp / "policy", safe_serialization=True)
-        m.tokenizer.save_pretrained(tmp / "policy")
-        m.critic.save_pretrained(tmp / "critic", safe_serialization=True)
-        m.tokenizer.save_pretrained(tmp / "critic")
-        torch.save({
-            "step": step,
-            "actor_optimizer": actor_opt.state_dict(), "actor_scheduler": actor_sched.state_dict(),
-            "critic_optimizer": critic_opt.state_dict(), "critic_scheduler": critic_sched.state_dict(),
-            "kl_controller": kl_ctl.state_dict(), "counters": dict(counters),
-            "sampler": sampler.state_dict(), "ptx_sampler": ptx_sampler.state_dict() if ptx_sampler else None,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        }, tmp / "trainer_state.pt")
-    atomic_write_text(root / "latest", f"step_{step:06d}\n")
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-cfg.train.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
-    """The files of an earlier run in ``run_dir``, to delete before starting afresh; refused without
-    ``overwrite`` (its checkpoints would be mixed with ours)."""
-    names = ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard")
-    earlier = [run_dir / n for n in names if (run_dir / n).exists()]
-    if earlier and not overwrite:
-        raise FileExistsError(f"output.dir {run_dir} already holds a run ({', '.join(p.name for p in earlier)}); "
-                              f"continue it with --resume {run_dir}, or start afresh with --output.overwrite true")
-    return earlier
-
-
-def _latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if pointer.is_file():
-        path = run_dir / "checkpoints" / pointer.read_text().strip()
-        if path.is_dir():
-            return path
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
-    return done[-1] if done else None
-
-
-def _load_trainer_state(ckpt: Path, actor_opt, actor_sched, critic_opt, critic_sched, kl_ctl, sampler,
-                        ptx_sampler) -> tuple[int, dict]:
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    actor_opt.load_state_dict(state["actor_optimizer"])
-    actor_sched.load_state_dict(state["actor_scheduler"])
-    critic_opt.load_state_dict(state["critic_optimizer"])
-    critic_sched.load_state_dict(state["critic_scheduler"])
-    kl_ctl.load_state_dict(state["kl_controller"])
-    sampler.load_state_dict(state["sampler"])
-    if ptx_sampler is not None and state["ptx_sampler"] is not None:
-        ptx_sampler.load_state_dict(state["ptx_sampler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"]), dict(state.get("counters", {"skipped_nonfinite": 0, "wall_s": 0.0}))
-
-
-def _write_samples(run_dir: Path, step: int, prompts: list[str], completions: list[str], scores, components,
-                   n: int) -> None:
-    if n <= 0:
+def write_samples(run_dir: Path, step: int, prompts: list[str], completions: list[str], scores, components,
+                  valid: torch.Tensor, n: int) -> None:
+    """The first ``n`` trained-on (valid) rows of this rank's batch, appended to samples.jsonl."""
+    rows = valid.nonzero().flatten().tolist()[:n]
+    if not rows:
         return
     with (run_dir / "samples.jsonl").open("a", encoding="utf-8") as fh:
-        for i in range(min(n, len(prompts))):
+        for i in rows:
             row = {"step": step, "prompt": prompts[i], "response": completions[i], "score": float(scores[i]),
                    **{f"score/{k}": float(v[i]) for k, v in components.items()}}
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
 def cli(argv: list[str]) -> int:
-    from proximal.cli import config_command
-
-    def run(cfg: PPOConfig, resume_dir=None) -> int:
-        try:
-            run_dir = train(cfg, resume_dir=resume_dir)
-        except (ConfigError, DataError, ModelLoadError, RewardFunctionError, FileNotFoundError, FileExistsError,
-                ImportError) as e:
-            print(f"proximal ppo: {e}", file=sys.stderr)  # bad input: one line, no traceback
-            return 2
-        except FloatingPointError as e:
-            print(f"proximal ppo: {e}", file=sys.stderr)
-            return 1
-        print(f"proximal ppo: done; run directory {run_dir}")
-        return 0
-
-    return config_command(argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, run=run)
+    return config_command(argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, train=train)

@@ -1,9 +1,10 @@
-"""Reward-model training on preference pairs with the Bradley–Terry loss (seed §2, item 3).
+"""Reward-model training on preference pairs with the Bradley–Terry loss.
 
 ``proximal rm --config rm.yaml [--section.key value ...]`` fits R_ψ so that
-P(y_w ≻ y_l | x) = σ(R_ψ(x, y_w) − R_ψ(x, y_l)) explains the preference data, and saves an
-``AutoModelForSequenceClassification`` checkpoint with one label. ``proximal ppo`` loads it as the
-frozen reward model and as the critic's initialisation.
+P(y_w ≻ y_l | x) = σ(R_ψ(x, y_w) − R_ψ(x, y_l)) (Bradley & Terry 1952; Christiano et al. 2017)
+explains the preference data, and saves an ``AutoModelForSequenceClassification`` checkpoint with
+one label; ``proximal rm --resume RUN_DIR`` continues a run exactly. ``proximal ppo`` loads the result
+as the frozen reward model and as the critic's initialisation.
 
 The score of a sequence is the scalar head's output at its last real token — for a response, the EOS
 appended after it — computed by :func:`proximal.models.heads.last_token_scores`, the very function
@@ -12,8 +13,8 @@ from EOS this is exactly what the checkpoint's own ``model(...).logits`` returns
 the rightmost non-pad token); when pad = EOS, plain ``model(...).logits`` skips the trailing EOS and
 reads the token before it, so score through ``last_token_scores`` (see docs/rm.md).
 
-Config layout, optimizer, schedule and batching are those of ``proximal sft``
-(:mod:`proximal.trainers.sft`), so the two commands are configured the same way.
+Config layout, optimiser, schedule, batching and checkpoints are the shared layer's, as in
+``proximal sft`` (:mod:`proximal.trainers.sft`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,26 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from proximal.config import option, save_config, section
+from proximal.config import ConfigError, option, section
 from proximal.core import bradley_terry_loss
 from proximal.data.preferences import collate_pairs, load_preference_pairs
-from proximal.data.sft import ON_TOO_LONG
+from proximal.data.sampler import Sampler
+from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
+from proximal.logging import read_metrics
 from proximal.models.heads import last_token_scores
-from proximal.models.loading import DTYPES
-from proximal.trainers.common import (TrainSection, build_optimizer, check_fits, common_errors, data_metrics,
-                                      finalize_run, index_batches, lr_at, plan_steps, prepare_output_dir,
-                                      resolve_device, run_and_report, set_lr, to_device)
+from proximal.models.loading import check_fits, load_tokenizer
+from proximal.models.parallel import load_dtype, prepare_trained
+from proximal.train.batches import accumulate, evaluate, plan_steps
+from proximal.train.checkpoint import export_final
+from proximal.train.command import config_command
+from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.run import check_per_rank, open_run
+from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection
+from proximal.trainers.sft import RENAMED_BATCH_FIELDS
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -40,49 +49,56 @@ from proximal.trainers.common import (TrainSection, build_optimizer, check_fits,
 
 
 @dataclass
-class RMModel:
+class RMModel(ModelSection):
     path: str = option("", "Initial weights: a causal-LM checkpoint (usually the SFT model; a zero-initialised "
                            "one-output head replaces the LM head) or an existing one-label sequence-"
                            "classification checkpoint (trained further as is). Its tokenizer is loaded from "
                            "the same place and saved with the result. Required.")
-    dtype: str = option("float32", "Dtype the weights are loaded and trained in. float32 is the safe "
-                                   "choice for AdamW; bfloat16 halves memory.", choices=tuple(DTYPES))
 
 
 @dataclass
-class RMData:
+class PreferenceData:
     train_file: str = option("", "JSONL training file of preference pairs: {\"prompt\": str, \"chosen\": str, "
                                  "\"rejected\": str} with an optional numeric \"margin\", or chat messages "
                                  "(docs/rm.md). Required.")
-    eval_file: str | None = option(None, "JSONL file in the same format for held-out accuracy, loss and reward "
-                                         "gap; null = no held-out evaluation.")
+    eval_file: str | None = option(None, "JSONL file in the same format for held-out metrics; null = no held-out "
+                                         "evaluation.")
     max_length: int = option(512, "Longest prompt + response + EOS, in tokens, for either side of a pair. A "
                                   "longer row is an error naming its file and line, or is dropped (see "
                                   "on_too_long).")
     on_too_long: str = option("error", "What to do with a pair where either side is longer than max_length: "
                                        "'error' stops with its file:line; 'skip' drops the pair and counts it "
                                        "in metrics.jsonl.", choices=ON_TOO_LONG)
+    on_empty: str = option("error", "What to do with a pair whose chosen or rejected response is empty, or whose "
+                                    "two responses are the same: 'error' stops with its file:line; 'skip' drops "
+                                    "the pair and counts it in metrics.jsonl.", choices=ON_EMPTY)
 
-
-@dataclass
-class RMOutput:
-    dir: str = option("runs/rm", "Run directory: receives the sequence-classification checkpoint (safetensors "
-                                 "+ tokenizer), config.yaml and metrics.jsonl.")
-    overwrite: bool = option(False, "Replace an existing run in `dir`. Without it, a non-empty `dir` is an "
-                                    "error, so a finished run is never clobbered by accident.")
+    def problems(self, name: str = "data") -> list[str]:
+        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
+        if self.max_length < 2:
+            e.append(f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)")
+        return e
 
 
 @dataclass
 class RMConfig:
     """``proximal rm`` configuration."""
     model: RMModel = section(RMModel, "The model the reward model starts from.")
-    data: RMData = section(RMData, "Preference pairs.")
-    train: TrainSection = section(TrainSection, "Optimisation (batch sizes count pairs).")
-    output: RMOutput = section(RMOutput, "Where the run is written.")
-    seed: int = option(0, "Seed for shuffling and any randomness in the model (dropout).")
+    data: PreferenceData = section(PreferenceData, "Preference pairs.")
+    optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
+    train: BatchTrainSection = section(BatchTrainSection, "Steps, batches (counting pairs), devices, checkpoints.",
+                                       save_every=500)
+    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/rm")
+
+    RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
 
     def validate(self) -> list[str]:
-        return common_errors(self)
+        e = self.model.problems() + self.data.problems() + self.optim.problems() + self.train.problems()
+        e += self.output.problems()
+        if self.train.batch_size >= 1 and self.train.micro_batch_size >= 1:
+            check_per_rank(e, "train.batch_size", self.train.batch_size, "train.micro_batch_size",
+                           self.train.micro_batch_size)
+        return e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,95 +113,94 @@ def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[:B], scores[B:]
 
 
-def train(cfg: RMConfig) -> Path:
+def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
     """Train a reward model from ``cfg.model.path`` on ``cfg.data.train_file``; return the run directory."""
-    from tqdm.auto import tqdm
-    from transformers import set_seed
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    t, d = cfg.train, cfg.data
 
-    from proximal.logging import MetricsLogger
-    from proximal.models.loading import load_tokenizer
-
-    # 1. Output directory, seed, tokenizer and data (data errors surface before the model loads).
-    out = prepare_output_dir(cfg.output.dir, cfg.output.overwrite)
-    set_seed(cfg.seed)
+    # 1. The run, the tokenizer and the data (data errors surface before the model loads).
+    run = open_run("rm", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
+                   dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
-    d, t = cfg.data, cfg.train
-    train_set, train_report = load_preference_pairs(d.train_file, tokenizer, max_length=d.max_length,
-                                                    on_too_long=d.on_too_long)
-    eval_set, eval_report = (load_preference_pairs(d.eval_file, tokenizer, max_length=d.max_length,
-                                                   on_too_long=d.on_too_long) if d.eval_file else ([], None))
-    total_steps, steps_per_epoch = plan_steps(len(train_set), t, d.train_file)
+    load = dict(max_length=d.max_length, on_too_long=d.on_too_long, on_empty=d.on_empty)
+    train_set, train_report = load_preference_pairs(d.train_file, tokenizer, **load)
+    eval_set, eval_report = load_preference_pairs(d.eval_file, tokenizer, **load) if d.eval_file else ([], None)
+    total = plan_steps(len(train_set), steps=t.steps, epochs=t.epochs, batch_size=t.batch_size,
+                       warmup_steps=cfg.optim.warmup_steps, train_file=d.train_file)
 
-    # 2. Model (a fresh zero head on a causal LM, or an existing classifier), optimizer, run files.
-    device = resolve_device(t.device)
-    model, new_head = load_reward_model(cfg.model.path, cfg.model.dtype, tokenizer)
-    model.to(device)
+    # 2. Model (a fresh zero head on a causal LM, or an existing classifier), optimiser, sampler, resume.
+    model, new_head = load_reward_model(cfg.model.path, load_dtype(t.precision, trained=True), tokenizer)
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
-    optimizer = build_optimizer(model, t.lr, t.weight_decay)
-    save_config(cfg, out / "config.yaml")
-    logger = MetricsLogger(out)
-    pad = tokenizer.pad_token_id
+    prepare_trained(model, device=run.device, precision=t.precision, world_size=run.world_size,
+                    activation_checkpointing=t.activation_checkpointing)
+    model.train()
+    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=total)
+    sampler = Sampler(len(train_set), t.batch_size, seed=t.seed, drop_last=True, rank=run.rank,
+                      world_size=run.world_size)
+    trained, stateful = {"model": (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
+    start, counters = run.restore(trained, stateful)
+    run.begin(cfg, start=start, total=total, counters=counters, progress=cfg.output.progress,
+              tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    pad, W = tokenizer.pad_token_id, run.world_size
 
-    def evaluate() -> dict:
+    def held_out() -> dict:
         model.eval()
-        chosen, rejected, margins = [], [], []
-        with torch.no_grad():
-            for i in range(0, len(eval_set), t.micro_batch_size):
-                batch = to_device(collate_pairs(eval_set[i:i + t.micro_batch_size], pad), device)
-                r_w, r_l = pair_scores(model, batch)
-                chosen.append(r_w)
-                rejected.append(r_l)
-                margins.append(batch.get("margin", torch.zeros_like(r_w)))
+        s = evaluate(len(eval_set), t.micro_batch_size,
+                     lambda idx: pair_step(model, [eval_set[i] for i in idx], pad, run.device), run.device)
         model.train()
-        r_w, r_l = torch.cat(chosen), torch.cat(rejected)
-        loss, stats = bradley_terry_loss(r_w, r_l, torch.cat(margins))
-        both = torch.cat([r_w, r_l])
-        return {"eval/loss": loss, "eval/accuracy": stats["accuracy"], "eval/reward_gap": stats["score_gap"],
-                "eval/chosen_reward": r_w.mean(), "eval/rejected_reward": r_l.mean(),
-                "eval/reward_std": both.std(unbiased=False)}
+        n = s["pairs"]
+        var = (s["reward_sq_sum"] / (2 * n)) - ((s["chosen_sum"] + s["rejected_sum"]) / (2 * n)) ** 2
+        return {"eval/loss": s["loss_sum"] / n, "eval/accuracy": s["correct"] / n, "eval/reward_gap": s["gap_sum"] / n,
+                "eval/chosen_reward": s["chosen_sum"] / n, "eval/rejected_reward": s["rejected_sum"] / n,
+                "eval/reward_std": max(var, 0.0) ** 0.5}
 
     # 3. Step 0: data counts and the held-out metrics before any update.
-    first = {**data_metrics("train", train_report), **data_metrics("eval", eval_report),
-             "train/total_steps": total_steps, "model/new_head": int(new_head)}
-    if eval_set:
-        first.update(evaluate())
-    logger.log(0, first)
+    if start == 0:
+        first = {**train_report.metrics("train"), **(eval_report.metrics("eval") if eval_report else {}),
+                 "train/total_steps": total, "model/new_head": int(new_head)}
+        run.log(0, {**first, **(held_out() if eval_set else {})})
 
-    # 4. The loop: each optimizer step accumulates batch_size / micro_batch_size micro-batches of pairs.
-    model.train()
-    batches = index_batches(len(train_set), t.batch_size, cfg.seed)
-    bar = tqdm(range(1, total_steps + 1), desc="rm", unit="step", disable=None, dynamic_ncols=True)
-    for step in bar:
-        rows = [train_set[i] for i in next(batches)]
-        set_lr(optimizer, lr_at(step, t.lr, t.warmup_steps, total_steps))
-        loss_sum = acc_sum = gap_sum = 0.0
-        for i in range(0, len(rows), t.micro_batch_size):
-            batch = to_device(collate_pairs(rows[i:i + t.micro_batch_size], pad), device)
-            r_w, r_l = pair_scores(model, batch)
-            loss, stats = bradley_terry_loss(r_w, r_l, batch.get("margin", 0.0))
-            weight = r_w.shape[0] / t.batch_size  # the loss is a mean over pairs: weight each micro-batch by its share
-            (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight
-            acc_sum += float(stats["accuracy"]) * weight
-            gap_sum += float(stats["score_gap"]) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    # 4. The loop: each optimiser step accumulates this rank's micro-batches of pairs.
+    for step in range(start + 1, total + 1):
+        batch = [train_set[i] for i in sampler.next_global_batch()]
+        s = accumulate(sampler.local_part(batch), t.micro_batch_size,
+                       lambda rows: pair_step(model, rows, pad, run.device, len(batch) / W), run.device)
+        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
+        grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
 
-        # 5. Log; evaluate every eval_every steps and after the last one.
-        row = {"train/loss": loss_sum, "train/accuracy": acc_sum, "train/reward_gap": gap_sum,
-               "train/grad_norm": float(grad_norm), "train/lr": optimizer.param_groups[0]["lr"],
-               "train/epoch": step / steps_per_epoch}
-        if eval_set and (step == total_steps or (t.eval_every and step % t.eval_every == 0)):
-            row.update(evaluate())
-        logger.log(step, row)
-        bar.set_postfix({"loss": f"{loss_sum:.4f}", "acc": f"{float(row.get('eval/accuracy', acc_sum)):.3f}"})
-    bar.close()
-    logger.close()
+        # 5. Log; evaluate every eval_every steps and after the last one; checkpoint.
+        n = len(batch)
+        row = {"train/loss": s["loss_sum"] / n, "train/accuracy": s["correct"] / n, "train/reward_gap": s["gap_sum"] / n,
+               "train/grad_norm": grad_norm, "train/lr": lr,
+               "train/epoch": step / sampler.steps_per_epoch, "time/wall_s": run.wall_s()}
+        if eval_set and (step == total or (t.eval_every and step % t.eval_every == 0)):
+            row.update(held_out())
+        run.log(step, row, postfix={"loss": row["train/loss"], "acc": row.get("eval/accuracy", row["train/accuracy"])})
+        if run.save_due(step, total, t.save_every):
+            run.save(step, trained=trained, stateful=stateful, counters=counters,
+                     exports={"model": (model, tokenizer)}, keep=t.keep_checkpoints)
 
-    # 6. Save the one-label classifier (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
-    finalize_run(out, model, tokenizer)
-    return out
+    # 6. The one-label classifier (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    export_final(run.dir, model, tokenizer)
+    run.finish()
+    return run.dir
+
+
+def pair_step(model, pairs, pad_id: int, device, normalizer: float | None = None) -> dict[str, torch.Tensor]:
+    """One micro-batch of pairs: the Bradley–Terry loss, back-propagated as this micro-batch's share of
+    the batch's mean when ``normalizer`` (the batch's pairs ÷ the ranks) is given. Returns sums for logging."""
+    batch = {k: v.to(device) for k, v in collate_pairs(pairs, pad_id).items()}
+    r_w, r_l = pair_scores(model, batch)
+    norm = normalizer if normalizer is not None else float(len(pairs))
+    loss, _ = bradley_terry_loss(r_w, r_l, batch.get("margin", 0.0), normalizer=norm)
+    if normalizer is not None:
+        loss.backward()
+    r_w, r_l = r_w.detach(), r_l.detach()
+    return {"loss_sum": loss.detach() * norm, "correct": (r_w > r_l).sum(), "gap_sum": (r_w - r_l).sum(),
+            "chosen_sum": r_w.sum(), "rejected_sum": r_l.sum(), "reward_sq_sum": (r_w ** 2).sum() + (r_l ** 2).sum(),
+            "pairs": torch.tensor(len(pairs))}
 
 
 def load_reward_model(path: str, dtype: str, tokenizer):
@@ -215,10 +230,10 @@ def load_reward_model(path: str, dtype: str, tokenizer):
 
 
 def cli(argv: list[str]) -> int:
-    from proximal.cli import config_command
-
-    def run(cfg: RMConfig) -> int:
-        return run_and_report("rm", train, cfg, ("eval/accuracy", "held-out accuracy"))
+    def summary(run_dir: Path) -> str:
+        values = [r["eval/accuracy"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+        change = f"held-out accuracy {values[0]:.4f} -> {values[-1]:.4f}; " if values else ""
+        return f"{change}checkpoint saved to {run_dir}"
 
     return config_command(argv, prog="rm", description="Reward-model training on preference pairs with the "
-                          "Bradley-Terry loss.", config_cls=RMConfig, run=run, resumable=False)
+                          "Bradley-Terry loss.", config_cls=RMConfig, train=train, summary=summary)

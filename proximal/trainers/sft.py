@@ -1,41 +1,40 @@
-"""Supervised fine-tuning: the SFT model that PPO starts from (actor) and stays near (reference), seed §2.
+"""Supervised fine-tuning: the SFT model that the RLHF methods start from and stay near.
 
 ``proximal sft --config sft.yaml [--section.key value ...]`` trains a causal LM on prompt/response
 pairs with the next-token loss on the **response tokens only** (the prompt is given, not learned),
-logs the held-out loss, and saves a Hugging Face checkpoint into ``output.dir``.
+logs the held-out loss, and writes a Hugging Face checkpoint into ``output.dir``;
+``proximal sft --resume RUN_DIR`` continues an interrupted run exactly.
 
-The file reads top to bottom: the config, the loss, the loop in :func:`train`. The helpers the loop
-uses (optimizer, schedule, batching, output directory) live in :mod:`proximal.trainers.common`,
-shared with the reward-model trainer so the two commands behave alike.
+The file reads top to bottom: the config, the loop in :func:`train`, its per-micro-batch step.
+The loss is :func:`proximal.core.sft_loss`; the run's life (checkpoints, resume, logs, several
+processes) is the shared layer's (:mod:`proximal.train`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
-from torch import Tensor
 
-from proximal.config import option, save_config, section
-from proximal.core import logprobs_from_logits, masked_sum
-from proximal.data.sft import ON_TOO_LONG, collate_sft, load_sft_examples
-from proximal.models.loading import DTYPES
-from proximal.trainers.common import (TrainSection, build_optimizer, check_fits, common_errors, data_metrics,
-                                      finalize_run, index_batches, lr_at, plan_steps, prepare_output_dir,
-                                      resolve_device, run_and_report, set_lr, to_device)
+from proximal.config import ConfigError, option, section
+from proximal.core import sft_loss
+from proximal.data.sampler import Sampler
+from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, collate_sft, load_sft_examples
+from proximal.logging import read_metrics
+from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
+from proximal.models.parallel import autocast, load_dtype, prepare_trained
+from proximal.train.batches import accumulate, evaluate, plan_steps
+from proximal.train.checkpoint import export_final
+from proximal.train.command import config_command
+from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.run import check_per_rank, open_run
+from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection
 
 # ----------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SFTModel:
-    path: str = option("", "Causal LM to fine-tune: a local directory or a hub id. Its tokenizer is "
-                           "loaded from the same place and saved with the result. Required.")
-    dtype: str = option("float32", "Dtype the weights are loaded and trained in. float32 is the safe "
-                                   "choice for AdamW; bfloat16 halves memory.", choices=tuple(DTYPES))
 
 
 @dataclass
@@ -50,52 +49,47 @@ class SFTData:
     on_too_long: str = option("error", "What to do with a row longer than max_length: 'error' stops with "
                                        "its file:line; 'skip' drops it and counts it in metrics.jsonl.",
                               choices=ON_TOO_LONG)
+    on_empty: str = option("error", "What to do with a row whose response is empty: 'error' stops with its "
+                                    "file:line; 'skip' drops it and counts it in metrics.jsonl.", choices=ON_EMPTY)
+
+    def problems(self, name: str = "data") -> list[str]:
+        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
+        if self.max_length < 2:
+            e.append(f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)")
+        return e
 
 
-@dataclass
-class OutputSection:
-    dir: str = option("runs/sft", "Run directory: receives the Hugging Face checkpoint (safetensors + "
-                                  "tokenizer), config.yaml and metrics.jsonl.")
-    overwrite: bool = option(False, "Replace an existing run in `dir`. Without it, a non-empty `dir` is an "
-                                    "error, so a finished run is never clobbered by accident.")
+#: Fields of the first release that moved to the shared sections.
+RENAMED_BATCH_FIELDS = {
+    "seed": "the seed is train.seed (the same field in every command)",
+    "train.lr": "the learning rate is optim.lr",
+    "train.weight_decay": "weight decay is optim.weight_decay",
+    "train.warmup_steps": "warm-up is optim.warmup_steps",
+    "train.max_grad_norm": "gradient clipping is optim.max_grad_norm (0 = off)",
+    "train.max_steps": "the step count is train.steps (null = train.epochs passes)",
+    "model.dtype": "use train.precision ('32-true'; 'bf16-mixed' for bfloat16 compute with float32 master "
+                   "weights; 'bf16-true' for what model.dtype: bfloat16 did)",
+}
 
 
 @dataclass
 class SFTConfig:
     """``proximal sft`` configuration."""
-    model: SFTModel = section(SFTModel, "The causal LM to fine-tune.")
+    model: ModelSection = section(ModelSection, "The causal LM to fine-tune.")
     data: SFTData = section(SFTData, "Prompt/response data.")
-    train: TrainSection = section(TrainSection, "Optimisation.")
-    output: OutputSection = section(OutputSection, "Where the run is written.")
-    seed: int = option(0, "Seed for shuffling and any randomness in the model (dropout).")
+    optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
+    train: BatchTrainSection = section(BatchTrainSection, "Steps, batches, devices, checkpoints.", save_every=500)
+    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/sft")
+
+    RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
 
     def validate(self) -> list[str]:
-        return common_errors(self)
-
-
-# ----------------------------------------------------------------------------------------------
-# The loss
-# ----------------------------------------------------------------------------------------------
-
-
-def response_nll_sum(logits: Tensor, input_ids: Tensor, response_mask: Tensor) -> tuple[Tensor, int]:
-    """Σ of −log π(x_{t+1} | x_{≤t}) over response tokens (and their EOS), and how many tokens that is.
-
-    Args:
-        logits: (B, L, V) causal-LM logits; position t predicts token t+1.
-        input_ids: (B, L).
-        response_mask: (B, L) bool, True = a response token.
-
-    Prompt and padding positions are excluded by ``response_mask`` (bool, (B, L), True = a response
-    token). Token t is predicted by the logits at t-1, hence the shift of the mask.
-
-    Returns:
-        (scalar sum, token count). The trainer divides by the token count of the whole optimizer
-        batch, so accumulating micro-batches gives exactly the full-batch token-mean loss.
-    """
-    mask = response_mask[:, 1:]
-    logp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], mask=mask)  # (B, L-1), 0 where masked
-    return -masked_sum(logp, mask), int(mask.sum())
+        e = self.model.problems() + self.data.problems() + self.optim.problems() + self.train.problems()
+        e += self.output.problems()
+        if self.train.batch_size >= 1 and self.train.micro_batch_size >= 1:
+            check_per_rank(e, "train.batch_size", self.train.batch_size, "train.micro_batch_size",
+                           self.train.micro_batch_size)
+        return e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,97 +97,101 @@ def response_nll_sum(logits: Tensor, input_ids: Tensor, response_mask: Tensor) -
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg: SFTConfig) -> Path:
+def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     """Fine-tune ``cfg.model.path`` on ``cfg.data.train_file``; return the run directory (the checkpoint)."""
-    from tqdm.auto import tqdm
-    from transformers import set_seed
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    t, d = cfg.train, cfg.data
 
-    from proximal.logging import MetricsLogger
-    from proximal.models.loading import load_causal_lm, load_tokenizer
-
-    # 1. Output directory, seed, tokenizer and data (data errors surface before the model loads).
-    out = prepare_output_dir(cfg.output.dir, cfg.output.overwrite)
-    set_seed(cfg.seed)
+    # 1. The run, the tokenizer and the data (data errors surface before the model loads).
+    run = open_run("sft", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
+                   dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
-    d = cfg.data
     train_set, train_report = load_sft_examples(d.train_file, tokenizer, max_length=d.max_length,
-                                                on_too_long=d.on_too_long)
+                                                on_too_long=d.on_too_long, on_empty=d.on_empty)
     eval_set, eval_report = (load_sft_examples(d.eval_file, tokenizer, max_length=d.max_length,
-                                               on_too_long=d.on_too_long) if d.eval_file else ([], None))
-    t = cfg.train
-    total_steps, steps_per_epoch = plan_steps(len(train_set), t, d.train_file)
+                                               on_too_long=d.on_too_long, on_empty=d.on_empty)
+                             if d.eval_file else ([], None))
+    total = plan_steps(len(train_set), steps=t.steps, epochs=t.epochs, batch_size=t.batch_size,
+                       warmup_steps=cfg.optim.warmup_steps, train_file=d.train_file)
 
-    # 2. Model, optimizer, run files.
-    device = resolve_device(t.device)
-    model = load_causal_lm(cfg.model.path, role="model.path", dtype=cfg.model.dtype).to(device)
+    # 2. Model, optimiser and schedule, sampler; the checkpoint's state when resuming.
+    model = load_causal_lm(cfg.model.path, role="model.path", dtype=load_dtype(t.precision, trained=True))
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id  # so PPO's sampling stops at EOS
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # so sampling from the result stops at EOS
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    optimizer = build_optimizer(model, t.lr, t.weight_decay)
-    save_config(cfg, out / "config.yaml")
-    logger = MetricsLogger(out)
-    pad = tokenizer.pad_token_id
+    prepare_trained(model, device=run.device, precision=t.precision, world_size=run.world_size,
+                    activation_checkpointing=t.activation_checkpointing)
+    model.train()
+    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=total)
+    sampler = Sampler(len(train_set), t.batch_size, seed=t.seed, drop_last=True, rank=run.rank,
+                      world_size=run.world_size)
+    trained, stateful = {"model": (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
+    start, counters = run.restore(trained, stateful)
+    run.begin(cfg, start=start, total=total, counters=counters, progress=cfg.output.progress,
+              tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    pad, W = tokenizer.pad_token_id, run.world_size
 
-    def evaluate() -> dict:
+    def held_out() -> dict:
         model.eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, len(eval_set), t.micro_batch_size):
-                batch = to_device(collate_sft(eval_set[i:i + t.micro_batch_size], pad), device)
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                s, n = response_nll_sum(logits, batch["input_ids"], batch["response_mask"])
-                total, count = total + float(s), count + n
+        s = evaluate(len(eval_set), t.micro_batch_size,
+                     lambda idx: nll_step(model, [eval_set[i] for i in idx], pad, run.device), run.device)
         model.train()
-        return {"eval/loss": total / count, "eval/tokens": count}
+        return {"eval/loss": s["loss_sum"] / s["tokens"], "eval/tokens": int(s["tokens"])}
 
     # 3. Step 0: data counts and the held-out loss before any update.
-    first = {**data_metrics("train", train_report), **data_metrics("eval", eval_report),
-             "train/total_steps": total_steps}
-    if eval_set:
-        first.update(evaluate())
-    logger.log(0, first)
+    if start == 0:
+        first = {**train_report.metrics("train"), **(eval_report.metrics("eval") if eval_report else {}),
+                 "train/total_steps": total}
+        run.log(0, {**first, **(held_out() if eval_set else {})})
 
-    # 4. The loop: each optimizer step accumulates batch_size / micro_batch_size micro-batches.
-    model.train()
-    batches = index_batches(len(train_set), t.batch_size, cfg.seed)
-    bar = tqdm(range(1, total_steps + 1), desc="sft", unit="step", disable=None, dynamic_ncols=True)
-    for step in bar:
-        rows = [train_set[i] for i in next(batches)]
-        micro = [to_device(collate_sft(rows[i:i + t.micro_batch_size], pad), device)
-                 for i in range(0, len(rows), t.micro_batch_size)]
-        n_tokens = sum(int(b["response_mask"][:, 1:].sum()) for b in micro)
-        set_lr(optimizer, lr_at(step, t.lr, t.warmup_steps, total_steps))
-        loss_sum = 0.0
-        for b in micro:
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            s, _ = response_nll_sum(logits, b["input_ids"], b["response_mask"])
-            (s / n_tokens).backward()  # Σ over micro-batches of s / n_tokens = the batch's token mean
-            loss_sum += float(s.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    # 4. The loop: each optimiser step accumulates this rank's micro-batches of the global batch.
+    for step in range(start + 1, total + 1):
+        batch = [train_set[i] for i in sampler.next_global_batch()]
+        n_tokens = sum(e.n_targets for e in batch)  # the whole batch's, so every share is normalised alike
+        s = accumulate(sampler.local_part(batch), t.micro_batch_size,
+                       lambda rows: nll_step(model, rows, pad, run.device, n_tokens / W), run.device)
+        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
+        grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
 
-        # 5. Log; evaluate every eval_every steps and after the last one.
-        row = {"train/loss": loss_sum / n_tokens, "train/tokens": n_tokens, "train/grad_norm": float(grad_norm),
-               "train/lr": optimizer.param_groups[0]["lr"], "train/epoch": step / steps_per_epoch}
-        if eval_set and (step == total_steps or (t.eval_every and step % t.eval_every == 0)):
-            row.update(evaluate())
-        logger.log(step, row)
-        bar.set_postfix({k.split("/")[1]: f"{v:.4f}" for k, v in row.items() if k in ("train/loss", "eval/loss")})
-    bar.close()
-    logger.close()
+        # 5. Log; evaluate every eval_every steps and after the last one; checkpoint.
+        row = {"train/loss": s["loss_sum"] / n_tokens, "train/tokens": n_tokens, "train/grad_norm": grad_norm,
+               "train/lr": lr, "train/epoch": step / sampler.steps_per_epoch,
+               "time/wall_s": run.wall_s()}
+        if eval_set and (step == total or (t.eval_every and step % t.eval_every == 0)):
+            row.update(held_out())
+        run.log(step, row, postfix={k.split("/")[1]: row[k] for k in ("train/loss", "eval/loss") if k in row})
+        if run.save_due(step, total, t.save_every):
+            run.save(step, trained=trained, stateful=stateful, counters=counters,
+                     exports={"model": (model, tokenizer)}, keep=t.keep_checkpoints)
 
-    # 6. Save the checkpoint (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
-    finalize_run(out, model, tokenizer)
-    return out
+    # 6. The fine-tuned model (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    export_final(run.dir, model, tokenizer)
+    run.finish()
+    return run.dir
+
+
+def nll_step(model, rows, pad_id: int, device, normalizer: float | None = None) -> dict[str, torch.Tensor]:
+    """One micro-batch's response-token NLL. With ``normalizer`` (the whole batch's token count ÷ the
+    ranks) its share of the batch loss is back-propagated; without (evaluation) nothing is. Returns
+    the NLL sum and the token count, for logging."""
+    b = {k: v.to(device) for k, v in collate_sft(rows, pad_id).items()}
+    mask = b["response_mask"][:, 1:]
+    norm = normalizer if normalizer is not None else float(mask.sum())
+    with autocast(model):
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+    loss = sft_loss(logits[:, :-1], b["input_ids"][:, 1:], mask, normalizer=norm)
+    if normalizer is not None:
+        loss.backward()
+    return {"loss_sum": loss.detach() * norm, "tokens": mask.sum()}
 
 
 def cli(argv: list[str]) -> int:
-    from proximal.cli import config_command
+    def summary(run_dir: Path) -> str:
+        values = [r["eval/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval/loss" in r]
+        change = f"held-out loss {values[0]:.4f} -> {values[-1]:.4f}; " if values else ""
+        return f"{change}checkpoint saved to {run_dir}"
 
-    def run(cfg: SFTConfig) -> int:
-        return run_and_report("sft", train, cfg, ("eval/loss", "held-out loss"))
-
-    return config_command(argv, prog="sft", description="Supervised fine-tuning of a causal LM on "
-                          "prompt/response pairs (loss on response tokens only).", config_cls=SFTConfig,
-                          run=run, resumable=False)
+    return config_command(argv, prog="sft", description="Supervised fine-tuning of a causal LM on prompt/response "
+                          "pairs (loss on response tokens only).", config_cls=SFTConfig, train=train, summary=summary)

@@ -105,11 +105,11 @@ class Run:
 
 
 def run_with_models(monkeypatch, config: dict, *args: str) -> Run:
-    """Run the CLI and keep the ``_Models`` the trainer built (for bitwise checks after training)."""
+    """Run the CLI and keep the ``_Models`` the trainer built (``ppo.build_models``; for bitwise checks after training)."""
     from proximal.trainers import ppo
 
-    spy = Spy(ppo._build_models)
-    monkeypatch.setattr(ppo, "_build_models", spy)
+    spy = Spy(ppo.build_models)
+    monkeypatch.setattr(ppo, "build_models", spy)
     rc = ppo_main(config, *args)
     return Run(rc, Path(config["output"]["dir"]), config, spy.results[-1] if spy.results else None)
 
@@ -132,6 +132,6 @@ def lora_run(assets, tmp_path_factory) -> Run:
     run_dir = tmp_path_factory.mktemp("lora_run") / "run"
     cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
                       model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                      optim={"actor_lr": 1e-2, "critic_lr": 1e-2})
+                      optim={"lr": 1e-2, "critic_lr": 1e-2})
     with pytest.MonkeyPatch.context() as mp:
         return run_with_models(mp, cfg, "--model.lora_r", "4", "--model.critic_lora", "true")

@@ -71,11 +71,11 @@ def constant(prompts: list[str], completions: list[str]) -> list[float]:
 def tiny_config(policy: Path | str, prompts: Path | str, run_dir: Path | str, **sections) -> dict:
     """A nested config dict for a few cheap PPO steps; ``sections`` update it (``ppo={"epochs": 2}``)."""
     cfg = {
-        "model": {"policy": str(policy), "critic": "policy", "reward_functions": ["ppo_support:frac_a"]},
+        "model": {"path": str(policy), "critic": "policy", "reward_functions": ["ppo_support:frac_a"]},
         "data": {"prompts": str(prompts), "max_prompt_length": 16},
         "rollout": {"batch_size": 4, "max_new_tokens": 8},
         "ppo": {"epochs": 1, "mini_batch_size": 4, "micro_batch_size": 2},
-        "optim": {"actor_lr": 1e-3, "critic_lr": 1e-3},
+        "optim": {"lr": 1e-3, "critic_lr": 1e-3},
         "train": {"steps": 2, "seed": 0, "device": "cpu"},
         "output": {"dir": str(run_dir), "progress": False, "samples_per_step": 2},
     }
@@ -134,7 +134,7 @@ def assert_state_equal(module: torch.nn.Module, reference: dict[str, torch.Tenso
 
 
 class Spy:
-    """Wraps a function and records what it returned (e.g. the trainer's ``_build_models``)."""
+    """Wraps a function and records what it returned (e.g. the trainer's ``build_models``)."""
 
     def __init__(self, fn):
         self.fn, self.results = fn, []

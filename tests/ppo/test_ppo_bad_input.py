@@ -20,7 +20,7 @@ def no_model_loading(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("models were loaded before the config error was reported")
 
-    monkeypatch.setattr(ppo, "_build_models", forbidden)
+    monkeypatch.setattr(ppo, "build_models", forbidden)
 
 
 def _run(capsys, cfg, *args):

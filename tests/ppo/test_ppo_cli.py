@@ -98,7 +98,7 @@ def test_cli_llama_run_directory(llama_run, assets):
 
     saved = yaml.safe_load((d / "config.yaml").read_text())
     assert saved["train"]["steps"] == 3 and saved["train"]["save_every"] == 2  # command-line overrides applied
-    assert saved["model"]["policy"] == str(assets.policy("llama"))
+    assert saved["model"]["path"] == str(assets.policy("llama"))
     assert saved["kl"]["controller"] == "fixed"  # a default, written out: the file is the full config
 
     assert [p.name for p in checkpoint_dirs(d)] == ["step_000002", "step_000003"]

@@ -31,7 +31,7 @@ def test_logged_beta_follows_the_controller_rule(controller, assets, tmp_path, c
     cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
                       kl={"controller": controller, "beta": BETA0, "target": TARGET, "k_beta": K_BETA,
                           "horizon": HORIZON},
-                      optim={"actor_lr": 2e-2}, train={"steps": 6})
+                      optim={"lr": 2e-2}, train={"steps": 6})
     assert ppo_main(cfg) == 0, capsys.readouterr().err
     rows = read_jsonl(run_dir / "metrics.jsonl")
     rule = _adaptive if controller == "adaptive" else _proportional

@@ -19,7 +19,7 @@ def learning_config(assets, run_dir, seed: int = 0) -> dict:
     return tiny_config(assets.policy("llama"), assets.prompts, run_dir,
                        rollout={"batch_size": 8, "max_new_tokens": 8},
                        ppo={"epochs": 2, "mini_batch_size": 8, "micro_batch_size": 8},
-                       optim={"actor_lr": 1e-2, "critic_lr": 1e-2},
+                       optim={"lr": 1e-2, "critic_lr": 1e-2},
                        kl={"beta": 0.01}, train={"steps": STEPS, "seed": seed})
 
 

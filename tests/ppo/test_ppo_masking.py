@@ -54,13 +54,13 @@ def test_stop_mask_generated_len_caps_rows():
 # ----------------------------------------------------------------------------------------------
 
 class FixedPolicy:
-    """Stands in for a causal LM in :func:`sample`: ``generate`` appends fixed rows to the prompts."""
+    """Stands in for the rollout engine in :func:`sample`: ``generate`` returns fixed rows."""
 
     def __init__(self, continuations: list[list[int]]):
         self.continuations = torch.tensor(continuations)
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
-        return torch.cat([input_ids, self.continuations[:, :max_new_tokens]], dim=1)
+    def generate(self, prompt_ids, prompt_mask, seeds, params):
+        return self.continuations[:, :params.max_new_tokens]
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -70,7 +70,8 @@ def _ids(tok, text: str) -> list[int]:
 def _sample(tok, rows: list[str], **kw) -> Rollout:
     conts = [_ids(tok, r) for r in rows]
     prompt = torch.tensor([_ids(tok, "ab")] * len(rows))
-    return sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), max_new_tokens=len(conts[0]), **kw)
+    return sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), seeds=[0] * len(rows),
+                  max_new_tokens=len(conts[0]), **kw)
 
 
 def test_sample_stop_strings(assets):
@@ -100,7 +101,8 @@ def test_sample_stop_token_ids_and_eos(assets):
              _ids(tok, "ab") + [stop] + _ids(tok, "cde"),
              _ids(tok, "abcdef")]
     prompt = torch.tensor([_ids(tok, "ab")] * 3)
-    r = sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), max_new_tokens=6, stop_token_ids=[stop])
+    r = sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), seeds=[0] * 3, max_new_tokens=6,
+               stop_token_ids=[stop])
     assert r.response_mask.sum(1).tolist() == [4, 3, 6]
     assert r.ended.tolist() == [True, True, False]
     assert r.response_ids[0, 3] == tok.eos_token_id and r.response_ids[1, 2] == stop  # the stop itself stays
@@ -159,20 +161,20 @@ def _train_with_fixed_rollout(assets, tmp_path, monkeypatch, variant: str):
     """One PPO step (2 mini-batches × 2 micro-batches, 2 epochs) on the fixed rollout; returns the
     gradients each optimiser step saw, the metrics row and the trained actor/critic."""
     from proximal.config import load_config
-    from proximal.models.policy import trainable_parameters
+    from proximal.train.optim import trainable_parameters
     from proximal.trainers import ppo
 
     grads = []
-    clip_and_step = ppo._clip_and_step
+    clip_and_step = ppo.clip_and_step
 
-    def record_then_step(model, opt, sched, max_norm):  # the accumulated gradient, before clipping
+    def record_then_step(model, opt, sched, max_norm, **kw):  # the accumulated gradient, before clipping
         grads.append([p.grad.clone() for p in trainable_parameters(model)])
-        return clip_and_step(model, opt, sched, max_norm)
+        return clip_and_step(model, opt, sched, max_norm, **kw)
 
     monkeypatch.setattr(ppo, "sample", _fixed_rollout(assets.tokenizer, variant))
-    monkeypatch.setattr(ppo, "_clip_and_step", record_then_step)
-    builds = Spy(ppo._build_models)
-    monkeypatch.setattr(ppo, "_build_models", builds)
+    monkeypatch.setattr(ppo, "clip_and_step", record_then_step)
+    builds = Spy(ppo.build_models)
+    monkeypatch.setattr(ppo, "build_models", builds)
     run_dir = tmp_path / variant
     cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
                       model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
@@ -224,27 +226,24 @@ def test_a_token_before_the_stop_does_change_gradients(fixed_rollout_runs):
 
 def test_experience_ignores_tokens_after_the_stop(assets):
     """log π_old, log π_ref and V_old at valid positions do not depend on what follows the stop."""
-    from types import SimpleNamespace
-
-    from proximal.config import load_config
+    from proximal.data.collate import pad_left
     from proximal.models.loading import load_causal_lm, load_sequence_scorer
     from proximal.models.policy import Reference
-    from proximal.rollout.sampling import pad_left
-    from proximal.trainers import ppo
+    from proximal.rollout.experience import compute_experience
 
     tok = assets.tokenizer
     actor = load_causal_lm(str(assets.policy("llama")))
-    m = SimpleNamespace(actor=actor, critic=load_sequence_scorer(str(assets.reward_model("llama"))),
-                        reference=Reference(actor, path=str(assets.policy("llama")), dtype="float32",
-                                            shares_actor=False))
-    cfg = load_config(ppo.PPOConfig, None, {"model.policy": "x", "model.reward_functions": "a:b",
-                                            "model.critic": "policy", "data.prompts": str(assets.prompts),
-                                            "ppo.micro_batch_size": 2, "rollout.temperature": 0.7})
+    critic = load_sequence_scorer(str(assets.reward_model("llama")))
+    reference = Reference(actor, path=str(assets.policy("llama")), dtype="float32", shares_actor=False)
     prompt_ids, prompt_mask = pad_left([_ids(tok, p) for p in ("ab 1", "c", "dd 3")], tok.pad_token_id)
     resp = torch.tensor([_ids(tok, "ab") + [1, 4, 5], _ids(tok, "abcde"), [1] + _ids(tok, "dcba")])
     mask, ended = stop_mask(resp, [1])
     junk = torch.where(mask, resp, torch.tensor(_ids(tok, "hhhhh")))
-    out = [ppo._experience(m, Rollout(prompt_ids, prompt_mask, r, mask, ended), cfg) for r in (resp, junk)]
+    ones = torch.ones(3, dtype=torch.bool)
+    exps = [compute_experience(Rollout(prompt_ids, prompt_mask, r, mask, ended), torch.zeros(3), ones, actor=actor,
+                               reference=reference, critic=critic, temperature=0.7, micro_batch_size=2)
+            for r in (resp, junk)]
+    out = [(e.logprobs, e.ref_logprobs, e.values) for e in exps]
     for a, b in zip(*out):
         assert torch.equal(torch.where(mask, a, 0.0), torch.where(mask, b, 0.0))
     old, ref, values = out[0]

@@ -10,8 +10,9 @@ import torch
 from proximal.core import logprobs_from_logits
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import load_causal_lm, load_sequence_scorer
-from proximal.rollout.sampling import Rollout, pad_left, response_logits, stop_mask
-from proximal.trainers.ppo import _values
+from proximal.data.collate import pad_left
+from proximal.rollout.sampling import Rollout, response_logits, stop_mask
+from proximal.rollout.experience import critic_values as _values
 
 ATOL = 1e-5  # float32; observed differences are ~1e-7
 

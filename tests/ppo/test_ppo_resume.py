@@ -63,22 +63,23 @@ def _assert_same_run(full_dir, resumed_dir):
 
 def test_resume_after_a_crash_reproduces_the_run(uninterrupted, monkeypatch, capsys):
     """The run is configured for N steps and dies right after writing the step-K checkpoint."""
-    from proximal.trainers import ppo
+    from proximal.train import run
 
     tmp, make_config = uninterrupted
-    original = ppo._save_checkpoint
+    original = run.save_checkpoint
 
-    def save_then_crash(run_dir, step, *args, **kwargs):
-        original(run_dir, step, *args, **kwargs)
+    def save_then_crash(root, step, **kwargs):
+        out = original(root, step, **kwargs)
         if step == K:
             raise _Crash(f"killed after step {step}")
+        return out
 
-    monkeypatch.setattr(ppo, "_save_checkpoint", save_then_crash)
+    monkeypatch.setattr(run, "save_checkpoint", save_then_crash)
     with pytest.raises(_Crash):
         ppo_main(make_config("crashed", N))
     crashed = tmp / "crashed"
     assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")] == [1, 2]
-    monkeypatch.setattr(ppo, "_save_checkpoint", original)
+    monkeypatch.setattr(run, "save_checkpoint", original)
 
     assert ppo_main(None, "--resume", str(crashed)) == 0, capsys.readouterr().err
     _assert_same_run(tmp / "full", crashed)
@@ -101,7 +102,7 @@ def test_resume_without_a_checkpoint_is_an_error(assets, tmp_path, capsys):
     # A run that died before its first checkpoint: config.yaml is there, a checkpoint is not.
     write_yaml(run / "config.yaml", tiny_config(assets.policy("llama"), assets.prompts, run))
     assert ppo_main(None, "--resume", str(run)) == 2
-    assert f"--resume {run}: no checkpoint under {run / 'checkpoints'}" in capsys.readouterr().err
+    assert f"--resume {run}: no intact checkpoint under {run / 'checkpoints'} (none was ever written)" in capsys.readouterr().err
 
 
 def test_resume_with_lora_reproduces_the_run(assets, tmp_path, capsys):
@@ -112,7 +113,7 @@ def test_resume_with_lora_reproduces_the_run(assets, tmp_path, capsys):
                            model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model",
                                   "lora_r": 4, "critic_lora": True},
                            ppo={"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 2},
-                           optim={"actor_lr": 1e-2, "critic_lr": 1e-2}, train={"steps": steps, "save_every": 1})
+                           optim={"lr": 1e-2, "critic_lr": 1e-2}, train={"steps": steps, "save_every": 1})
 
     assert ppo_main(config("full", 3)) == 0
     assert ppo_main(config("short", 1)) == 0

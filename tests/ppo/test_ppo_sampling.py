@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from proximal.models.loading import load_causal_lm, load_tokenizer
-from proximal.rollout.sampling import pad_left, sample
+from proximal.data.collate import pad_left
+from proximal.rollout.sampling import sample
 
 # Fields real checkpoints ship (Qwen2.5-Instruct: repetition_penalty; BART: no_repeat_ngram_size;
 # Whisper: suppress_tokens) that would silently change the sampling distribution.
@@ -34,8 +35,8 @@ def test_sampling_ignores_the_checkpoints_generation_config(field, assets, tmp_p
     ids, mask = pad_left([tok("ab 1", add_special_tokens=False).input_ids] * 32, tok.pad_token_id)
     out = []
     for model in (clean, tainted):
-        torch.manual_seed(0)
-        out.append(sample(model, tok, ids, mask, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0))
+        out.append(sample(model, tok, ids, mask, seeds=list(range(32)), max_new_tokens=8, temperature=1.0,
+                          top_p=1.0, top_k=0))
     differ = int((out[0].response_ids != out[1].response_ids).any(1).sum())
     assert differ == 0, (f"the checkpoint's generation_config {CHECKPOINT_GENERATION_FIELDS[field]} changed "
                          f"{differ} of 32 sampled responses")

@@ -9,7 +9,8 @@ import torch
 
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import load_sequence_scorer, load_tokenizer
-from proximal.rollout.sampling import Rollout, pad_left, stop_mask
+from proximal.data.collate import pad_left
+from proximal.rollout.sampling import Rollout, stop_mask
 from proximal.rollout.scoring import Scorer, same_tokenizer
 
 TEMPLATE = ("{% for m in messages %}x{{ m['content'] }}{% endfor %}"

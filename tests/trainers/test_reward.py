@@ -120,7 +120,7 @@ def test_pad_equal_to_eos_is_warned_about(lm):
 def test_rm_learns_a_preference_and_saves_a_plain_classifier(lm, tok, tmp_path):
     train_rows, eval_rows = count_task(256, seed=1), count_task(128, seed=2)
     cfg = make_cfg(lm, tmp_path, train_rows, eval_rows, **{
-        "train.lr": 3e-3, "train.max_steps": 60, "train.batch_size": 16, "train.micro_batch_size": 8,
+        "optim.lr": 3e-3, "train.steps": 60, "train.batch_size": 16, "train.micro_batch_size": 8,
         "train.eval_every": 20})
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
@@ -154,7 +154,7 @@ def test_margin_enters_the_loss(lm, tmp_path):
     margins = [0.0, 1.0, 2.0, 3.0]
     rows = [{"prompt": "=", "chosen": "a", "rejected": "b", "margin": m} for m in margins]
     cfg = make_cfg(lm, tmp_path, rows, rows, **{"train.batch_size": 4, "train.micro_batch_size": 2,
-                                                "train.max_steps": 1})
+                                                "train.steps": 1})
     metrics = read_metrics(train(cfg) / "metrics.jsonl")
     # Zero head: r_w = r_l = 0, so −log σ(0 − m) = softplus(m) per pair.
     expected = sum(softplus(m) for m in margins) / 4
@@ -175,7 +175,7 @@ def test_existing_classifier_keeps_its_head_and_accumulation_matches(classifier,
         d = tmp_path / f"m{micro}"
         d.mkdir()
         cfg = make_cfg(classifier, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
-                                               "train.max_steps": 1})
+                                               "train.steps": 1})
         logged[micro] = read_metrics(train(cfg) / "metrics.jsonl")
     assert logged[4][0]["model/new_head"] == 0
     for micro in (4, 1):
@@ -188,7 +188,8 @@ def write_yaml(path, model_path, tmp_path, train_file=None):
     cfg = {"model": {"path": str(model_path)},
            "data": {"train_file": train_file or write_jsonl(tmp_path / "train.jsonl", count_task(16, seed=5)),
                     "eval_file": write_jsonl(tmp_path / "eval.jsonl", count_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "lr": 1e-3, "device": "cpu"},
+           "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
+           "optim": {"lr": 1e-3},
            "output": {"dir": str(tmp_path / "run")}}
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -215,11 +216,11 @@ def test_cli_bad_preference_row_names_file_and_line(lm, tmp_path, capsys):
 def test_cli_config_error_is_one_message(lm, tmp_path, capsys):
     config = write_yaml(tmp_path / "rm.yaml", lm, tmp_path)
     assert main(["rm", "--config", config, "--train.batch_size", "10", "--train.micro_batch_size", "4",
-                 "--train.max_grad_norm", "0"]) == 2
+                 "--optim.max_grad_norm", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("proximal rm:") == 1
     assert "train.batch_size = 10 is not divisible by train.micro_batch_size = 4" in err
-    assert "train.max_grad_norm = 0.0 must be > 0" in err
+    assert "optim.max_grad_norm = -1.0 must be ≥ 0 (0 = no clipping)" in err
     assert main(["rm", "--config", config, "--data.on_too_long", "truncate"]) == 2
     assert "data.on_too_long: 'truncate' is not one of 'error', 'skip'" in capsys.readouterr().err
 

@@ -19,8 +19,8 @@ from proximal.cli import main
 from proximal.config import ConfigError, describe, load_config
 from proximal.logging import read_metrics
 from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
-from proximal.trainers.common import lr_at
-from proximal.trainers.sft import SFTConfig, response_nll_sum, train
+from proximal.train.optim import build_scheduler
+from proximal.trainers.sft import SFTConfig, train
 
 LETTERS = "abcdefgh"
 
@@ -82,41 +82,25 @@ def hand_nll(model, tok, rows) -> tuple[float, int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_response_nll_sum_by_hand_and_prompt_positions_never_read():
-    torch.manual_seed(0)
-    B, L, V = 2, 7, 5
-    logits = torch.randn(B, L, V, dtype=torch.float64)
-    input_ids = torch.randint(0, V, (B, L))
-    # row 0: prompt of 3, response of 4; row 1: prompt of 2, response of 2, then 3 pads
-    response_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
-    expected, n = 0.0, 0
-    for b, (start, end) in enumerate([(3, 7), (2, 4)]):
-        for t in range(start, end):  # token t is predicted by the logits at t - 1
-            expected -= float(torch.log_softmax(logits[b, t - 1], -1)[input_ids[b, t]])
-            n += 1
-    s, count = response_nll_sum(logits, input_ids, response_mask)
-    assert count == n == 6
-    assert float(s) == pytest.approx(expected, rel=1e-12)
-
-    # Logits that predict prompt tokens, or that sit on the last token / padding, are never read:
-    # NaN there changes nothing, and their gradient is exactly zero.
-    unused = torch.ones(B, L, dtype=torch.bool)
-    unused[0, 2:6] = False  # positions 2..5 predict row 0's response tokens 3..6
-    unused[1, 1:3] = False  # positions 1..2 predict row 1's response tokens 2..3
-    garbage = logits.clone()
-    garbage[unused] = float("nan")
-    garbage.requires_grad_(True)
-    s2, _ = response_nll_sum(garbage, input_ids, response_mask)
-    assert float(s2.detach()) == float(s)
-    s2.backward()
-    assert torch.all(garbage.grad[unused] == 0)
-    assert torch.all(garbage.grad[~unused].abs().sum(-1) > 0)
+def _lrs(peak, schedule, warmup, total):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = build_scheduler(opt, schedule=schedule, warmup_steps=warmup, total_steps=total)
+    out = []
+    for _ in range(total):
+        out.append(sched.get_last_lr()[0])  # the rate optimiser step k runs at
+        opt.step()
+        sched.step()
+    return out
 
 
 def test_lr_schedule_by_hand():
-    # warmup 2 of 6 steps, peak 1.0: 1/2, 2/2, then (6-k+1)/4
-    assert [lr_at(k, 1.0, 2, 6) for k in range(1, 7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
-    assert [lr_at(k, 2.0, 0, 4) for k in range(1, 5)] == [2.0, 1.5, 1.0, 0.5]
+    # transformers.get_scheduler, 0-based step k: warm-up k/w, then linear (total − k)/(total − w)
+    assert _lrs(1.0, "linear", 2, 6) == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]
+    assert _lrs(2.0, "linear", 0, 4) == [2.0, 1.5, 1.0, 0.5]
+    assert _lrs(1.0, "constant", 2, 5) == [0.0, 0.5, 1.0, 1.0, 1.0]
+    cos = _lrs(1.0, "cosine", 1, 5)  # ½(1 + cos(π·(k − 1)/4)) after one warm-up step
+    assert cos == pytest.approx([0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))],
+                                abs=1e-12)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,8 +112,8 @@ def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
     base_path, tok = base
     train_rows, eval_rows = repeat_task(256, seed=1), repeat_task(64, seed=2)
     cfg = make_cfg(base_path, tmp_path, train_rows, eval_rows, **{
-        "train.lr": 3e-3, "train.max_steps": 100, "train.batch_size": 16, "train.micro_batch_size": 8,
-        "train.warmup_steps": 5, "train.eval_every": 25})
+        "optim.lr": 3e-3, "train.steps": 100, "train.batch_size": 16, "train.micro_batch_size": 8,
+        "optim.warmup_steps": 5, "train.eval_every": 25})
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
@@ -163,7 +147,8 @@ def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
     # The resolved config is saved and round-trips.
     assert load_config(SFTConfig, out / "config.yaml") == cfg
     assert rows[0]["data/train_rows"] == 256 and rows[0]["data/eval_skipped"] == 0
-    assert rows[1]["train/lr"] == pytest.approx(3e-3 / 5)
+    assert rows[1]["train/lr"] == 0.0  # warm-up step 0 of 5 (transformers.get_scheduler)
+    assert rows[2]["train/lr"] == pytest.approx(3e-3 / 5)
     assert rows[100]["train/lr"] == pytest.approx(3e-3 / 95)
 
 
@@ -179,7 +164,7 @@ def test_accumulation_gives_the_full_batch_token_mean(base, tmp_path):
         d = tmp_path / f"m{micro}"
         d.mkdir()
         cfg = make_cfg(base_path, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
-                                              "train.max_steps": 1, "train.lr": 1e-3})
+                                              "train.steps": 1, "optim.lr": 1e-3})
         logged[micro] = read_metrics(train(cfg) / "metrics.jsonl")[1]
     assert logged[4]["train/tokens"] == logged[1]["train/tokens"] == count == 2 + 9 + 3 + 6
     # the loss is a mean over tokens of the whole batch, however it is split
@@ -193,13 +178,16 @@ def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
     rows = repeat_task(8, seed=3)
     cfg = make_cfg(base_path, tmp_path, rows, **{"train.batch_size": 8, "train.micro_batch_size": 8})
     out = train(cfg)
-    first = read_metrics(out / "metrics.jsonl")
-    with pytest.raises(ConfigError, match=r"output.dir = .*run is not empty.*output.overwrite: true"):
+    def metrics():
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(out / "metrics.jsonl")]
+
+    first = metrics()
+    with pytest.raises(FileExistsError, match=r"output.dir .*run already holds a run; continue it with --resume"):
         train(cfg)
     cfg.output.overwrite = True
     assert train(cfg) == out
     # the old run's metrics were replaced, not appended to — and the same seed gave the same numbers
-    assert read_metrics(out / "metrics.jsonl") == first and len(first) == 2
+    assert metrics() == first and len(first) == 2
     stranger = tmp_path / "home"
     stranger.mkdir()
     (stranger / "notes.txt").write_text("mine")
@@ -225,7 +213,7 @@ def write_yaml(path, base_path, tmp_path, **sections):
     cfg = {"model": {"path": str(base_path)},
            "data": {"train_file": write_jsonl(tmp_path / "train.jsonl", repeat_task(16, seed=5)),
                     "eval_file": write_jsonl(tmp_path / "eval.jsonl", repeat_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "device": "cpu"},
+           "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
            "output": {"dir": str(tmp_path / "run")}}
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
@@ -236,12 +224,12 @@ def write_yaml(path, base_path, tmp_path, **sections):
 def test_cli_runs(base, tmp_path, capsys):
     base_path, _ = base
     config = write_yaml(tmp_path / "sft.yaml", base_path, tmp_path)
-    assert main(["sft", "--config", config, "--train.lr", "1e-3", "--seed=3"]) == 0
+    assert main(["sft", "--config", config, "--optim.lr", "1e-3", "--train.seed=3"]) == 0
     out = tmp_path / "run"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "config.yaml", "metrics.jsonl"):
         assert (out / name).is_file(), name
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["train"]["lr"] == 1e-3 and saved["seed"] == 3
+    assert saved["optim"]["lr"] == 1e-3 and saved["train"]["seed"] == 3
     assert "proximal sft: held-out loss" in capsys.readouterr().out
 
 
@@ -250,15 +238,21 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learning_rate": 0.1})
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
-    assert "train.learning_rate: unknown key (known here: batch_size, device, epochs, eval_every, lr," in err
+    assert "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, device," in err
+
+    # A field of the first release that moved names its new place.
+    assert main(["sft", "--config", config, "--train.lr", "0.1", "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lr: no longer a field; the learning rate is optim.lr" in err
+    assert "seed: no longer a field; the seed is train.seed" in err
 
     config = write_yaml(tmp_path / "b.yaml", base_path, tmp_path)
     assert main(["sft", "--config", config, "--train.batch_size", "6", "--train.micro_batch_size", "4",
-                 "--train.lr", "-1", "--model.path", "", "--train.device", "tpu"]) == 2
+                 "--optim.lr", "-1", "--model.path", "", "--train.device", "tpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("proximal sft:") == 1
     assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
-    assert "train.lr = -1.0 must be a positive number" in err
+    assert "optim.lr = -1.0 must be a positive number" in err
     assert "model.path is required" in err
     assert "train.device = 'tpu' is not one of auto, cpu, cuda, cuda:N" in err
     assert not (tmp_path / "run").exists()  # nothing ran

@@ -1,0 +1,177 @@
+"""Where a model lives: device, precision, FSDP2 sharding, generation with sharded weights, and the
+full-weight export.
+
+One process: models are plain modules on one device. Several (``torchrun``): every model being
+trained is sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``), one unit per transformer
+block plus one for what remains (for a scorer — critic, reward model — the backbone and the scalar
+head are units of their own, because :mod:`proximal.models.heads` calls them directly); frozen
+models are sharded the same way or replicated (``model.frozen_sharding``).
+
+Precision (``train.precision``): ``bf16-mixed`` keeps float32 master weights; in one process the
+forward passes run under ``torch.autocast(bfloat16)`` (:func:`autocast`), sharded they use FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. Frozen models are simply held
+in bfloat16. ``bf16-true`` holds everything in bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+
+from proximal.models.loading import freeze, score_head, unwrap
+
+
+def load_dtype(precision: str, *, trained: bool) -> str:
+    """The dtype a model is loaded in: float32 master weights for a trained model under bf16-mixed."""
+    if precision == "bf16-true":
+        return "bfloat16"
+    if precision == "bf16-mixed":
+        return "float32" if trained else "bfloat16"
+    return "float32"
+
+
+def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks (Hugging Face's ``_no_split_modules`` classes, e.g. LlamaDecoderLayer)."""
+    names = set(getattr(unwrap(model), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _is_scorer(model) -> bool:
+    try:
+        score_head(unwrap(model))
+        return True
+    except Exception:
+        return False
+
+
+def _backbone(model):
+    from proximal.models.heads import backbone
+
+    return backbone(unwrap(model))
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward (torch's non-reentrant checkpoint wrapper).
+
+    Hugging Face's own ``gradient_checkpointing_enable`` acts only in train mode, and RLHF keeps its
+    models in eval mode (no dropout: the rollout and the update must see one policy), so the blocks
+    are wrapped instead. The wrapper's state-dict hooks keep every parameter name unchanged.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+        apply_activation_checkpointing as apply
+
+    blocks = set(map(id, block_modules(model)))
+    if not blocks:
+        raise ValueError(f"{type(unwrap(model)).__name__}: no transformer blocks found for activation checkpointing")
+    apply(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+          check_fn=lambda m: id(m) in blocks)
+
+
+def shard(model: torch.nn.Module, *, mixed_precision: bool = False, trained: bool = True) -> torch.nn.Module:
+    """FSDP2 over the default device mesh: each block, then (scorers) backbone and head, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = [(b, True) for b in block_modules(model)]
+    if _is_scorer(model):
+        units += [(_backbone(model), True), (score_head(unwrap(model)), True)]
+    # The root keeps its parameters gathered between a trained model's forward and backward.
+    units.append((model, not trained))
+    for module, reshard in units:
+        fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        module._proximal_reshard = reshard
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def prepare_trained(model: torch.nn.Module, *, device: torch.device, precision: str, world_size: int,
+                    activation_checkpointing: bool = False) -> torch.nn.Module:
+    """Move, optionally checkpoint, and (several processes) shard a model that will be trained."""
+    model.to(device)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if world_size > 1:
+        shard(model, mixed_precision=precision == "bf16-mixed", trained=True)
+    elif precision == "bf16-mixed":
+        model._proximal_autocast = torch.bfloat16
+    return model
+
+
+def prepare_frozen(model: torch.nn.Module, *, device: torch.device, world_size: int,
+                   sharding: str = "shard") -> torch.nn.Module:
+    """Freeze (eval mode, no gradients), move, and with several processes shard or replicate."""
+    freeze(model)
+    model.to(device)
+    if world_size > 1 and sharding == "shard":
+        shard(model, trained=False)
+    return model
+
+
+def autocast(model: torch.nn.Module):
+    """``torch.autocast(bfloat16)`` for a model prepared for bf16-mixed in one process, else a no-op."""
+    dtype = getattr(model, "_proximal_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """Hold a sharded model's full weights for the duration (generation), then shard them again.
+
+    Inside, forward passes issue no collectives, so ranks may run different numbers of decode steps
+    and stop at their own lengths; every rank must enter and leave together (the gather and the
+    reshard are collectives). A no-op for an unsharded model.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(getattr(m, "_proximal_reshard", True))
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, gathered to full tensors on CPU on rank 0 ({} on the other ranks).
+
+    Every rank must call it (the gather is a collective). Unsharded: the module's own ``state_dict``.
+    """
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_pretrained(model: torch.nn.Module, tokenizer, directory, *, is_main: bool = True) -> None:
+    """A plain Hugging Face checkpoint (``save_pretrained``, safetensors + tokenizer) that loads on one
+    device; for a peft model, its adapters. Every rank calls it; rank 0 writes."""
+    sharded = is_sharded(model)
+    state = full_state_dict(model) if sharded else None
+    if not is_main:
+        return
+    if sharded:
+        # save_pretrained(state_dict=d) empties d (transformers 5): hand it a copy.
+        model.save_pretrained(directory, state_dict=dict(state), safe_serialization=True)
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)

@@ -1,0 +1,137 @@
+"""The rollout engine: the one place responses are generated, behind a small interface.
+
+Every online method (PPO, GRPO, RLOO) and the evaluations call :meth:`RolloutEngine.generate`
+with left-padded prompts, one seed per row and :class:`SamplingParams`, and get token ids back;
+nothing else in the algorithm knows how. :class:`HFEngine` decodes with the Hugging Face model's
+own forward and KV cache. A serving engine (vLLM, SGLang) fits behind the same two methods: it
+generates from its own copy of the weights and refreshes that copy in :meth:`after_update`.
+
+**Sampling does not depend on how the batch is laid out.** Row b draws its tokens with its own
+generator seeded by ``seeds[b]`` — the trainers derive it from (run seed, step, position in the
+global batch), :func:`row_seed` — through the Gumbel-max trick: the next token is
+argmax_v (z_v − log E_v) with E_v ~ Exp(1) from the row's generator and z the tempered, filtered
+logits, which is an exact sample of softmax(z). So a row gets the same tokens whichever other rows
+share its batch or its process, and a run gives the same rollouts on 1 process or on 8 (up to
+float32 round-off in the logits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from proximal.models.heads import position_ids_from_mask
+from proximal.models.loading import accepts_logits_to_keep, cache_argument
+from proximal.models.parallel import autocast, gathered
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample: at most ``max_new_tokens`` tokens from softmax(logits / temperature), restricted
+    to the ``top_k`` most likely (0 = all) and to the smallest set of probability ≥ ``top_p`` (1 = all);
+    a row stops after any of ``stop_token_ids``."""
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def row_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (e.g. run seed, step, row): equal parts, equal seed; nothing else shared."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int],
+                 params: SamplingParams) -> torch.Tensor:
+        """(B, T) sampled ids for (B, P) left-padded prompts; T ≤ max_new_tokens; after a row's stop
+        token the ids are meaningless (the caller masks them)."""
+
+    def after_update(self) -> None:
+        """Called after every policy update: an engine holding its own weights refreshes them here."""
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to −inf every logit outside the top-k and outside the nucleus of probability ``top_p``
+    (Holtzman et al. 2020; the token that crosses ``top_p`` is kept, as in ``transformers``). (B, V)."""
+    if 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = torch.where(z < kth, -torch.inf, z)
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        z = torch.where(drop, -torch.inf, z)
+    return z
+
+
+def gumbel_sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
+    """One token per row from softmax(filter(logits / τ)), row b's randomness from ``generators[b]``. (B,)."""
+    z = logits.float()
+    if params.temperature != 1.0:
+        z = z / params.temperature
+    z = filter_logits(z, params.top_k, params.top_p)
+    e = torch.empty_like(z)
+    for b, g in enumerate(generators):
+        e[b].exponential_(generator=g)
+    return (z - e.clamp_min_(torch.finfo(e.dtype).tiny).log()).argmax(-1)
+
+
+class HFEngine:
+    """KV-cached decoding with a Hugging Face causal LM (sharded or not; LoRA or not).
+
+    A sharded (FSDP2) model's full weights are gathered once around the whole decode
+    (:func:`proximal.models.parallel.gathered`), so ranks decode without collectives and stop at
+    their own lengths. The checkpoint's ``generation_config`` (repetition penalties, suppressed
+    tokens, …) is never consulted: the tokens come from exactly softmax(logits / τ), the policy
+    whose log-probabilities the losses recompute.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self._keep_last = accepts_logits_to_keep(model)
+        self._cache_kw = cache_argument(model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int],
+                 params: SamplingParams) -> torch.Tensor:
+        B = prompt_ids.shape[0]
+        if len(seeds) != B:
+            raise ValueError(f"generate: {len(seeds)} seeds for {B} prompts")
+        device = prompt_ids.device
+        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), device=device, dtype=torch.long)
+        extra = {"logits_to_keep": 1} if self._keep_last else {}
+        model = self.model
+        with gathered(model), autocast(model):
+            mask = prompt_mask.long()
+            out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                        use_cache=True, **extra)
+            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
+            position = mask.sum(1, keepdim=True)  # (B, 1): the next token's position counts real tokens only
+            done = torch.zeros(B, dtype=torch.bool, device=device)
+            tokens = []
+            for t in range(params.max_new_tokens):
+                token = gumbel_sample(logits, generators, params)
+                token = torch.where(done, self.pad_token_id, token)
+                tokens.append(token)
+                done = done | torch.isin(token, stop)
+                if t + 1 == params.max_new_tokens or bool(done.all()):
+                    break
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                            use_cache=True, **{self._cache_kw: cache}, **extra)
+                cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
+                position = position + 1
+        return torch.stack(tokens, dim=1)
+
+    def after_update(self) -> None:
+        """Nothing to do: this engine decodes with the live (just updated) model."""

@@ -1,0 +1,145 @@
+"""Experience: what the update of an online method reads about each sampled response.
+
+The data flow of every online method is rollout (sample + score) → experience → update. PPO's
+experience holds the rollout policy's log-probabilities log π_old, the reference's log π_ref, the
+critic's values V_old and, once computed, advantages and returns; GRPO's and RLOO's the same
+without the critic (``values`` and ``returns`` stay None), and with β = 0 without the reference.
+Nothing here knows which method it serves.
+
+Under data parallelism each rank computes the experience of its own rows; :func:`gather` then gives
+every rank the whole batch (small tensors: ids and per-token numbers), so the update can cut
+mini-batches in one global order and every rank trains on its share of each — the same mini-batches
+whatever the number of processes.
+
+Notation: B rows, P padded prompt length, T padded response length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from proximal.core import logprobs_from_logits
+from proximal.models.heads import token_values
+from proximal.rollout.sampling import Rollout, response_logits
+from proximal.train import dist
+
+
+@dataclass
+class Experience:
+    """One row per sampled response; every (B, T) tensor is aligned with ``rollout.response_ids``.
+
+    valid: (B,) bool — rows the update trains on (a row whose score was not finite is kept, so every
+    rank runs the same passes, but masked out of every loss and statistic).
+    """
+
+    rollout: Rollout
+    scores: torch.Tensor                      # (B,) float32, 0 where not valid
+    valid: torch.Tensor                       # (B,) bool
+    logprobs: torch.Tensor                    # (B, T) log π_old(y_t | s_t)
+    ref_logprobs: torch.Tensor | None = None  # (B, T) log π_ref(y_t | s_t)
+    values: torch.Tensor | None = None        # (B, T) V_old(s_t)
+    advantages: torch.Tensor | None = None    # (B, T) per token, or (B,) per sequence
+    returns: torch.Tensor | None = None       # (B, T) V^targ
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The training mask, (B, T) bool: real response tokens of valid rows."""
+        return self.rollout.response_mask & self.valid[:, None]
+
+    def replace(self, **changes) -> "Experience":
+        return dataclasses.replace(self, **changes)
+
+    def select(self, idx: torch.Tensor) -> "Experience":
+        """Rows ``idx``, with the columns none of them uses trimmed (as :meth:`Rollout.select`)."""
+        r = self.rollout.select(idx)
+        T = r.response_ids.shape[1]
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "rollout" or v is None:
+                continue
+            v = v[idx]
+            out[f.name] = v[:, :T] if v.dim() == 2 else v
+        return Experience(rollout=r, **out)
+
+
+def _micro_batches(n: int, size: int):
+    for start in range(0, n, size):
+        yield torch.arange(start, min(start + size, n))
+
+
+def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    return F.pad(x, (0, T - x.shape[1]))
+
+
+@torch.no_grad()
+def sequence_token_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """log π(y_t | s_t) of the sampled tokens under ``model``, (B, T), 0 after the stop; micro-batched."""
+    T = rollout.response_ids.shape[1]
+    out = []
+    for idx in _micro_batches(len(rollout), micro_batch_size):
+        r = rollout.select(idx)
+        lp = logprobs_from_logits(response_logits(model, r), r.response_ids, temperature, mask=r.response_mask)
+        out.append(_pad_to(lp, T))
+    return torch.cat(out)
+
+
+def critic_values(critic, r: Rollout) -> torch.Tensor:
+    """V_φ(s_t) for each response position t: the head at the token before y_t, (B, T), float32."""
+    P = r.prompt_ids.shape[1]
+    return token_values(critic, r.input_ids, r.attention_mask)[:, P - 1:-1].float()
+
+
+@torch.no_grad()
+def compute_experience(rollout: Rollout, scores: torch.Tensor, valid: torch.Tensor, *, actor, reference=None,
+                       critic=None, temperature: float = 1.0, micro_batch_size: int = 8) -> Experience:
+    """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
+    or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients."""
+    logprobs = sequence_token_logprobs(actor, rollout, temperature, micro_batch_size)
+    ref = None
+    if reference is not None:
+        with reference.active() as ref_model:
+            ref = sequence_token_logprobs(ref_model, rollout, temperature, micro_batch_size)
+    values = None
+    if critic is not None:
+        T = rollout.response_ids.shape[1]
+        parts = []
+        for idx in _micro_batches(len(rollout), micro_batch_size):
+            r = rollout.select(idx)
+            parts.append(_pad_to(torch.where(r.response_mask, critic_values(critic, r), 0.0), T))
+        values = torch.cat(parts)
+    scores = torch.where(valid, scores, 0.0).float()
+    return Experience(rollout, scores, valid, logprobs, ref, values)
+
+
+def gather(exp: Experience) -> Experience:
+    """The whole batch on every rank, rows in rank order (rank r's rows follow rank r − 1's): prompts
+    left-padded and responses right-padded to the widest rank's. The identity in one process."""
+    if dist.world_size() == 1:
+        return exp
+    r = exp.rollout
+    device = r.prompt_ids.device
+    P, T = (int(v) for v in dist.all_reduce_max(torch.tensor([r.prompt_ids.shape[1], r.response_ids.shape[1]],
+                                                             device=device)))
+
+    def left(x):
+        return F.pad(x, (P - x.shape[1], 0))
+
+    def right(x):
+        return F.pad(x, (0, T - x.shape[1])) if x.dim() == 2 else x
+
+    rollout = Rollout(*(dist.all_gather_cat(t) for t in (left(r.prompt_ids), left(r.prompt_mask),
+                                                          right(r.response_ids), right(r.response_mask), r.ended)))
+    out = {}
+    for f in dataclasses.fields(exp):
+        v = getattr(exp, f.name)
+        if f.name != "rollout" and v is not None:
+            out[f.name] = dist.all_gather_cat(right(v))
+    return Experience(rollout=rollout, **out)

@@ -1,0 +1,96 @@
+"""The command-line glue every training command shares: config loading, ``--resume``, and one map
+from exceptions to exit codes.
+
+``proximal <command> --config FILE [--section.key value ...]`` or ``--resume RUN_DIR``. A user's
+mistake (bad config, bad data, a model that cannot load, a damaged checkpoint, a reward function
+that fails) is one line on stderr and exit status 2, with no traceback; a training failure (a
+non-finite loss or score) exit status 1; a bug is a traceback, as it should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from proximal.config import ConfigError
+from proximal.data.jsonl import DataError
+from proximal.models.loading import ModelLoadError
+from proximal.rollout.scoring import RewardFunctionError
+from proximal.train import dist
+from proximal.train.checkpoint import CheckpointError
+
+#: Exceptions that mean the input was wrong: exit status 2.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelLoadError, RewardFunctionError,
+                                                CheckpointError, FileNotFoundError, FileExistsError, ImportError)
+#: Exceptions that mean training itself failed (e.g. a non-finite loss): exit status 1.
+TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError,)
+
+EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def exit_code(error: BaseException) -> int | None:
+    """The exit status for an exception a command reports in one line, or None for a bug."""
+    if isinstance(error, USER_ERRORS):
+        return EXIT_USER
+    if isinstance(error, TRAINING_ERRORS):
+        return EXIT_TRAINING
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return None
+
+
+def say(prog: str, message: str, *, error: bool = True) -> None:
+    """One line from ``proximal <prog>``; under torchrun other ranks than 0 prefix their rank."""
+    prefix = f"[rank {dist.rank()}] " if dist.rank() > 0 else ""
+    print(f"{prefix}proximal {prog}: {message}", file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
+    """``(exit status, result)`` of ``fn()``, with a user mistake or a training failure reported in one line."""
+    try:
+        return EXIT_OK, fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised below unless it is one we report
+        code = exit_code(e)
+        if code is None:
+            raise
+        say(prog, "interrupted" if code == EXIT_INTERRUPTED else str(e))
+        return code, None
+
+
+def config_command(argv: list[str], *, prog: str, description: str, config_cls: type,
+                   train: Callable[..., Path], summary: Callable[[Path], str] | None = None) -> int:
+    """``proximal <prog> --config FILE [--section.key value ...] [--resume RUN_DIR]``.
+
+    ``train(cfg, resume_dir=None)`` gets the loaded, validated config and returns the run directory;
+    ``summary(run_dir)`` gives the one line printed when it finishes. Config errors are one message,
+    exit status 2, before any model is loaded (printed once, by rank 0, under torchrun).
+    """
+    from proximal.config import help_text, load_config, parse_overrides
+
+    parser = argparse.ArgumentParser(prog=f"proximal {prog}", description=description, epilog=help_text(config_cls),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file with the run's config sections")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
+                             "used; overrides such as --train.steps apply on top)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        overrides = parse_overrides(rest)
+        config_path = args.config
+        if args.resume is not None:
+            saved = Path(args.resume) / "config.yaml"
+            if not saved.is_file():
+                raise ConfigError(f"--resume {args.resume}: no config.yaml there; is it a run directory?")
+            config_path = config_path or saved
+        cfg = load_config(config_cls, config_path, overrides)
+    except ConfigError as e:
+        if dist.launched_rank() == 0:
+            print(f"proximal {prog}: {e}", file=sys.stderr)
+        return EXIT_USER
+    code, run_dir = run_reporting(prog, lambda: train(cfg, resume_dir=args.resume))
+    if code == EXIT_OK and dist.is_main():
+        line = summary(run_dir) if summary is not None else f"done; run directory {run_dir}"
+        print(f"proximal {prog}: {line}", flush=True)
+    return code

@@ -1,0 +1,196 @@
+"""One training run's life, the same for every command: start (devices, processes, seed, the run
+directory and its overwrite guard), resume, log, checkpoint, finish.
+
+A trainer calls, in order::
+
+    run = open_run(...)                      # before any model loads: cheap checks first
+    ... build models, optimisers, samplers ...
+    start, counters = run.restore(trained, stateful)   # from the checkpoint, when resuming
+    run.begin(cfg, total_steps=...)          # the run directory is now ours: config.yaml, logs, bar
+    for step in range(start + 1, total + 1):
+        ...
+        run.log(step, metrics)
+        run.maybe_save(step, total, trained, stateful, counters, exports)
+    run.finish()
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from proximal.config import ConfigError, save_config
+from proximal.logging import MetricsLogger, truncate_jsonl
+from proximal.train import dist
+from proximal.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from proximal.train.optim import seed_everything
+
+#: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+#: Line-per-step logs that a resumed run cuts back to its checkpoint.
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device`` → a device: ``auto`` is cuda when available; under torchrun each process takes
+    ``cuda:LOCAL_RANK``. ConfigError for a CUDA device this machine lacks."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dist.launched_world_size() > 1:
+            if ":" in name:
+                raise ConfigError(f"train.device = {name!r}: under torchrun give 'cuda' (or 'auto'); each "
+                                  "process takes cuda:LOCAL_RANK")
+            name = f"cuda:{dist.local_rank()}"
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= count:
+            raise ConfigError(f"train.device = {name!r}, but this machine has {count or 'no'} CUDA devices")
+    return torch.device(name)
+
+
+def check_per_rank(errors: list[str], name: str, total: int, micro_name: str | None = None,
+                   micro: int | None = None) -> None:
+    """Append an error unless ``total`` splits evenly over the processes (and into ``micro``-sized
+    passes on each), naming the fields and the process count."""
+    w = dist.launched_world_size()
+    if total % w:
+        errors.append(f"{name} = {total} is not divisible by the {w} processes (torchrun --nproc_per_node × nodes)")
+    elif micro_name is not None and (total // w) % micro:
+        errors.append(f"{name} = {total} over {w} processes is {total // w} rows each, not divisible by "
+                      f"{micro_name} = {micro}")
+
+
+@dataclass
+class Run:
+    """A run directory being trained into, and the process's place in the job."""
+
+    command: str
+    dir: Path
+    device: torch.device
+    resume_from: Path | None
+    earlier: list[Path]
+    notes: list[str]
+    logger: MetricsLogger | None = None
+    bar: object = None
+    wall0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rank(self) -> int:
+        return dist.rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.world_size()
+
+    @property
+    def is_main(self) -> bool:
+        return dist.is_main()
+
+    # ------------------------------------------------------------------ resume
+    def restore(self, trained: dict, stateful: dict) -> tuple[int, dict]:
+        """``(start step, counters)``: (0, {}) for a fresh run; else the checkpoint's, with ``trained``
+        (``{name: (module, optimizer)}``) and ``stateful`` (``{name: obj with load_state_dict}``) loaded."""
+        if self.resume_from is None:
+            return 0, {}
+        state = load_checkpoint(self.resume_from, trained=trained)
+        for name, obj in stateful.items():
+            if obj is not None and state.get(name) is not None:
+                obj.load_state_dict(state[name])
+        return int(state["step"]), dict(state.get("counters", {}))
+
+    # ------------------------------------------------------------------ start
+    def begin(self, cfg, *, start: int, total: int, counters: dict, progress: bool, tensorboard: bool = False,
+              wandb_project: str | None = None, unit: str = "step") -> None:
+        """Take the run directory: delete an earlier run (only now that everything has loaded), write
+        config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
+        if self.is_main:
+            for p in self.earlier:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            self.dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.dir / "config.yaml")
+            for name in STEP_LOGS:
+                truncate_jsonl(self.dir / name, start)
+            self.logger = MetricsLogger(self.dir, tensorboard=tensorboard, wandb_project=wandb_project)
+            for note in self.notes:
+                print(f"proximal {self.command}: {note}", flush=True)
+            if progress:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True)
+        dist.barrier()
+        self.wall0 = time.perf_counter() - float(counters.get("wall_s", 0.0))
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.wall0
+
+    def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
+        """Append a metrics row (rank 0) and advance the progress bar."""
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+        if self.bar is not None and step > 0:
+            self.bar.update(1)
+            if postfix:
+                self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()})
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_due(self, step: int, total: int, save_every: int) -> bool:
+        return step == total or (save_every > 0 and step % save_every == 0)
+
+    def save(self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int) -> Path:
+        counters = {**counters, "wall_s": self.wall_s()}
+        state = {name: obj.state_dict() if obj is not None else None for name, obj in stateful.items()}
+        return save_checkpoint(self.dir / "checkpoints", step, trained=trained, state={**state, "counters": counters},
+                               exports=exports, keep=keep)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        dist.barrier()
+
+
+def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
+    """The entries of an earlier run in ``run_dir``, to delete once the new run has loaded.
+
+    A directory holding a run is refused without ``overwrite`` (continue it with ``--resume``); a
+    non-empty directory that is not a run is refused even with it, so nothing else is ever deleted.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output.dir = {run_dir}: exists and is not a directory")
+    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    if not entries:
+        return []
+    if not any((run_dir / m).exists() for m in RUN_MARKERS):
+        raise ConfigError(f"output.dir = {run_dir} is not empty and does not look like a run directory (no "
+                          f"{', '.join(RUN_MARKERS)}); refusing to use it even with output.overwrite")
+    if not overwrite:
+        raise FileExistsError(f"output.dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
+                              "or start afresh with --output.overwrite true")
+    return entries
+
+
+def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, device: str, dist_timeout_s: float,
+             resume_dir: str | Path | None = None) -> Run:
+    """Everything before the first model loads: the device, the process group, the seed, the run
+    directory's guard (or the checkpoint to resume, verified)."""
+    dev = resolve_device(device)
+    dist.init(dev, dist_timeout_s)
+    seed_everything(seed)
+    run_dir = Path(resume_dir or output_dir)
+    notes: list[str] = []
+    if resume_dir is not None:
+        ckpt, notes = find_checkpoint(run_dir / "checkpoints")
+        if ckpt is None:
+            detail = "; ".join(n for n in notes if n.startswith("skipping")) or "none was ever written"
+            raise CheckpointError(f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})")
+        earlier = []
+    else:
+        ckpt = None
+        earlier = earlier_run(run_dir, overwrite)  # every rank checks (one shared file system), rank 0 deletes
+    return Run(command, run_dir, dev, ckpt, earlier, notes)
