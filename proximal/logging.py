@@ -86,3 +86,17 @@ def truncate_jsonl(path: str | Path, step: int) -> None:
 def read_metrics(path: str | Path) -> list[dict]:
     """All rows of a ``metrics.jsonl`` file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_samples(run_dir: str | Path, step: int, prompts: list[str], completions: list[str], scores, components: dict,
+                  valid, n: int) -> None:
+    """The first ``n`` trained-on (valid) rows of a rollout, appended to ``run_dir/samples.jsonl``:
+    step, prompt, response, total score and each reward source's score."""
+    rows = [i for i, ok in enumerate(valid.tolist()) if ok][:n]
+    if not rows:
+        return
+    with (Path(run_dir) / "samples.jsonl").open("a", encoding="utf-8") as fh:
+        for i in rows:
+            row = {"step": step, "prompt": prompts[i], "response": completions[i], "score": float(scores[i]),
+                   **{f"score/{k}": float(v[i]) for k, v in components.items()}}
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -10,8 +10,18 @@ refuses to apply a non-finite gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+@dataclass
+class Trained:
+    """A model being trained, with its optimiser and learning-rate schedule."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+
 
 #: ``optim.schedule`` → ``transformers.get_scheduler`` name.
 _SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}

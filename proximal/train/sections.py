@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from proximal.config import check_divides, option
+from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 
 #: ``train.precision``, in PyTorch Lightning's names.
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -203,7 +204,6 @@ class RLOutputSection(OutputSection):
 # ----------------------------------------------------------------------------------------------
 
 ON_LONG_PROMPT = ("truncate_left", "skip")
-ON_EMPTY = ("error", "skip")
 
 
 @dataclass
@@ -290,4 +290,35 @@ class RolloutSection:
             e.append(f"{name}.top_p = {self.top_p} must lie in (0, 1]")
         if self.top_k < 0:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
+        return e
+
+
+# ----------------------------------------------------------------------------------------------
+# Data of the methods that learn from preference pairs (reward model, DPO, SimPO)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreferenceDataSection:
+    """Preference pairs (x, y_w, y_l): the data of ``proximal rm``, ``dpo`` and ``simpo``."""
+
+    train_file: str = option("", "JSONL training file of preference pairs: {\"prompt\": str, \"chosen\": str, "
+                                 "\"rejected\": str} with an optional numeric \"margin\", or chat messages "
+                                 "(docs/rm.md). Required.")
+    eval_file: str | None = option(None, "JSONL file in the same format for held-out metrics; null = no held-out "
+                                         "evaluation.")
+    max_length: int = option(512, "Longest prompt + response + EOS, in tokens, for either side of a pair. A "
+                                  "longer row is an error naming its file and line, or is dropped (see "
+                                  "on_too_long).")
+    on_too_long: str = option("error", "What to do with a pair where either side is longer than max_length: "
+                                       "'error' stops with its file:line; 'skip' drops the pair and counts it "
+                                       "in metrics.jsonl.", choices=ON_TOO_LONG)
+    on_empty: str = option("error", "What to do with a pair whose chosen or rejected response is empty, or whose "
+                                    "two responses are the same: 'error' stops with its file:line; 'skip' drops "
+                                    "the pair and counts it in metrics.jsonl.", choices=ON_EMPTY)
+
+    def problems(self, name: str = "data") -> list[str]:
+        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
+        if self.max_length < 2:
+            e.append(f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)")
         return e

@@ -18,7 +18,6 @@ Tensor notation: B rollout batch, P padded prompt length, T padded response leng
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,19 +28,21 @@ from proximal.config import ConfigError
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, aggregation_units,
                            entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
                            ptx_loss, shape_rewards, value_loss, whiten)
-from proximal.data.collate import pad_left, pad_right
+from proximal.data.collate import pad_right
 from proximal.data.prompts import load_prompts, load_texts
 from proximal.data.sampler import Sampler
 from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
+from proximal.logging import write_samples
+from proximal.rollout.collect import collect
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
-from proximal.rollout.sampling import response_logits, sample
+from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer, load_reward_function, same_tokenizer
 from proximal.train import dist
 from proximal.train.command import config_command
-from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.optim import Trained, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import open_run
 from proximal.trainers.ppo_config import PPOConfig, PPOLossConfig
 
@@ -85,24 +86,15 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
-        # 1. A global batch of prompts x (the initial states s_1 = x); this rank takes its share.
-        batch = sampler.next_global_batch()
-        rows = sampler.local_part(list(range(len(batch))))  # positions of this rank's rows in the batch
-        idx = [batch[i] for i in rows]
-        prompt_ids, prompt_mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id, run.device)
-        texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
-
-        # 2. Roll out y ~ π_θ(·|x) until EOS / a stop, or T tokens; each row has its own seeded generator.
-        rollout = sample(engine, tokenizer, prompt_ids, prompt_mask, seeds=[row_seed(t.seed, step, i) for i in rows],
-                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                         stop_token_ids=r.stop_token_ids, stop_strings=r.stop_strings)
-        t_gen = time.perf_counter() - t0
-
-        # 3. Scores r_ψ(x, y) (+ reward functions); a row with a non-finite score is masked out, not dropped.
-        scores, components = models.scorer(rollout, texts, messages, step=step)
-        if r.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores + r.missing_eos_penalty)
-        valid = finite_scores(scores, texts, step=step, policy=r.nonfinite_scores, device=run.device)
+        # 1–3. A global batch of prompts x (the initial states s_1 = x); responses y ~ π_θ(·|x) until EOS, a
+        # stop or T tokens, each row from its own seeded generator; scores r_ψ(x, y) (+ reward functions).
+        # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
+        got = collect(step, prompt_set=prompts, sampler=sampler, engine=engine, scorer=models.scorer,
+                      tokenizer=tokenizer, seed=t.seed, device=run.device, max_new_tokens=r.max_new_tokens,
+                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=r.stop_token_ids,
+                      stop_strings=r.stop_strings, missing_eos_penalty=r.missing_eos_penalty,
+                      nonfinite=r.nonfinite_scores)
+        rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
         # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients).
@@ -138,7 +130,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         gen_tokens = dist.global_sum(lengths.sum())
         metrics = {
             "score/mean": dist.global_mean(scores, w),
-            **{f"score/{k}": dist.global_mean(v, w) for k, v in components.items()},
+            **{f"score/{k}": dist.global_mean(v, w) for k, v in got.components.items()},
             "reward/total_mean": dist.global_mean(rewards.sum(1), w),
             "kl/seq_mean": seq_kl, "kl/beta": beta_used, "kl/beta_next": kl_ctl.beta,
             **update.pop("stats"), "value/explained_variance": explained_var,
@@ -146,14 +138,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "data/skipped_nonfinite": counters["skipped_nonfinite"], "data/epoch": sampler.epoch,
             "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
             "data/prompts_skipped_empty": prompts.skipped_empty,
-            "speed/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "speed/gen_tokens_per_s": gen_tokens / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
             "time/step_s": time.perf_counter() - t0, "time/wall_s": run.wall_s(),
         }
         run.log(step, metrics, postfix={"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta})
         if run.is_main:
-            write_samples(run.dir, step, texts, models.scorer.completions(rollout), scores, components, valid,
-                          cfg.output.samples_per_step)
+            write_samples(run.dir, step, got.prompts, models.scorer.completions(rollout), scores, got.components,
+                          valid, cfg.output.samples_per_step)
         if run.save_due(step, t.steps, t.save_every):
             run.save(step, trained=trained, stateful=stateful, counters=counters,
                      exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)}, keep=t.keep_checkpoints)
@@ -165,15 +157,6 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 # ----------------------------------------------------------------------------------------------
 # The PPO update (the clipped surrogate, the clipped value loss, entropy and PTX)
 # ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Trained:
-    """A model being trained, with its optimiser and learning-rate schedule."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-
 
 @dataclass
 class PTXData:
@@ -292,7 +275,7 @@ def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up: models, the KL controller, the non-finite-score guard, sample rows
+# Set-up: models and the KL controller
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -339,36 +322,6 @@ def kl_controller(name: str, *, beta: float, target: float, k_beta: float, horiz
     if name == "proportional":
         return ProportionalKLController(beta, target, horizon)
     return FixedKLController(beta)
-
-
-def finite_scores(scores: torch.Tensor, prompts: list[str], *, step: int, policy: str,
-                  device: torch.device) -> torch.Tensor:
-    """(B,) bool: which scores are finite. With ``policy='error'`` a non-finite score on any rank stops
-    every rank (FloatingPointError); with 'skip' the rows are masked out of training — unless no row
-    of the whole batch is left."""
-    finite = torch.isfinite(scores)
-    bad = (~finite).nonzero().flatten().tolist()
-    stop = policy == "error" and bool(bad)
-    if dist.any_rank(stop, device):
-        where = (f"non-finite scores {scores[bad].tolist()} for prompts {[prompts[i][:60] for i in bad]}" if stop
-                 else "a non-finite score on another rank")
-        raise FloatingPointError(f"step {step}: {where} (set rollout.nonfinite_scores: skip)")
-    if dist.global_sum(int(finite.sum()), device) == 0:
-        raise FloatingPointError(f"step {step}: every score in the batch is non-finite")
-    return finite
-
-
-def write_samples(run_dir: Path, step: int, prompts: list[str], completions: list[str], scores, components,
-                  valid: torch.Tensor, n: int) -> None:
-    """The first ``n`` trained-on (valid) rows of this rank's batch, appended to samples.jsonl."""
-    rows = valid.nonzero().flatten().tolist()[:n]
-    if not rows:
-        return
-    with (run_dir / "samples.jsonl").open("a", encoding="utf-8") as fh:
-        for i in rows:
-            row = {"step": step, "prompt": prompts[i], "response": completions[i], "score": float(scores[i]),
-                   **{f"score/{k}": float(v[i]) for k, v in components.items()}}
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def cli(argv: list[str]) -> int:

@@ -30,7 +30,6 @@ from proximal.config import ConfigError, option, section
 from proximal.core import bradley_terry_loss
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.sampler import Sampler
-from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 from proximal.logging import read_metrics
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import check_fits, load_tokenizer
@@ -40,7 +39,7 @@ from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, open_run
-from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection
+from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection, PreferenceDataSection
 from proximal.trainers.sft import RENAMED_BATCH_FIELDS
 
 # ----------------------------------------------------------------------------------------------
@@ -57,34 +56,10 @@ class RMModel(ModelSection):
 
 
 @dataclass
-class PreferenceData:
-    train_file: str = option("", "JSONL training file of preference pairs: {\"prompt\": str, \"chosen\": str, "
-                                 "\"rejected\": str} with an optional numeric \"margin\", or chat messages "
-                                 "(docs/rm.md). Required.")
-    eval_file: str | None = option(None, "JSONL file in the same format for held-out metrics; null = no held-out "
-                                         "evaluation.")
-    max_length: int = option(512, "Longest prompt + response + EOS, in tokens, for either side of a pair. A "
-                                  "longer row is an error naming its file and line, or is dropped (see "
-                                  "on_too_long).")
-    on_too_long: str = option("error", "What to do with a pair where either side is longer than max_length: "
-                                       "'error' stops with its file:line; 'skip' drops the pair and counts it "
-                                       "in metrics.jsonl.", choices=ON_TOO_LONG)
-    on_empty: str = option("error", "What to do with a pair whose chosen or rejected response is empty, or whose "
-                                    "two responses are the same: 'error' stops with its file:line; 'skip' drops "
-                                    "the pair and counts it in metrics.jsonl.", choices=ON_EMPTY)
-
-    def problems(self, name: str = "data") -> list[str]:
-        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
-        if self.max_length < 2:
-            e.append(f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)")
-        return e
-
-
-@dataclass
 class RMConfig:
     """``proximal rm`` configuration."""
     model: RMModel = section(RMModel, "The model the reward model starts from.")
-    data: PreferenceData = section(PreferenceData, "Preference pairs.")
+    data: PreferenceDataSection = section(PreferenceDataSection, "Preference pairs.")
     optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
     train: BatchTrainSection = section(BatchTrainSection, "Steps, batches (counting pairs), devices, checkpoints.",
                                        save_every=500)

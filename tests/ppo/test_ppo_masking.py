@@ -171,7 +171,9 @@ def _train_with_fixed_rollout(assets, tmp_path, monkeypatch, variant: str):
         grads.append([p.grad.clone() for p in trainable_parameters(model)])
         return clip_and_step(model, opt, sched, max_norm, **kw)
 
-    monkeypatch.setattr(ppo, "sample", _fixed_rollout(assets.tokenizer, variant))
+    from proximal.rollout import collect
+
+    monkeypatch.setattr(collect, "sample", _fixed_rollout(assets.tokenizer, variant))
     monkeypatch.setattr(ppo, "clip_and_step", record_then_step)
     builds = Spy(ppo.build_models)
     monkeypatch.setattr(ppo, "build_models", builds)

@@ -37,7 +37,9 @@ def test_explained_variance_is_defined_with_one_token_responses(assets, tmp_path
         mask, ended = stop_mask(resp, [tok.eos_token_id])
         return Rollout(prompt_ids, prompt_mask, torch.where(mask, resp, tok.pad_token_id), mask, ended)
 
-    monkeypatch.setattr(ppo, "sample", fake_sample)
+    from proximal.rollout import collect
+
+    monkeypatch.setattr(collect, "sample", fake_sample)
     cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
                       rollout={"max_new_tokens": 6}, ppo={"mini_batch_size": 4, "micro_batch_size": 1},
                       train={"steps": 1})
