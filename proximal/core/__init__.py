@@ -10,6 +10,8 @@ Conventions, stated once (each module's docstring repeats the notation):
 """
 
 from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten
+from proximal.core.advantages import GROUP_SCALES, group_advantages, rloo_advantages, uniform_groups
+from proximal.core.grpo import grpo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,
     AdaptiveKLController,
@@ -40,6 +42,13 @@ from proximal.core.stats import (
 )
 
 __all__ = [
+    # GRPO / RLOO
+    "GROUP_SCALES",
+    "group_advantages",
+    "grpo_policy_loss",
+    "rloo_advantages",
+    "uniform_groups",
+    # PPO and the rest
     "AGGREGATIONS",
     "ESTIMATORS",
     "AdaptiveKLController",
