@@ -50,12 +50,13 @@ def grpo_main(config: dict | None, *args: str, config_path: Path | None = None) 
     return main(argv + list(args))
 
 
-def train_config(config: dict, tmp: Path):
-    """``config`` loaded and validated as the CLI would, for calling ``trainers.grpo.train`` directly."""
+def train_config(config: dict, yaml_path: Path):
+    """``config`` written to ``yaml_path`` and loaded and validated as the CLI would, for calling
+    ``trainers.grpo.train`` directly."""
     from proximal.config import load_config
     from proximal.trainers.grpo import GRPOConfig
 
-    return load_config(GRPOConfig, write_yaml(tmp / "config.yaml", config))
+    return load_config(GRPOConfig, write_yaml(yaml_path, config))
 
 
 def record_gradients(monkeypatch) -> list[list[torch.Tensor]]:
@@ -74,3 +75,9 @@ def record_gradients(monkeypatch) -> list[list[torch.Tensor]]:
 
     monkeypatch.setattr(grpo, "clip_and_step", record_then_step)
     return grads
+
+
+def has_a(prompts: list[str], completions: list[str]) -> list[float]:
+    """A binary rule reward (``grpo_support:has_a``): 1 if the completion contains an 'a', else 0 —
+    groups where every response agrees are common, as with real verifiers."""
+    return [1.0 if "a" in c else 0.0 for c in completions]
