@@ -86,10 +86,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         # each row from its own seeded generator; scores r_i from the reward model and/or verifiers. A row
         # with a non-finite score is masked out of training, not dropped (rollout/collect.py).
         got = collect(step, prompt_set=prompts, sampler=sampler, engine=engine, scorer=models.scorer,
-                      tokenizer=tokenizer, seed=t.seed, device=run.device, max_new_tokens=r.max_new_tokens,
-                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=r.stop_token_ids,
-                      stop_strings=r.stop_strings, missing_eos_penalty=r.missing_eos_penalty,
-                      nonfinite=r.nonfinite_scores, group_size=G)
+                      tokenizer=tokenizer, seed=t.seed, device=run.device, group_size=G, **r.collect_kwargs())
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~got.valid).sum())))
 
         # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it) and, with
