@@ -250,7 +250,7 @@ def group_advantages(scores: Tensor, group_size: int, scale: str = "group", eps:
 
 
 def rloo_advantages(scores: Tensor, group_size: int, *, valid: Tensor | None = None) -> Tensor:
-    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, RLOO, eq. 6): each response's
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, RLOO): each response's
     baseline is the mean score of the **other** responses to its prompt,
 
         Â_i = r_i − 1/(n − 1) · Σ_{j ≠ i} r_j  = n/(n − 1) · (r_i − mean(r))

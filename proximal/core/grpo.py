@@ -42,7 +42,7 @@ def grpo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tenso
       (the length bias Dr. GRPO, §3.1, points out);
     - ``"seq-mean-token-sum-norm"``: 1/G Σ_i Σ_t ℓ_{i,t} / L with L = ``max_response_length`` — Dr.
       GRPO's fix: every token weighs 1/(G·L) whatever its response's length;
-    - ``"token-mean"``: Σ_{i,t} ℓ_{i,t} / Σ_i |o_i| — DAPO's token-level loss (eq. 8).
+    - ``"token-mean"``: Σ_{i,t} ℓ_{i,t} / Σ_i |o_i| — DAPO's token-level loss (§3.3).
 
     The k3 term is an unbiased estimate of KL(π_θ ‖ π_ref) from tokens sampled by π_θ, ≥ 0, with
     gradient β·(1 − π_ref/π_θ)·∇log π_θ. ε_high > ε (DAPO's clip-higher, 0.28 with ε = 0.2) lets

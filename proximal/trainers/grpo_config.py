@@ -20,7 +20,7 @@ from proximal.train.sections import (OnlineModelSection, OptimSection, PromptDat
 LOSSES = {
     "grpo": "seq-mean-token-mean",         # Shao et al. 2024, eq. 3: mean over each response, then over responses
     "dr_grpo": "seq-mean-token-sum-norm",  # Liu et al. 2025: Σ over tokens ÷ rollout.max_new_tokens
-    "dapo": "token-mean",                  # Yu et al. 2025, eq. 8: mean over every token of the batch
+    "dapo": "token-mean",                  # Yu et al. 2025, §3.3: mean over every token of the batch
 }
 #: ``grpo.advantage`` → the ``scale`` of core.group_advantages, or None for RLOO's leave-one-out baseline.
 #: (Dr. GRPO's "no scaling" is spelled ``unscaled`` here: the config loader reads a bare ``none`` as null.)
