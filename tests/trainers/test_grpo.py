@@ -234,3 +234,19 @@ def test_the_command_is_registered(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--grpo.skip_uniform_groups" in out and "--rollout.group_size" in out
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_demo_configs_load(name, assets, tmp_path):
+    """proximal/configs/demo/{grpo,rloo}.yaml validate once the demo fills in the paths, train on the
+    digit task's verifier and log the gold score without training on it."""
+    from proximal.config import load_config
+    from proximal.demo import DEFAULT_CONFIGS
+
+    cfg = load_config(GRPOConfig, DEFAULT_CONFIGS / f"{name}.yaml",
+                      {"model.path": str(assets.policy("llama")), "data.prompts": str(assets.prompts),
+                       "output.dir": str(tmp_path / "run")})
+    assert cfg.model.reward_functions == ["proximal.tasks.digits:exact_sort", "proximal.tasks.digits:gold_score"]
+    assert cfg.model.reward_function_weights == [1.0, 0.0]
+    assert cfg.responses_per_step == 64  # PPO's demo batch, so the stages compare on the same number of samples
+    assert cfg.grpo.advantage == ("rloo" if name == "rloo" else "group")
