@@ -193,4 +193,5 @@ def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, devic
     else:
         ckpt = None
         earlier = earlier_run(run_dir, overwrite)  # every rank checks (one shared file system), rank 0 deletes
+    dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
     return Run(command, run_dir, dev, ckpt, earlier, notes)

@@ -143,3 +143,11 @@ class Spy:
         out = self.fn(*args, **kwargs)
         self.results.append(out)
         return out
+
+
+def raise_for_h(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward function with a bug that only some prompts reach: it raises for a prompt starting with 'h'."""
+    for p in prompts:
+        if p.startswith("h"):
+            raise KeyError(f"no reference answer for {p!r}")
+    return frac_a(prompts, completions)
