@@ -37,7 +37,7 @@ def _data(command: str, path, n: int = 20):  # 2 batches of 8 per pass, 4 rows l
     for _ in range(n):
         x = rng.choice("abcdefgh")
         rows.append({"prompt": f"{x}=", "response": x * 3} if command == "sft" else
-                    {"prompt": f"{x}=", "chosen": x * 2, "rejected": rng.choice("abcdefgh") + "h"})
+                    {"prompt": f"{x}=", "chosen": x * 2, "rejected": x + ("a" if x != "a" else "b")})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
