@@ -151,3 +151,8 @@ def raise_for_h(prompts: list[str], completions: list[str]) -> list[float]:
         if p.startswith("h"):
             raise KeyError(f"no reference answer for {p!r}")
     return frac_a(prompts, completions)
+
+
+def digits_as_string(prompts: list[str], completions: list[str]) -> str:
+    """A reward function with a bug: it returns one string instead of a list of numbers."""
+    return "".join(str(len(c) % 10) for c in completions)
