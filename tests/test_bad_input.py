@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_support import ppo_main, read_jsonl, tiny_config
+from ppo_support import ppo_main, read_jsonl, tiny_config, without_timing
 from proximal.cli import main
 from proximal.data.jsonl import write_jsonl
 
@@ -178,9 +178,8 @@ def test_a_truncated_trainer_state_falls_back_to_the_intact_checkpoint(finished_
     out = capsys.readouterr().out
     assert "skipping checkpoint step_000002:" in out and "trainer_state.pt has" in out and "truncated" in out
     assert "resuming from step_000001, the newest intact checkpoint" in out
-    resumed = [{k: v for k, v in r.items() if not k.startswith(("time/", "speed/"))} for r in read_jsonl(run / "metrics.jsonl")]
-    full = [{k: v for k, v in r.items() if not k.startswith(("time/", "speed/"))}
-            for r in read_jsonl(finished_run / "three" / "metrics.jsonl")]
+    resumed = [without_timing(r) for r in read_jsonl(run / "metrics.jsonl")]
+    full = [without_timing(r) for r in read_jsonl(finished_run / "three" / "metrics.jsonl")]
     assert resumed == full  # steps 2 and 3 were redone from step 1's state, exactly
 
 

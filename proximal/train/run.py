@@ -128,8 +128,26 @@ class Run:
     def wall_s(self) -> float:
         return time.perf_counter() - self.wall0
 
+    def record_models(self, **models) -> dict:
+        """Write ``models.json``: each model this run holds, counted from the live modules — parameters,
+        bytes (all ranks together), dtypes, whether it trains. A module shared by two names (the LoRA
+        reference is the policy) is counted once, under the first. Returns the dict."""
+        info = resident_models(**models)
+        if self.is_main:
+            import json
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
+        return info
+
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
-        """Append a metrics row (rank 0) and advance the progress bar."""
+        """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
+
+        ``memory/peak_bytes``: on CUDA the allocator's peak since the previous row
+        (``torch.cuda.max_memory_allocated``, then reset); on CPU the process's peak resident set so
+        far (``ru_maxrss``; it cannot be reset, so it is the run's peak up to this step)."""
+        if step > 0:
+            metrics = {**metrics, "memory/peak_bytes": peak_memory_bytes(self.device)}
         if self.logger is not None:
             self.logger.log(step, metrics)
         if self.bar is not None and step > 0:
@@ -153,6 +171,36 @@ class Run:
         if self.logger is not None:
             self.logger.close()
         dist.barrier()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory since the last call (CUDA allocator) or of the process so far (CPU, resident set)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(dist.all_reduce_max(torch.tensor([peak], device=device))[0])
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def resident_models(**models) -> dict[str, dict]:
+    """``{name: {"parameters", "bytes", "dtypes", "trainable"}}`` for every module given (None = not
+    held), from the live parameters; sharded parameters count their global size."""
+    seen: set[int] = set()
+    out = {}
+    for name, module in models.items():
+        if module is None:
+            continue
+        params = [p for p in module.parameters() if id(p) not in seen]
+        if not params:  # shares every parameter with a model already counted
+            continue
+        seen.update(id(p) for p in params)
+        out[name] = {"parameters": sum(p.numel() for p in params),
+                     "bytes": sum(p.numel() * p.element_size() for p in params),
+                     "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                     "trainable": sum(p.numel() for p in params if p.requires_grad)}
+    return out
 
 
 def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:

@@ -64,7 +64,7 @@ def _compare(one, two):
     (rows1, w1), (rows2, w2) = one, two
     assert [r["step"] for r in rows1] == [r["step"] for r in rows2]
     for a, b in zip(rows1, rows2):
-        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES + ("time/",))}
+        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES)}
         diff = {k: (a.get(k), b.get(k)) for k in keys if not _close(a.get(k), b.get(k))}
         assert not diff, f"step {a['step']}: 1 vs 2 processes: {diff}"
     assert w1.keys() == w2.keys()

@@ -22,7 +22,7 @@ def prompt_texts(n: int = 24) -> list[str]:
 
 
 # Keys whose values depend on the clock, never on the computation: left out of exact comparisons.
-TIMING_PREFIXES = ("time/", "speed/")
+TIMING_PREFIXES = ("time/", "speed/", "memory/")
 
 # Every per-step metric issue 3 (item 8) asks for, under the names trainers/ppo.py logs them.
 REQUIRED_METRICS = (

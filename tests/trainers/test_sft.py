@@ -179,7 +179,8 @@ def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
     cfg = make_cfg(base_path, tmp_path, rows, **{"train.batch_size": 8, "train.micro_batch_size": 8})
     out = train(cfg)
     def metrics():
-        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(out / "metrics.jsonl")]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
+                for r in read_metrics(out / "metrics.jsonl")]
 
     first = metrics()
     with pytest.raises(FileExistsError, match=r"output.dir .*run already holds a run; continue it with --resume"):
