@@ -44,8 +44,8 @@ from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, due, open_run
-from proximal.train.sections import (FROZEN_HELP, FROZEN_SHARDING, BatchTrainSection, OptimSection, OutputSection,
-                                     PolicyModelSection, PreferenceDataSection)
+from proximal.train.sections import (FROZEN_SHARDING, BatchTrainSection, OptimSection, OutputSection, PolicyModelSection,
+                                     PreferenceDataSection)
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -55,9 +55,14 @@ from proximal.train.sections import (FROZEN_HELP, FROZEN_SHARDING, BatchTrainSec
 @dataclass
 class PreferencePolicyModel(PolicyModelSection):
     path: str = option("", "The policy as it starts, usually the SFT model: a local Hugging Face checkpoint directory "
-                           "or a hub id. DPO's reference π_ref is this checkpoint, frozen (with LoRA: the same "
-                           "weights with the adapters off). Its tokenizer is loaded from the same place. Required.")
-    frozen_sharding: str = option("shard", FROZEN_HELP, choices=FROZEN_SHARDING)
+                           "or a hub id. It is also the starting model the held-out KL is measured against, and "
+                           "DPO's reference π_ref (frozen; with LoRA the same weights with the adapters off). Its "
+                           "tokenizer is loaded from the same place. Required.")
+    frozen_sharding: str = option("shard", "With several processes, how a frozen copy of the starting model (DPO's "
+                                           "reference; the model of eval/kl) is held: 'shard' splits it with FSDP2 "
+                                           "like the policy (least memory; an all-gather per layer per forward), "
+                                           "'replicate' keeps a full copy on every rank (no communication).",
+                                  choices=FROZEN_SHARDING)
 
 
 @dataclass
