@@ -20,10 +20,10 @@ the losses are, per pair (ε = ``label_smoothing``):
 - ``robust`` (Chowdhury et al. 2024, rDPO): [−(1 − ε)·log σ(h) + ε·log σ(−h)] / (1 − 2ε), an
   *unbiased* estimate of the clean-label loss under ε label noise;
 - ``ipo`` (Azar et al. 2023, eq. 17, with τ = β): (h_IPO − 1/(2β))² where h_IPO is the bracket
-  above **without** β, on **per-token-average** log-probabilities (as TRL and the IPO authors' own
-  experiments do). The squared loss regresses the log-ratio gap to a fixed target 1/(2β); with sums
-  that target would mean a smaller per-token gap for longer responses, so the average makes one β
-  mean the same for every length. ε must be 0.
+  above **without** β, on **per-token-average** log-probabilities (as TRL does). The squared loss
+  regresses the log-ratio gap to a fixed target 1/(2β); with sums that target would mean a smaller
+  per-token gap for longer responses, so the average makes one β mean the same for every length.
+  ε must be 0.
 
 SimPO (Meng et al. 2024) drops the reference: the reward is the length-normalised log-likelihood
 r(x, y) = (β/|y|)·log π_θ(y | x) (eq. 4), with a target margin γ (eq. 6):
