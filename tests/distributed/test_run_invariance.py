@@ -109,25 +109,8 @@ def test_sft_1_vs_2_processes(assets, tmp_path):
     _compare(run_ranks(1, _train, "sft", cfg("w1"), "")[0], run_ranks(2, _train, "sft", cfg("w2"), "")[0])
 
 
-def test_rm_1_vs_2_processes(assets, tmp_path):
-    from proximal.data.jsonl import write_jsonl
-
-    data = tmp_path / "prefs.jsonl"
-    write_jsonl(data, [{"prompt": f"{c} {i % 10}", "chosen": "a" * (1 + i % 4), "rejected": c * (1 + i % 3) + "h"}
-                       for i, c in enumerate("bcdefgh" * 4)])
-
-    def cfg(name):
-        return {"model": {"path": str(assets.policy("llama"))},
-                "data": {"train_file": str(data), "eval_file": str(data), "max_length": 16},
-                "optim": {"lr": 1e-2},
-                "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2, "eval_every": 1, "device": "cpu"},
-                "output": {"dir": str(tmp_path / name), "progress": False}}
-
-    _compare(run_ranks(1, _train, "rm", cfg("w1"), "")[0], run_ranks(2, _train, "rm", cfg("w2"), "")[0])
-
-
-@pytest.mark.parametrize("command, train", [("dpo", {}), ("dpo", {"precompute_ref_logprobs": True}), ("simpo", {})])
-def test_dpo_and_simpo_1_vs_2_processes(assets, tmp_path, command, train):
+def _preference_config(assets, tmp_path, **train):
+    """A maker of the 3-step preference-pair config of ``rm``, ``dpo`` and ``simpo`` (``train`` adds fields)."""
     from proximal.data.jsonl import write_jsonl
 
     data = tmp_path / "prefs.jsonl"
@@ -141,7 +124,17 @@ def test_dpo_and_simpo_1_vs_2_processes(assets, tmp_path, command, train):
                 "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2, "eval_every": 1, "device": "cpu",
                           **train},
                 "output": {"dir": str(tmp_path / name), "progress": False}}
+    return cfg
 
+
+def test_rm_1_vs_2_processes(assets, tmp_path):
+    cfg = _preference_config(assets, tmp_path)
+    _compare(run_ranks(1, _train, "rm", cfg("w1"), "")[0], run_ranks(2, _train, "rm", cfg("w2"), "")[0])
+
+
+@pytest.mark.parametrize("command, train", [("dpo", {}), ("dpo", {"precompute_ref_logprobs": True}), ("simpo", {})])
+def test_dpo_and_simpo_1_vs_2_processes(assets, tmp_path, command, train):
+    cfg = _preference_config(assets, tmp_path, **train)
     # Before the first update DPO's implicit rewards are exactly 0 when the reference scores the very batch
     # the policy does (every pair a tie, accuracy 0). Precomputed in other batches, the margins are float32
     # round-off (~1e-8) of either sign, so the accuracy of those two rows is a coin toss; the margins are
