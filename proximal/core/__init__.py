@@ -1,4 +1,5 @@
-"""The seed's PPO mathematics (§1–§6) as pure tensor functions; this package imports only torch.
+"""The seed's PPO mathematics (§1–§6), and DPO / SimPO, as pure tensor functions; this package imports
+only torch.
 
 Conventions, stated once (each module's docstring repeats the notation):
 
@@ -17,7 +18,7 @@ from proximal.core.kl import (
     ProportionalKLController,
     kl_penalty,
 )
-from proximal.core.logprobs import logprobs_from_logits, token_entropy
+from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
 from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
@@ -29,6 +30,7 @@ from proximal.core.losses import (
     token_nll,
     value_loss,
 )
+from proximal.core.preference import DPO_LOSS_TYPES, dpo_loss, simpo_loss
 from proximal.core.stats import (
     AGGREGATIONS,
     aggregation_units,
@@ -41,11 +43,13 @@ from proximal.core.stats import (
 
 __all__ = [
     "AGGREGATIONS",
+    "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
     "bradley_terry_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "aggregation_units",
@@ -61,9 +65,12 @@ __all__ = [
     "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
+    "sequence_logprobs",
     "sft_loss",
     "shape_rewards",
+    "simpo_loss",
     "token_entropy",
+    "token_kl",
     "token_nll",
     "value_loss",
     "whiten",

@@ -65,6 +65,12 @@ def check_per_rank(errors: list[str], name: str, total: int, micro_name: str | N
                       f"{micro_name} = {micro}")
 
 
+def due(step: int, total: int, every: int) -> bool:
+    """Whether a periodic action (a checkpoint, a held-out evaluation) runs after ``step``: every
+    ``every`` steps and always after the last one (``every`` = 0: only then)."""
+    return step == total or (every > 0 and step % every == 0)
+
+
 @dataclass
 class Run:
     """A run directory being trained into, and the process's place in the job."""
@@ -157,7 +163,7 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, step: int, total: int, save_every: int) -> bool:
-        return step == total or (save_every > 0 and step % save_every == 0)
+        return due(step, total, save_every)
 
     def save(self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int) -> Path:
         counters = {**counters, "wall_s": self.wall_s()}

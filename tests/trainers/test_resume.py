@@ -18,14 +18,6 @@ from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
 N, K = 6, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     return build_tiny_causal_lm(tmp_path_factory.mktemp("resume") / "base", build_char_tokenizer("abcdefgh="), seed=0)
