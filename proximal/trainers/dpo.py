@@ -243,6 +243,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     start, counters = run.restore(trained, stateful)
     run.begin(cfg, start=start, total=total, counters=counters, progress=cfg.output.progress,
               tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    run.record_models(policy=policy, reference=reference.model if reference is not None else None)
 
     def step_fn(pairs, idx, split: str, *, normalizer=None, kl_model=None):
         table = ref_table.get(split)

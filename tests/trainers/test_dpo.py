@@ -15,13 +15,13 @@ import random
 import pytest
 import torch
 
+from ppo_support import TIMING_PREFIXES as TIMING
 from proximal.config import load_config
 from proximal.logging import read_metrics
 from proximal.trainers import dpo as dpo_module
 from proximal.trainers.dpo import DPOConfig, SimPOConfig, train
 
 CONFIGS = {"dpo": DPOConfig, "simpo": SimPOConfig}
-TIMING = ("time/", "speed/")
 
 
 def count_task(n: int, seed: int) -> list[dict]:
