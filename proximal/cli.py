@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "grpo": ("proximal.trainers.grpo", "cli", "critic-free online RL: GRPO, Dr. GRPO, DAPO and RLOO (grpo.advantage: rloo)"),
     "sft": ("proximal.trainers.sft", "cli", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
+    "dpo": ("proximal.trainers.dpo", "dpo_cli", "DPO on preference pairs: the policy against a frozen reference"),
+    "simpo": ("proximal.trainers.dpo", "simpo_cli", "SimPO on preference pairs: one model, no reference"),
     "demo": ("proximal.demo", "cli", "the whole of RLHF offline on a CPU: SFT -> RM -> PPO, with a report"),
     "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models"),
 }

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,13 +322,7 @@ def cli(argv: list[str]) -> int:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}: must be at least 1")
         torch.set_num_threads(args.threads)
-    from proximal.config import ConfigError
-    from proximal.data.jsonl import DataError
-    from proximal.models.loading import ModelLoadError
+    from proximal.train.command import run_reporting
 
-    try:
-        run_demo(args.out, quick=args.quick, seed=args.seed, configs=args.configs)
-    except (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError) as e:
-        print(f"proximal demo: {e}", file=sys.stderr)
-        return 2
-    return 0
+    code, _ = run_reporting("demo", lambda: run_demo(args.out, quick=args.quick, seed=args.seed, configs=args.configs))
+    return code

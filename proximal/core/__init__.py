@@ -1,4 +1,5 @@
-"""The seed's PPO mathematics (§1–§6) as pure tensor functions; this package imports only torch.
+"""The seed's PPO mathematics (§1–§6), DPO / SimPO, and GRPO / RLOO, as pure tensor functions; this package
+imports only torch.
 
 Conventions, stated once (each module's docstring repeats the notation):
 
@@ -19,7 +20,7 @@ from proximal.core.kl import (
     ProportionalKLController,
     kl_penalty,
 )
-from proximal.core.logprobs import logprobs_from_logits, token_entropy
+from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
 from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
@@ -31,6 +32,7 @@ from proximal.core.losses import (
     token_nll,
     value_loss,
 )
+from proximal.core.preference import DPO_LOSS_TYPES, dpo_loss, simpo_loss
 from proximal.core.stats import (
     AGGREGATIONS,
     aggregation_units,
@@ -42,23 +44,21 @@ from proximal.core.stats import (
 )
 
 __all__ = [
-    # GRPO / RLOO
-    "GROUP_SCALES",
-    "group_advantages",
-    "grpo_policy_loss",
-    "rloo_advantages",
-    "uniform_groups",
-    # PPO and the rest
     "AGGREGATIONS",
+    "DPO_LOSS_TYPES",
     "ESTIMATORS",
+    "GROUP_SCALES",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
     "bradley_terry_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "aggregation_units",
     "gae",
+    "group_advantages",
+    "grpo_policy_loss",
     "kl_penalty",
     "last_valid_index",
     "logprobs_from_logits",
@@ -70,10 +70,15 @@ __all__ = [
     "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
+    "rloo_advantages",
+    "sequence_logprobs",
     "sft_loss",
     "shape_rewards",
+    "simpo_loss",
     "token_entropy",
+    "token_kl",
     "token_nll",
+    "uniform_groups",
     "value_loss",
     "whiten",
 ]

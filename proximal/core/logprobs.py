@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from proximal.core.ranges import check
+from proximal.core.stats import check_mask, masked_mean, masked_sum
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -178,3 +179,65 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | No
     _check(logits, mask, temperature, chunk_tokens)
     out = _TokenEntropy.apply(logits, mask, float(temperature), int(chunk_tokens))
     return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """The exact per-position KL(π(·|s_t) ‖ π_ref(·|s_t)) = Σ_a π(a|s_t)·(log π(a|s_t) − log π_ref(a|s_t)),
+    summed over the whole vocabulary (not a sampled-token estimate like :func:`~proximal.core.kl_penalty`).
+
+    For monitoring — how far a policy trained offline (DPO, SimPO) has moved from where it started, on
+    held-out responses. A slice of the sequence at a time, so no two full (B, T, V) float32
+    distributions exist at once; plain autograd (use it under ``torch.no_grad()``: nothing trains on it).
+
+    Args:
+        logits: (B, T, V) of the policy; ``logits[:, t]`` is π(·|s_t) (the caller shifts).
+        ref_logits: (B, T, V) of the reference, aligned with ``logits``.
+        temperature: τ > 0, dividing both.
+        mask: optional bool (B, T); where False the result is 0 and neither input is read there.
+        chunk_tokens: see :func:`logprobs_from_logits`.
+
+    Returns:
+        (B, T) in nats, float32 (float64 for float64 logits); ≥ 0 up to round-off, +inf where π_ref
+        gives probability 0 to a token π does not.
+    """
+    _check(logits, mask, temperature, chunk_tokens)
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits shape {tuple(ref_logits.shape)} != logits shape {tuple(logits.shape)}")
+    out = logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
+    for sl in _chunks(logits, chunk_tokens):
+        logp = torch.log_softmax(_scaled(logits, sl, mask, temperature), -1)  # (B, c, V)
+        logq = torch.log_softmax(_scaled(ref_logits, sl, mask, temperature).to(logp.dtype), -1)
+        p = torch.exp(logp)
+        out[:, sl] = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)  # 0·log 0 = 0 for banned tokens
+    return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def sequence_logprobs(logits: Tensor, labels: Tensor, mask: Tensor, average: bool = False, *,
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """The log-likelihood of each row's response, log π(y | x) = Σ_t log π(y_t | x, y_<t), summed over
+    the response tokens only — or, with ``average``, divided by their number |y| (SimPO's
+    length-normalised (1/|y|)·log π(y | x), Meng et al. 2024, eq. 4; IPO's normalisation).
+
+    DPO's implicit reward (Rafailov et al. 2023, eq. 5) is built from the sums; the prompt and the
+    padding are excluded by ``mask``. Alignment is that of :func:`logprobs_from_logits`:
+    ``logits[:, t]`` scores ``labels[:, t]``; for a causal LM pass ``out.logits[:, :-1]``,
+    ``input_ids[:, 1:]`` and ``response_mask[:, 1:]``. Temperature 1: the model's own likelihood.
+
+    Args:
+        logits: (B, L, V), any float dtype.
+        labels: (B, L) token ids; never read where ``mask`` is False.
+        mask: bool (B, L), True = a response token (its EOS included) whose log-probability counts.
+        average: divide each row's sum by its number of True positions.
+        chunk_tokens: see :func:`logprobs_from_logits` (the same memory-light log-softmax).
+
+    Returns:
+        (B,) in float32 (float64 for float64 logits).
+
+    Raises:
+        ValueError: with ``average``, a row with no True position (its mean is undefined). A sum over
+            no token is 0, which no caller wants either; the data layer never makes such a row.
+    """
+    check_mask(labels, mask)
+    per_token = logprobs_from_logits(logits, labels, mask=mask, chunk_tokens=chunk_tokens)  # (B, L)
+    return masked_mean(per_token, mask, dim=1) if average else masked_sum(per_token, mask, dim=1)

@@ -104,8 +104,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
         aggregation, max_length, normalizer: as in :func:`ppo_policy_loss`.
 
     Returns:
-        ``(loss, stats)``; stats: ``vf_clipfrac`` (fraction of valid tokens where the clipped error
-        is the larger, i.e. the max picked it), ``explained_variance`` = 1 − Var[R − V] / Var[R]
+        ``(loss, stats)``; stats: ``vf_clipfrac`` (fraction of valid tokens where clipping is active,
+        |V − V_old| > ε_v, and the clipped error is the larger, i.e. the max picked it; inside the
+        interval V_clip equals V up to one rounding of V_old + (V − V_old), and counting that
+        coin-flip would make the statistic noise), ``explained_variance`` = 1 − Var[R − V] / Var[R]
         over valid tokens (NaN when the returns are constant).
     """
     for name, t in (("old_values", old_values), ("returns", returns)):
@@ -125,7 +127,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
 
     with torch.no_grad():
         stats = {
-            "vf_clipfrac": stat_mean((err_clipped > err).to(err.dtype), response_mask),
+            "vf_clipfrac": stat_mean(((err_clipped > err) & ((values - old_values).abs() > clip_eps)).to(err.dtype),
+                                     response_mask),
             "explained_variance": (explained_variance(values.detach(), returns.detach(), response_mask)
                                    if response_mask.any() else torch.tensor(math.nan)),
         }

@@ -13,6 +13,11 @@ An optional numeric ``margin`` (how much better ``chosen`` is, Llama 2 style) is
 
 Each side is tokenised as ``prompt ids + response ids + EOS`` — the layout a PPO rollout has when it
 is scored (see :mod:`proximal.data.chat`).
+
+A side longer than ``max_length`` is an error, or the pair is skipped, or (``on_too_long="truncate"``,
+for DPO and SimPO, which score responses by their log-likelihood, token by token) each side keeps its
+first ``max_length`` tokens: the whole prompt and the start of the response. Truncation never drops a
+whole response: a prompt that leaves no room for one is an error naming the row.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from proximal.data.chat import apply_template, check_messages, encode_prompt, en
 from proximal.data.jsonl import DataError, read_jsonl
 from proximal.data.collate import right_padded_with_spans
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, LoadReport, empty_error, too_long_error
+
+#: ``on_too_long`` for preference pairs: the SFT choices, and truncating both sides to max_length.
+ON_TOO_LONG_PAIRS = ON_TOO_LONG + ("truncate",)
 
 
 @dataclass
@@ -92,13 +100,15 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
     """Read and tokenise a JSONL file of preference pairs.
 
     Raises DataError naming ``file:line`` for a malformed row, a side longer than ``max_length`` (when
-    ``on_too_long == "error"``), an empty ``chosen`` or ``rejected`` or a pair whose two sides are the
-    same response (when ``on_empty == "error"``: nothing to learn from either), an empty file, a file
-    where every row was skipped, or a file where only some rows have a margin (the loss would mean
-    different things for different rows).
+    ``on_too_long == "error"``), a prompt that leaves no room for a response (when it is
+    ``"truncate"``), an empty ``chosen`` or ``rejected`` or a pair whose two sides are the same response
+    — before truncation or after it (when ``on_empty == "error"``: nothing to learn from either), an
+    empty file, a file where every row was skipped, or a file where only some rows have a margin (the
+    loss would mean different things for different rows). ``report.truncated`` counts truncated pairs.
     """
-    if on_too_long not in ON_TOO_LONG or on_empty not in ON_EMPTY:
-        raise ValueError(f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected 'error' or 'skip'")
+    if on_too_long not in ON_TOO_LONG_PAIRS or on_empty not in ON_EMPTY:
+        raise ValueError(f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected one of "
+                         f"{ON_TOO_LONG_PAIRS} and one of {ON_EMPTY}")
     report = LoadReport(str(path))
     pairs: list[PreferencePair] = []
     first_margin: tuple[str, bool] | None = None  # (where, has margin) of the first row
@@ -127,17 +137,31 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
                 report.skipped_empty += 1
                 continue
             raise empty_error(where, problem)
+        if on_too_long == "truncate" and len(prompt_ids) >= max_length:
+            raise DataError(f"{where}: the prompt is {len(prompt_ids)} tokens, which leaves no room for a response "
+                            f"within data.max_length = {max_length}; raise data.max_length, shorten the prompt, or "
+                            "set data.on_too_long: skip to drop such rows")
         sides = []
         for name, ids in responses.items():
             full = prompt_ids + ids
             if len(full) > max_length:
                 if on_too_long == "skip":
                     break
-                raise too_long_error(where, f"prompt + {name}", len(full), len(prompt_ids), max_length)
+                if on_too_long == "error":
+                    raise too_long_error(where, f"prompt + {name}", len(full), len(prompt_ids), max_length)
+                full = full[:max_length]  # the whole prompt and the response's first tokens
             sides.append(full)
         if len(sides) < 2:
             report.skipped += 1
             continue
+        if sides[0] == sides[1]:  # the responses differed only after max_length
+            if on_empty == "skip":
+                report.skipped_empty += 1
+                continue
+            raise empty_error(where, f"the difference between 'chosen' and 'rejected' within data.max_length = "
+                                     f"{max_length} (truncated, they are the same response)")
+        if any(len(side) < len(prompt_ids) + len(ids) for side, ids in zip(sides, responses.values())):
+            report.truncated += 1
         pairs.append(PreferencePair(sides[0], sides[1], margin, where, len(prompt_ids)))
     if report.rows == 0:
         raise DataError(f"{path}: the file has no records (it is empty or blank)")

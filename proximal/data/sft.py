@@ -40,6 +40,7 @@ class LoadReport:
     rows: int = 0             # rows read
     skipped: int = 0          # rows dropped for being longer than max_length (on_too_long = "skip")
     skipped_empty: int = 0    # rows dropped for an empty response (on_empty = "skip")
+    truncated: int = 0        # rows kept with their end cut at max_length (preference pairs, on_too_long = "truncate")
 
     @property
     def kept(self) -> int:

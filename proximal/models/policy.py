@@ -67,12 +67,22 @@ def build_policy(path: str, *, lora: dict | None, precision: str, device: torch.
     actor = build_actor(path, dtype=load_dtype(precision, trained=True), lora=lora)
     ref = None
     if reference:
-        ref = Reference(actor, path=path, dtype=load_dtype(precision, trained=False), shares_actor=lora is not None)
-        if not ref.shares_actor:
-            prepare_frozen(ref.model, device=device, world_size=world_size, sharding=frozen_sharding)
+        ref = load_reference(actor, path, lora=lora is not None, precision=precision, device=device,
+                             world_size=world_size, frozen_sharding=frozen_sharding)
     prepare_trained(actor, device=device, precision=precision, world_size=world_size,
                     activation_checkpointing=activation_checkpointing)
     return tokenizer, actor, ref
+
+
+def load_reference(actor, path: str, *, lora: bool, precision: str, device: torch.device, world_size: int,
+                   frozen_sharding: str = "shard") -> Reference:
+    """π_ref for ``actor``: with ``lora``, the actor itself with its adapters disabled (nothing is loaded);
+    otherwise a frozen copy of ``path`` in train.precision's frozen dtype, placed and (several
+    processes) sharded or replicated. Every rank calls it."""
+    ref = Reference(actor, path=path, dtype=load_dtype(precision, trained=False), shares_actor=lora)
+    if not ref.shares_actor:
+        prepare_frozen(ref.model, device=device, world_size=world_size, sharding=frozen_sharding)
+    return ref
 
 
 def build_critic(source: str, *, policy_path: str, reward_model_path: str | None, dtype: str,

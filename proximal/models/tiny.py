@@ -36,6 +36,10 @@ def build_char_tokenizer(alphabet: Sequence[str], *, specials: Sequence[str] = S
     for c in chars:
         if len(c) != 1 or ord(c) > 127:
             raise ValueError(f"build_char_tokenizer: {c!r} is not a single ASCII character")
+    repeated = sorted({c for c in chars if chars.count(c) > 1})
+    if repeated:  # each would take a second id past the vocabulary the model is built with
+        raise ValueError(f"build_char_tokenizer: the alphabet repeats {', '.join(map(repr, repeated))}; give each "
+                         "character once")
     symbol = _bytes_to_unicode()
     vocab = {t: i for i, t in enumerate(specials)}
     for c in chars:

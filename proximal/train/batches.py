@@ -1,5 +1,6 @@
 """Micro-batch accumulation and sharded evaluation, the same for every method that passes over a
-fixed data set (SFT, reward model, DPO, SimPO).
+fixed data set (SFT, reward model, DPO, SimPO), and per-row values of a whole data set computed in
+shards (DPO's precomputed reference log-probabilities).
 
 A trainer's per-micro-batch function runs forward and backward on a few rows and returns sums —
 its share of the loss (already normalised by the whole batch's count, so gradients accumulate to
@@ -75,3 +76,22 @@ def evaluate(n: int, micro_batch_size: int, fn: Callable[[list[int]], dict], dev
         else:
             _add(totals, {k: 0.0 for k in out})
     return _reduce(totals, device)
+
+
+@torch.no_grad()
+def evaluate_rows(n: int, micro_batch_size: int, fn: Callable[[list[int]], torch.Tensor], width: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """``fn(indices)`` → a (len(indices), ``width``) tensor of values per row, over a disjoint share of
+    ``range(n)`` per rank; the (n, ``width``) float64 table of every row, on every rank, on the CPU.
+
+    The calls are those of :func:`evaluate` (every rank the same number; a used-up rank's ``fn([0])``
+    is discarded); the shares are disjoint, so one sum over ranks assembles the table.
+    """
+    from proximal.data.sampler import shard_for_eval
+
+    table = torch.zeros(n, width, dtype=torch.float64, device=device)
+    for idx in shard_for_eval(n, micro_batch_size, dist.rank(), dist.world_size()):
+        out = fn(idx or [0])
+        if idx:
+            table[idx] = out.detach().to(device=device, dtype=torch.float64).reshape(len(idx), width)
+    return dist.all_reduce_sum(table).cpu()

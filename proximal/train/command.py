@@ -30,8 +30,22 @@ TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError,)
 EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another rank died or stalled."""
+    if not dist.is_distributed() or not isinstance(error, RuntimeError):
+        return False
+    import torch.distributed as td
+
+    if isinstance(error, getattr(td, "DistError", ())):
+        return True
+    text = str(error)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "timed out", "Timed out"))
+
+
 def exit_code(error: BaseException) -> int | None:
     """The exit status for an exception a command reports in one line, or None for a bug."""
+    if lost_peer(error):
+        return EXIT_TRAINING
     if isinstance(error, USER_ERRORS):
         return EXIT_USER
     if isinstance(error, TRAINING_ERRORS):
@@ -55,7 +69,14 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
         code = exit_code(e)
         if code is None:
             raise
-        say(prog, "interrupted" if code == EXIT_INTERRUPTED else str(e))
+        if code == EXIT_INTERRUPTED:
+            message = "interrupted"
+        elif lost_peer(e):
+            message = (f"stopped: another process of the job failed or stalled ({str(e).splitlines()[0][:160]}); "
+                       "its own message says why")
+        else:
+            message = str(e)
+        say(prog, message)
         return code, None
 
 

@@ -65,6 +65,12 @@ def check_per_rank(errors: list[str], name: str, total: int, micro_name: str | N
                       f"{micro_name} = {micro}")
 
 
+def due(step: int, total: int, every: int) -> bool:
+    """Whether a periodic action (a checkpoint, a held-out evaluation) runs after ``step``: every
+    ``every`` steps and always after the last one (``every`` = 0: only then)."""
+    return step == total or (every > 0 and step % every == 0)
+
+
 @dataclass
 class Run:
     """A run directory being trained into, and the process's place in the job."""
@@ -128,8 +134,26 @@ class Run:
     def wall_s(self) -> float:
         return time.perf_counter() - self.wall0
 
+    def record_models(self, **models) -> dict:
+        """Write ``models.json``: each model this run holds, counted from the live modules — parameters,
+        bytes (all ranks together), dtypes, whether it trains. A module shared by two names (the LoRA
+        reference is the policy) is counted once, under the first. Returns the dict."""
+        info = resident_models(**models)
+        if self.is_main:
+            import json
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
+        return info
+
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
-        """Append a metrics row (rank 0) and advance the progress bar."""
+        """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
+
+        ``memory/peak_bytes``: on CUDA the allocator's peak since the previous row
+        (``torch.cuda.max_memory_allocated``, then reset); on CPU the process's peak resident set so
+        far (``ru_maxrss``; it cannot be reset, so it is the run's peak up to this step)."""
+        if step > 0:
+            metrics = {**metrics, "memory/peak_bytes": peak_memory_bytes(self.device)}
         if self.logger is not None:
             self.logger.log(step, metrics)
         if self.bar is not None and step > 0:
@@ -139,7 +163,7 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, step: int, total: int, save_every: int) -> bool:
-        return step == total or (save_every > 0 and step % save_every == 0)
+        return due(step, total, save_every)
 
     def save(self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int) -> Path:
         counters = {**counters, "wall_s": self.wall_s()}
@@ -153,6 +177,36 @@ class Run:
         if self.logger is not None:
             self.logger.close()
         dist.barrier()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory since the last call (CUDA allocator) or of the process so far (CPU, resident set)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(dist.all_reduce_max(torch.tensor([peak], device=device))[0])
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def resident_models(**models) -> dict[str, dict]:
+    """``{name: {"parameters", "bytes", "dtypes", "trainable"}}`` for every module given (None = not
+    held), from the live parameters; sharded parameters count their global size."""
+    seen: set[int] = set()
+    out = {}
+    for name, module in models.items():
+        if module is None:
+            continue
+        params = [p for p in module.parameters() if id(p) not in seen]
+        if not params:  # shares every parameter with a model already counted
+            continue
+        seen.update(id(p) for p in params)
+        out[name] = {"parameters": sum(p.numel() for p in params),
+                     "bytes": sum(p.numel() * p.element_size() for p in params),
+                     "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                     "trainable": sum(p.numel() for p in params if p.requires_grad)}
+    return out
 
 
 def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
@@ -193,4 +247,5 @@ def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, devic
     else:
         ckpt = None
         earlier = earlier_run(run_dir, overwrite)  # every rank checks (one shared file system), rank 0 deletes
+    dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
     return Run(command, run_dir, dev, ckpt, earlier, notes)

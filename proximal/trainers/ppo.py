@@ -83,6 +83,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     counters = {"skipped_nonfinite": 0, **counters}
     run.begin(cfg, start=start, total=t.steps, counters=counters, progress=cfg.output.progress,
               tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    run.record_models(actor=actor, reference=models.reference.model, critic=critic,
+                      reward_model=models.scorer.reward_model)
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()

@@ -131,6 +131,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     start, counters = run.restore(trained, stateful)
     run.begin(cfg, start=start, total=total, counters=counters, progress=cfg.output.progress,
               tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    run.record_models(model=model)
     pad, W = tokenizer.pad_token_id, run.world_size
 
     def held_out() -> dict:

@@ -69,7 +69,7 @@ def test_last_valid_index():
 R3, V3 = [1.0, 0.5, 2.0], [0.4, 0.3, 0.8]
 
 
-def test_gae_defaults_are_the_seeds():
+def test_gae_defaults_are_gamma_one_lambda_095():
     params = inspect.signature(gae).parameters
     assert params["gamma"].default == 1.0 and params["lam"].default == 0.95
 

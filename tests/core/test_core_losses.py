@@ -328,7 +328,7 @@ def test_bradley_terry_by_hand():
     assert loss_v.item() == pytest.approx(want, abs=1e-12)
 
 
-def test_bradley_terry_is_minus_log_of_the_seeds_probability():
+def test_bradley_terry_is_minus_log_of_the_preference_probability():
     # P(y_w ≻ y_l) = σ(r_w − r_l) = 1 / (1 + e^{−(r_w − r_l)})
     for rw, rl in ((0.3, -1.2), (-2.0, 1.0), (5.0, 5.0)):
         loss, _ = bradley_terry_loss(t([rw]), t([rl]))

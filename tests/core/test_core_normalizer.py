@@ -125,3 +125,25 @@ def test_ranges_one_table():
     # the core functions enforce the same table
     with pytest.raises(ValueError, match="clip_eps"):
         ppo_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), b([[1]]), clip_eps=1.0)
+
+
+def test_value_clipfrac_does_not_count_rounding_inside_the_interval():
+    """V within ε_v of V_old: V_clip = V_old + (V − V_old) can differ from V in its last bit, and the
+    clipped error is then "larger" by an ulp on about half such tokens. That is not clipping: the
+    fraction stays 0. (Before this definition, 1 and 2 processes logged different value clip
+    fractions from the same update: the coin-flips landed differently.)"""
+    g = torch.Generator().manual_seed(0)
+    v = 3 * torch.randn(1, 4096, generator=g)
+    old = (v + 0.4 * (2 * torch.rand(1, 4096, generator=g) - 1)) * 1.0000001  # all inside ε_v = 0.5
+    ret = 10 * torch.randn(1, 4096, generator=g)
+    v_clip = old + torch.clamp(v - old, -0.5, 0.5)
+    coin_flips = int(((v_clip - ret) ** 2 > (v - ret) ** 2).sum())
+    assert coin_flips > 0  # float32 rounding does show on some tokens
+    mask = torch.ones_like(old, dtype=torch.bool)
+    _, stats = value_loss(v, old, ret, mask, clip_eps=0.5)
+    assert float(stats["vf_clipfrac"]) == 0.0
+    # Outside the interval it counts. V_old = (0.1, 0.3, 0), V = (1.0, −0.3, 0.9), ε_v = 0.5, so V_clip =
+    # (0.6, −0.2, 0.5); with R = (5, −5, 0) the clipped errors are 19.36 > 16, 23.04 > 22.09, 0.25 < 0.81.
+    old3, v3, r3 = torch.tensor([[0.1, 0.3, 0.0]]), torch.tensor([[1.0, -0.3, 0.9]]), torch.tensor([[5.0, -5.0, 0.0]])
+    _, stats = value_loss(v3, old3, r3, b([[1, 1, 1]]), clip_eps=0.5)
+    assert float(stats["vf_clipfrac"]) == pytest.approx(2 / 3)

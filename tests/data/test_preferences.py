@@ -117,3 +117,45 @@ def test_skip_pairs_with_a_long_side(tok, tmp_path):
     pairs, report = load_preference_pairs(f, tok, max_length=4, on_too_long="skip")
     assert [p.where for p in pairs] == [f"{f}:3"]
     assert (report.rows, report.skipped) == (3, 2)
+
+
+def test_truncate_keeps_the_prompt_and_the_start_of_each_response(tok, tmp_path):
+    f = write(tmp_path / "t.jsonl", [{"prompt": "a=", "chosen": "bbbbbb", "rejected": "cc"},
+                                     {"prompt": "a=", "chosen": "b", "rejected": "c"},
+                                     {"prompt": "ab=", "chosen": "bbbbbb", "rejected": "bbbbba"}])
+    pairs, report = load_preference_pairs(f, tok, max_length=5, on_too_long="truncate", on_empty="skip")
+    # row 1: the chosen side is cut after 5 tokens (its EOS is lost), the short rejected side is whole
+    assert pairs[0].chosen_ids == ids("a=bbb") and pairs[0].rejected_ids == ids("a=cc") + [EOS]
+    assert pairs[0].prompt_len == 2
+    assert pairs[1].chosen_ids == ids("a=b") + [EOS]
+    # row 3: the responses differ only after max_length: the same response once cut, so dropped
+    assert [p.where for p in pairs] == [f"{f}:1", f"{f}:2"]
+    assert (report.rows, report.truncated, report.skipped, report.skipped_empty) == (3, 1, 0, 1)
+    batch = collate_pairs(pairs, pad_token_id=0)
+    assert batch["response_mask"][0].tolist() == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "aaaa=", "chosen": "b", "rejected": "c"}],
+     "the prompt is 5 tokens, which leaves no room for a response within data.max_length = 5"),
+    ([{"prompt": "a=", "chosen": "bbbbbb", "rejected": "bbbbbc"}],
+     "the difference between 'chosen' and 'rejected' within data.max_length = 5 (truncated, they are the same "
+     "response) is empty"),
+])
+def test_truncation_errors_name_the_row(tok, tmp_path, rows, message):
+    f = write(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        load_preference_pairs(f, tok, max_length=5, on_too_long="truncate")
+    assert str(e.value).startswith(f"{f}:1: {message}")
+
+
+def test_a_template_that_writes_bos_gets_no_second_one(tmp_path):
+    from tokenizers import processors
+
+    tok = build_char_tokenizer(ALPHABET, chat_template="<bos>" + TEMPLATE)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    f = write(tmp_path / "b.jsonl", [{"messages": [msg("user", "ab")], "chosen": "c", "rejected": "a"},
+                                     {"prompt": "ab", "chosen": "c", "rejected": "a"}])
+    pairs, _ = load_preference_pairs(f, tok, max_length=16)
+    assert pairs[0].chosen_ids == [2] + ids("U:ab\nA:c") + [EOS]   # the template's BOS, once
+    assert pairs[1].chosen_ids == [2] + ids("abc") + [EOS]         # a plain prompt: the tokenizer's BOS

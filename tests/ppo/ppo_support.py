@@ -22,7 +22,7 @@ def prompt_texts(n: int = 24) -> list[str]:
 
 
 # Keys whose values depend on the clock, never on the computation: left out of exact comparisons.
-TIMING_PREFIXES = ("time/", "speed/")
+TIMING_PREFIXES = ("time/", "speed/", "memory/")
 
 # Every per-step metric issue 3 (item 8) asks for, under the names trainers/ppo.py logs them.
 REQUIRED_METRICS = (
@@ -143,3 +143,16 @@ class Spy:
         out = self.fn(*args, **kwargs)
         self.results.append(out)
         return out
+
+
+def raise_for_h(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward function with a bug that only some prompts reach: it raises for a prompt starting with 'h'."""
+    for p in prompts:
+        if p.startswith("h"):
+            raise KeyError(f"no reference answer for {p!r}")
+    return frac_a(prompts, completions)
+
+
+def digits_as_string(prompts: list[str], completions: list[str]) -> str:
+    """A reward function with a bug: it returns one string instead of a list of numbers."""
+    return "".join(str(len(c) % 10) for c in completions)

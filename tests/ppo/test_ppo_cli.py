@@ -235,3 +235,25 @@ def test_cli_datasets_directory_without_the_package(assets, tmp_path, capsys):
     rc = ppo_main(tiny_config(assets.policy("llama"), tmp_path / "ds", tmp_path / "run"))
     assert rc == 2
     assert "needs the `datasets` package" in capsys.readouterr().err
+
+
+def test_models_json_counts_the_resident_models(llama_run, lora_run, assets):
+    """PPO holds four models, or three with LoRA (the reference is the policy with adapters off);
+    their parameter bytes are those of the live modules — here, of the checkpoints they came from."""
+    import json
+
+    from ppo_support import load_safetensors_dir
+
+    def nbytes(path):
+        return sum(t.numel() * t.element_size() for t in load_safetensors_dir(path).values())
+
+    full = json.loads((llama_run.dir / "models.json").read_text())
+    assert sorted(full) == ["actor", "critic", "reference", "reward_model"]
+    policy, rm = nbytes(assets.policy("llama")), nbytes(assets.reward_model("llama"))
+    assert full["actor"]["bytes"] == full["reference"]["bytes"] == policy
+    assert full["critic"]["bytes"] == full["reward_model"]["bytes"] == rm
+    assert full["reference"]["trainable"] == full["reward_model"]["trainable"] == 0
+    assert full["actor"]["trainable"] == full["actor"]["parameters"]
+    lora = json.loads((lora_run.dir / "models.json").read_text())
+    assert sorted(lora) == ["actor", "critic", "reward_model"]
+    assert 0 < lora["actor"]["trainable"] < lora["actor"]["parameters"] and lora["actor"]["bytes"] > policy

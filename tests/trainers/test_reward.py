@@ -25,16 +25,6 @@ from proximal.trainers.reward import RMConfig, pair_scores, train
 from proximal.trainers.sft import SFTConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are all thread-synchronisation overhead: on a shared 2-core machine two intra-op
-    # threads measured ~40x slower per step than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_char_tokenizer("ab=")
