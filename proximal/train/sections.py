@@ -277,6 +277,11 @@ class RolloutSection:
                                                      "stopping (e.g. -1.0); null = no penalty.")
     nonfinite_scores: str = option("skip", "A NaN or infinite score: 'skip' leaves the sample out of training and "
                                            "counts it; 'error' stops the run.", choices=("skip", "error"))
+    gather_weights: bool = option(True, "With several processes: gather the policy's full weights once around "
+                                        "generation (fast; each device must hold the whole policy for that time). "
+                                        "false keeps them sharded and gathers block by block at every decode step "
+                                        "(for a policy too large for one device; slower, and the processes decode "
+                                        "in step until all of them are done).")
 
     def problems(self, name: str = "rollout") -> list[str]:
         from proximal.core.ranges import problem
