@@ -93,7 +93,7 @@ def test_empty_responses_are_errors_or_skipped_and_counted(assets, tmp_path, cap
     assert read_jsonl(tmp_path / "r2" / "metrics.jsonl")[0]["data/train_skipped_empty"] == 2  # empty, and same twice
     write_jsonl(prefs, [{"prompt": "a", "chosen": "b", "rejected": "b"}])
     assert main(_rm_argv(assets, prefs, tmp_path / "r3")) == 2
-    assert "they are the same response" in _err(capsys)
+    assert f"{prefs}:1: 'chosen' and 'rejected' are the same response, so the pair teaches nothing" in _err(capsys)
 
 
 # ---------------------------------------------------------------------------------- config

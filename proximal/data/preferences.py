@@ -86,6 +86,11 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
     return context, chosen, rejected
 
 
+def same_response_error(where: str, detail: str = "") -> DataError:
+    return DataError(f"{where}: 'chosen' and 'rejected' are the same response{detail}, so the pair teaches nothing; "
+                     "fix the row or set data.on_empty: skip to drop such rows")
+
+
 def _margin(record: dict, where: str) -> float | None:
     if "margin" not in record or record["margin"] is None:
         return None
@@ -129,14 +134,12 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
                             "the first response token has nothing to be predicted from")
         responses = {name: encode_response(text, tokenizer) for name, text in (("chosen", chosen),
                                                                                 ("rejected", rejected))}
-        problem = next((f"'{name}'" for name, ids in responses.items() if len(ids) <= 1), None)
-        if problem is None and responses["chosen"] == responses["rejected"]:
-            problem = "the difference between 'chosen' and 'rejected' (they are the same response)"
-        if problem is not None:
+        empty = next((f"'{name}'" for name, ids in responses.items() if len(ids) <= 1), None)
+        if empty is not None or responses["chosen"] == responses["rejected"]:
             if on_empty == "skip":
                 report.skipped_empty += 1
                 continue
-            raise empty_error(where, problem)
+            raise empty_error(where, empty) if empty else same_response_error(where)
         if on_too_long == "truncate" and len(prompt_ids) >= max_length:
             raise DataError(f"{where}: the prompt is {len(prompt_ids)} tokens, which leaves no room for a response "
                             f"within data.max_length = {max_length}; raise data.max_length, shorten the prompt, or "
@@ -158,8 +161,7 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
             if on_empty == "skip":
                 report.skipped_empty += 1
                 continue
-            raise empty_error(where, f"the difference between 'chosen' and 'rejected' within data.max_length = "
-                                     f"{max_length} (truncated, they are the same response)")
+            raise same_response_error(where, f" once cut to data.max_length = {max_length}")
         if any(len(side) < len(prompt_ids) + len(ids) for side, ids in zip(sides, responses.values())):
             report.truncated += 1
         pairs.append(PreferencePair(sides[0], sides[1], margin, where, len(prompt_ids)))

@@ -58,7 +58,7 @@ class LoadReport:
         if self.skipped:
             why.append(f"{self.skipped} longer than data.max_length = {max_length}")
         if self.skipped_empty:
-            why.append(f"{self.skipped_empty} with an empty response")
+            why.append(f"{self.skipped_empty} with an empty response (or, for pairs, two identical ones)")
         return DataError(f"{self.path}: all {self.rows} rows were skipped ({'; '.join(why)})")
 
 

@@ -17,6 +17,7 @@ float32 round-off in the logits).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,7 +26,8 @@ import torch
 
 from proximal.models.heads import position_ids_from_mask
 from proximal.models.loading import accepts_logits_to_keep, cache_argument
-from proximal.models.parallel import autocast, gathered
+from proximal.models.parallel import autocast, gathered, is_sharded
+from proximal.train import dist
 
 
 @dataclass(frozen=True)
@@ -89,14 +91,18 @@ class HFEngine:
 
     A sharded (FSDP2) model's full weights are gathered once around the whole decode
     (:func:`proximal.models.parallel.gathered`), so ranks decode without collectives and stop at
-    their own lengths. The checkpoint's ``generation_config`` (repetition penalties, suppressed
-    tokens, …) is never consulted: the tokens come from exactly softmax(logits / τ), the policy
-    whose log-probabilities the losses recompute.
+    their own lengths. With ``gather_weights=False`` (a policy too large for one device) the weights
+    stay sharded and every forward gathers one block at a time, as in training; then every rank must
+    run every decode step, so the ranks decode until all of them are done (one small all-reduce per
+    token). The checkpoint's ``generation_config`` (repetition penalties, suppressed tokens, …) is
+    never consulted: the tokens come from exactly softmax(logits / τ), the policy whose
+    log-probabilities the losses recompute.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, *, gather_weights: bool = True):
         self.model = model
         self.pad_token_id = pad_token_id
+        self.gather_weights = gather_weights
         self._keep_last = accepts_logits_to_keep(model)
         self._cache_kw = cache_argument(model)
 
@@ -111,7 +117,8 @@ class HFEngine:
         stop = torch.tensor(sorted(set(params.stop_token_ids)), device=device, dtype=torch.long)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         model = self.model
-        with gathered(model), autocast(model):
+        sharded_steps = not self.gather_weights and is_sharded(model)
+        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model):
             mask = prompt_mask.long()
             out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                         use_cache=True, **extra)
@@ -124,7 +131,8 @@ class HFEngine:
                 token = torch.where(done, self.pad_token_id, token)
                 tokens.append(token)
                 done = done | torch.isin(token, stop)
-                if t + 1 == params.max_new_tokens or bool(done.all()):
+                finished = not dist.any_rank(not bool(done.all()), device) if sharded_steps else bool(done.all())
+                if t + 1 == params.max_new_tokens or finished:
                     break
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,

@@ -73,7 +73,7 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
             message = "interrupted"
         elif lost_peer(e):
             message = (f"stopped: another process of the job failed or stalled ({str(e).splitlines()[0][:160]}); "
-                       "its own message says why")
+                       "look for that process's own message (a process killed from outside prints none)")
         else:
             message = str(e)
         say(prog, message)

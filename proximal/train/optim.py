@@ -62,6 +62,20 @@ def optimizer_and_scheduler(model: torch.nn.Module, o, *, lr: float | None = Non
     return opt, build_scheduler(opt, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=total_steps)
 
 
+def resync_schedule(scheduler) -> None:
+    """Set the optimiser's learning rates to what ``scheduler`` gives at its current step.
+
+    A restored ``LambdaLR`` keeps the learning rate the checkpoint's optimiser had; when a run is
+    extended (``--resume`` with more ``train.steps``) the schedule's shape changed, and the first new
+    step would run at the old schedule's last rate (0 for a linear decay). For an unchanged schedule
+    this sets exactly the rates that were saved.
+    """
+    values = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, values):
+        group["lr"] = lr
+    scheduler._last_lr = values
+
+
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float,
                   *, what: str = "model") -> float:
     """Clip the global gradient norm to ``max_grad_norm`` (0 = no clipping), step, advance the schedule,

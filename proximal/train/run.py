@@ -26,8 +26,8 @@ import torch
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.train import dist
-from proximal.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
-from proximal.train.optim import seed_everything
+from proximal.train.checkpoint import CheckpointError, completed, find_checkpoint, load_checkpoint, save_checkpoint
+from proximal.train.optim import resync_schedule, seed_everything
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -107,6 +107,8 @@ class Run:
         for name, obj in stateful.items():
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
+                if isinstance(obj, torch.optim.lr_scheduler.LambdaLR):
+                    resync_schedule(obj)  # the run may have been extended: the schedule's shape changed
         return int(state["step"]), dict(state.get("counters", {}))
 
     # ------------------------------------------------------------------ start
@@ -243,6 +245,12 @@ def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, devic
         if ckpt is None:
             detail = "; ".join(n for n in notes if n.startswith("skipping")) or "none was ever written"
             raise CheckpointError(f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})")
+        stale = [c for c in completed(run_dir / "checkpoints") if c.name > ckpt.name]
+        if stale:  # damaged ones skipped on the way: their steps are redone, so they must not be kept
+            if dist.is_main():
+                for c in stale:
+                    shutil.rmtree(c, ignore_errors=True)
+            notes.append(f"removed {', '.join(c.name for c in stale)}, newer than the checkpoint resumed from")
         earlier = []
     else:
         ckpt = None

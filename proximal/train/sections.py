@@ -82,8 +82,8 @@ class OptimSection:
                                        "0 = no clipping (the norm is still logged).")
     warmup_steps: int = option(0, "Optimiser steps of linear warm-up from 0 to lr (transformers.get_scheduler: "
                                   "step k of the warm-up runs at lr·k/warmup_steps, the first at 0).")
-    schedule: str = option("constant", "Learning rate after warm-up: constant, linear (decays to 0 at the end) or "
-                                       "cosine.", choices=SCHEDULES)
+    schedule: str = option("constant", "Learning rate after warm-up: constant, linear (towards 0: the last step runs "
+                                       "at lr/(steps − warm-up)) or cosine.", choices=SCHEDULES)
 
     def problems(self, name: str = "optim") -> list[str]:
         e = []
@@ -152,8 +152,9 @@ class BatchTrainSection(TrainSection):
     steps: int | None = option(None, "Optimiser steps in the run; null = train.epochs passes over data.train_file.")
     epochs: int = option(1, "Passes over data.train_file when train.steps is null. Each pass is reshuffled; the "
                             "last len(train) mod batch_size rows of a pass are left out of it.")
-    batch_size: int = option(32, "Rows per optimiser step, over all processes together.")
-    micro_batch_size: int = option(8, "Rows per forward/backward pass on one process; batch_size / (processes × "
+    batch_size: int = option(32, "Rows (pairs, for rm, dpo and simpo) per optimiser step, over all processes "
+                                 "together.")
+    micro_batch_size: int = option(8, "Rows (pairs) per forward/backward pass on one process; batch_size / (processes × "
                                       "micro_batch_size) passes are accumulated into one step. Also the "
                                       "evaluation batch size.")
     eval_every: int = option(100, "Evaluate on data.eval_file every this many steps (and always before the first "
@@ -176,7 +177,9 @@ class BatchTrainSection(TrainSection):
 
 @dataclass
 class OutputSection:
-    dir: str = option("runs/run", "Run directory: config.yaml, metrics.jsonl, checkpoints/ and the trained model.")
+    dir: str = option("runs/run", "Run directory: config.yaml, metrics.jsonl, models.json, checkpoints/ (each with "
+                                  "the trained models in Hugging Face format); sft, rm, dpo and simpo also export the "
+                                  "final model into the directory itself, ppo and grpo write samples.jsonl.")
     overwrite: bool = option(False, "Start afresh in an output.dir that already holds a run (it is deleted, but "
                                     "only once the new run has loaded). Without it such a directory is refused; "
                                     "use --resume to continue it.")
@@ -274,6 +277,11 @@ class RolloutSection:
                                                      "stopping (e.g. -1.0); null = no penalty.")
     nonfinite_scores: str = option("skip", "A NaN or infinite score: 'skip' leaves the sample out of training and "
                                            "counts it; 'error' stops the run.", choices=("skip", "error"))
+    gather_weights: bool = option(True, "With several processes: gather the policy's full weights once around "
+                                        "generation (fast; each device must hold the whole policy for that time). "
+                                        "false keeps them sharded and gathers block by block at every decode step "
+                                        "(for a policy too large for one device; slower, and the processes decode "
+                                        "in step until all of them are done).")
 
     def problems(self, name: str = "rollout") -> list[str]:
         from proximal.core.ranges import problem

@@ -57,12 +57,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
     run = open_run("ppo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
-    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}  # fail before loading models
+    # Reward functions and prompts first: a mistake in either is reported before any model loads.
+    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
+    prompts = load_prompts(cfg.data.prompts, load_tokenizer(mc.path, role="policy tokenizer (model.path)"),
+                           max_length=cfg.data.max_prompt_length, on_too_long=cfg.data.on_long_prompt,
+                           on_empty=cfg.data.on_empty_prompt)
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
-    prompts = load_prompts(cfg.data.prompts, tokenizer, max_length=cfg.data.max_prompt_length,
-                           on_too_long=cfg.data.on_long_prompt, on_empty=cfg.data.on_empty_prompt)
     sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
                       world_size=run.world_size)
     ptx = None
@@ -75,7 +77,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     critic_opt, critic_sched = optimizer_and_scheduler(critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps)
     kl_ctl = kl_controller(cfg.kl.controller, beta=cfg.kl.beta, target=cfg.kl.target, k_beta=cfg.kl.k_beta,
                            horizon=cfg.kl.horizon)
-    engine = HFEngine(actor, tokenizer.pad_token_id)
+    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights)
     trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
     stateful = {"actor_scheduler": actor_sched, "critic_scheduler": critic_sched, "kl_controller": kl_ctl,
                 "sampler": sampler, "ptx_sampler": ptx.sampler if ptx else None}
@@ -169,17 +171,13 @@ class PTXData:
     max_length: int
 
 
-#: Statistics averaged over the valid tokens of each mini-batch (weighted by their count).
-_TOKEN_STATS = (("policy/clipfrac", "clipfrac"), ("policy/approx_kl", "approx_kl_k3"),
-                ("policy/approx_kl_k1", "approx_kl_k1"), ("value/clipfrac", "vf_clipfrac"))
-
-
 def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossConfig, temperature: float,
                max_length: int, max_grad_norm: float, shuffle_seed: int, ptx: PTXData | None = None,
                tokenizer=None) -> dict:
     """``hp.epochs`` passes over shuffled mini-batches of the **whole** batch ``exp`` (every rank holds
     it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th part of each mini-batch,
-    in micro-batches whose gradients accumulate.
+    in micro-batches whose gradients accumulate — first the actor's, then its step, then the critic's
+    and its step, so only one model's gradients are held at a time.
 
     Every loss is normalised by the aggregation's unit count over the whole mini-batch
     (:func:`proximal.core.aggregation_units`) divided by the number of ranks, because FSDP averages
@@ -207,45 +205,22 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
             if units == 0:  # every row of this mini-batch was masked out: the same on every rank
                 continue
             norm = units / W
-            mine = mini[rank * per_rank:(rank + 1) * per_rank]
-            acc = torch.zeros(len(_TOKEN_STATS) + 4, dtype=torch.float64, device=device)  # see below
-            ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
-            for mstart in range(0, len(mine), hp.micro_batch_size):
-                m = exp.select(mine[mstart:mstart + hp.micro_batch_size])
-                mask, n_tok = m.mask, m.mask.sum()
-                logits = response_logits(actor.module, m.rollout)                                # (b, T, V)
-                logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
-                pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
-                                              max_length=max_length, normalizer=norm)
-                with torch.set_grad_enabled(hp.entropy_coef > 0):  # logged always, differentiated only if used
-                    entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
-                                                  max_length=max_length, normalizer=norm)
-                (pg_loss - hp.entropy_coef * entropy).backward()                                # −(L^CLIP + c2·S)
-                values = critic_values(critic.module, m.rollout)
-                vf_loss, vf = value_loss(values, m.values, m.returns, mask, hp.value_clip_eps,
-                                         aggregation=hp.aggregation, max_length=max_length, normalizer=norm)
-                (hp.vf_coef * vf_loss).backward()                                               # c1·L^VF
-                tokens += int(m.rollout.attention_mask.sum())
-                stats = {**pg, **vf}
-                acc += torch.stack([float(stats[k]) * n_tok.double() for _, k in _TOKEN_STATS]
-                                   + [n_tok.double(), pg_loss.detach().double(), vf_loss.detach().double(),
-                                      entropy.detach().double()])
-                if n_tok > 0:
-                    ratio_max = torch.maximum(ratio_max, pg["ratio_max"].double().reshape(1))
-            acc, ratio_max = dist.all_reduce_sum(acc), dist.all_reduce_max(ratio_max)
-            n = acc[len(_TOKEN_STATS)]
-            row = {name: float(acc[i] / n) for i, (name, _) in enumerate(_TOKEN_STATS)}
-            row.update({"loss/policy": float(acc[-3]) / W, "loss/value": float(acc[-2]) / W,
-                        "policy/entropy": float(acc[-1]) / W, "policy/ratio_max": float(ratio_max)})
-            if ptx is not None:                                                                 # γ_PTX·(−L^PTX)
+            micro = [exp.select(idx) for idx in mini[rank * per_rank:(rank + 1) * per_rank].split(hp.micro_batch_size)]
+            lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
+
+            # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
+            row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length)
+            if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
                 (hp.ptx_coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
-            lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
             row["grad_norm/actor"] = clip_and_step(actor.module, actor.optimizer, actor.scheduler, max_grad_norm,
                                                    what="actor")
+            # The critic: c1·L^VF, then one optimiser step.
+            row.update(critic_pass(micro, critic.module, hp, norm=norm, max_length=max_length))
             row["grad_norm/critic"] = clip_and_step(critic.module, critic.optimizer, critic.scheduler, max_grad_norm,
                                                     what="critic")
+            tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
             if hp.target_kl is not None and row["policy/approx_kl"] > hp.target_kl:  # global, so every rank agrees
@@ -259,6 +234,49 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs
     return {"stats": stats, "tokens": int(dist.global_sum(tokens))}
+
+
+def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float, temperature: float,
+               max_length: int) -> dict[str, float]:
+    """Back-propagate the actor's loss over this rank's micro-batches of a mini-batch; its global stats
+    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W)."""
+    device = micro[0].rollout.response_ids.device
+    acc = torch.zeros(6, dtype=torch.float64, device=device)  # clipfrac·n, k3·n, k1·n, n, loss, entropy
+    ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
+    for m in micro:
+        mask, n = m.mask, m.mask.sum().double()
+        logits = response_logits(actor, m.rollout)                                              # (b, T, V)
+        logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
+        pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
+                                      max_length=max_length, normalizer=norm)
+        with torch.set_grad_enabled(hp.entropy_coef > 0):  # logged always, differentiated only if used
+            entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
+                                          max_length=max_length, normalizer=norm)
+        (pg_loss - hp.entropy_coef * entropy).backward()
+        acc += torch.stack([pg["clipfrac"].double() * n, pg["approx_kl_k3"].double() * n,
+                            pg["approx_kl_k1"].double() * n, n, pg_loss.detach().double(), entropy.detach().double()])
+        if n > 0:
+            ratio_max = torch.maximum(ratio_max, pg["ratio_max"].double().reshape(1))
+    acc, ratio_max = dist.all_reduce_sum(acc), dist.all_reduce_max(ratio_max)
+    W = dist.world_size()
+    return {"policy/clipfrac": float(acc[0] / acc[3]), "policy/approx_kl": float(acc[1] / acc[3]),
+            "policy/approx_kl_k1": float(acc[2] / acc[3]), "loss/policy": float(acc[4]) / W,
+            "policy/entropy": float(acc[5]) / W, "policy/ratio_max": float(ratio_max)}
+
+
+def critic_pass(micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int) -> dict[str, float]:
+    """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch; its global stats."""
+    device = micro[0].rollout.response_ids.device
+    acc = torch.zeros(3, dtype=torch.float64, device=device)  # clipfrac·n, n, loss
+    for m in micro:
+        mask, n = m.mask, m.mask.sum().double()
+        values = critic_values(critic, m.rollout)
+        vf_loss, vf = value_loss(values, m.values, m.returns, mask, hp.value_clip_eps, aggregation=hp.aggregation,
+                                 max_length=max_length, normalizer=norm)
+        (hp.vf_coef * vf_loss).backward()
+        acc += torch.stack([vf["vf_clipfrac"].double() * n, n, vf_loss.detach().double()])
+    acc = dist.all_reduce_sum(acc)
+    return {"value/clipfrac": float(acc[0] / acc[1]), "loss/value": float(acc[2]) / dist.world_size()}
 
 
 def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:

@@ -48,7 +48,7 @@ class PPOLossConfig:
     epochs: int = option(4, "PPO epochs over each rollout batch.")
     mini_batch_size: int = option(8, "Sequences per optimiser step, over all processes together.")
     micro_batch_size: int = option(4, "Sequences per forward/backward on one process (gradient accumulation within "
-                                      "a mini-batch).")
+                                      "a mini-batch); also the batch of the experience and reward-model forwards.")
     clip_eps: float = option(0.2, "ε of the clipped surrogate (typically 0.1–0.2).")
     value_clip_eps: float = option(0.2, "ε_v of the clipped value loss.")
     gamma: float = option(1.0, "γ, the discount (1.0 for language: every token of the horizon counts alike).")
@@ -68,8 +68,9 @@ class PPOLossConfig:
 
 @dataclass
 class KLConfig:
-    controller: str = option("fixed", "β schedule: fixed, adaptive (Ziegler et al. 2019's piecewise rule, in "
-                                      "docs/formulas.md) or proportional (their lm-human-preferences code).",
+    controller: str = option("fixed", "β schedule: fixed; adaptive, the piecewise rule β ← β·(1 ± K_β) when the "
+                                      "KL leaves [d_targ/1.5, 1.5·d_targ] (after Schulman et al. 2017, §4; "
+                                      "docs/formulas.md); or proportional (Ziegler et al. 2019).",
                              choices=KL_CONTROLLERS)
     beta: float = option(0.05, "β, the KL penalty coefficient (the initial value for the controllers).")
     target: float = option(6.0, "d_targ: the target sequence KL (nats) of the adaptive and proportional controllers.")

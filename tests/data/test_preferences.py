@@ -139,8 +139,7 @@ def test_truncate_keeps_the_prompt_and_the_start_of_each_response(tok, tmp_path)
     ([{"prompt": "aaaa=", "chosen": "b", "rejected": "c"}],
      "the prompt is 5 tokens, which leaves no room for a response within data.max_length = 5"),
     ([{"prompt": "a=", "chosen": "bbbbbb", "rejected": "bbbbbc"}],
-     "the difference between 'chosen' and 'rejected' within data.max_length = 5 (truncated, they are the same "
-     "response) is empty"),
+     "'chosen' and 'rejected' are the same response once cut to data.max_length = 5, so the pair teaches nothing"),
 ])
 def test_truncation_errors_name_the_row(tok, tmp_path, rows, message):
     f = write(tmp_path / "bad.jsonl", rows)

@@ -131,3 +131,17 @@ def test_torchrun_a_failing_rank_ends_the_job_with_its_message(assets, tmp_path)
     assert done.returncode != 0
     assert time.monotonic() - t0 < 120
     assert "[rank 1] proximal ppo: reward function 'ppo_support:raise_for_h' at step 1 raised KeyError" in done.stderr
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process(assets, tmp_path):
+    """DCP reshards the saved state: a run checkpointed by 2 processes continues on 1 and computes what
+    the 2-process run computes, up to float32 summation order (see test_run_invariance)."""
+    cfg = _config(assets, tmp_path / "full", optim={"warmup_steps": 0, "schedule": "constant"})
+    full = run_ranks(2, _ppo, cfg)[0]
+    part = {**cfg, "train": {**cfg["train"], "steps": 2}, "output": {**cfg["output"], "dir": str(tmp_path / "moved")}}
+    run_ranks(2, _ppo, part)
+    resumed = run_ranks(1, _ppo, {**part, "train": {**part["train"], "steps": 4}}, resume=True)[0]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], resumed[2:]):
+        for k in ("score/mean", "kl/seq_mean", "kl/beta", "loss/policy", "loss/value"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-4), (a["step"], k)

@@ -5,6 +5,7 @@ which reloads with ``from_pretrained`` to exactly the gathered parameters."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_support import ids
@@ -14,7 +15,7 @@ from multiprocess import run_ranks
 PROMPTS = ["ab 1", "hhhh 2", "c", "dd 3"]
 
 
-def _generate(policy_path: str, force_stop_on_rank: int | None):
+def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: bool = True):
     from proximal.data.collate import pad_left
     from proximal.models.loading import load_tokenizer
     from proximal.models.parallel import prepare_trained
@@ -35,14 +36,17 @@ def _generate(policy_path: str, force_stop_on_rank: int | None):
     stops = (tok.eos_token_id,) + ((ids(tok, "a")[0], ids(tok, "b")[0], ids(tok, " ")[0])
                                    if rank == force_stop_on_rank else ())
     params = SamplingParams(max_new_tokens=24, stop_token_ids=stops, temperature=1.0)
-    out = HFEngine(actor, tok.pad_token_id).generate(prompt_ids, mask, [row_seed(0, 1, i) for i in rows], params)
+    engine = HFEngine(actor, tok.pad_token_id, gather_weights=gather_weights)
+    out = engine.generate(prompt_ids, mask, [row_seed(0, 1, i) for i in rows], params)
     # Each row up to and including its first stop token (the engine pads after it).
     return [row[:next((k + 1 for k, t in enumerate(row) if t in stops), len(row))] for row in out.tolist()]
 
 
-def test_generation_under_sharding_matches_the_unsharded_model(assets):
+@pytest.mark.parametrize("gather_weights", [True, False])
+def test_generation_under_sharding_matches_the_unsharded_model(assets, gather_weights):
+    """Gathered once (ranks stop on their own) or block by block (ranks decode in step until all are done)."""
     policy = str(assets.policy("llama"))
-    sharded = run_ranks(2, _generate, policy, 1, timeout_s=120, collective_timeout_s=30)
+    sharded = run_ranks(2, _generate, policy, 1, gather_weights, timeout_s=120, collective_timeout_s=30)
     alone = [run_ranks(1, _generate, policy, None)[0]]
     longest = [max(map(len, rows)) for rows in sharded]
     assert longest[1] < longest[0] == 24, f"rank 1 should have stopped earlier: {longest}"

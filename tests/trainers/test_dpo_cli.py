@@ -72,7 +72,7 @@ def test_cli_lora_runs_and_resumes(assets, tmp_path, capsys):
 @pytest.mark.parametrize("method", ["dpo", "simpo"])
 @pytest.mark.parametrize("row, overrides, message", [
     ({"prompt": "1 ", "chosen": "ab", "rejected": "ab"}, [],
-     "{f}:3: the difference between 'chosen' and 'rejected' (they are the same response) is empty"),
+     "{f}:3: 'chosen' and 'rejected' are the same response, so the pair teaches nothing"),
     ({"prompt": "1 ", "chosen": "", "rejected": "ab"}, [], "{f}:3: 'chosen' is empty"),
     ({"prompt": "0123456789012345", "chosen": "a", "rejected": "b"}, ["--data.on_too_long", "truncate"],
      "{f}:3: the prompt is 16 tokens, which leaves no room for a response within data.max_length = 16"),

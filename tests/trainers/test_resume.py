@@ -75,3 +75,14 @@ def test_resume_after_a_crash_reproduces_the_run(command, base, tmp_path, monkey
     a = load_file(str(tmp_path / "full" / "model.safetensors"))
     b = load_file(str(tmp_path / "crashed" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_extending_a_finished_run_follows_the_new_schedule(base, tmp_path, capsys):
+    """``--resume DIR --train.steps M`` on a run that finished at N < M: the linear decay is stretched to M
+    steps, and the first new step runs at the new schedule's rate, not at the old one's last (0)."""
+    argv = _argv("sft", base, tmp_path, "run", 4)
+    assert main(argv) == 0
+    assert main(["sft", "--resume", str(tmp_path / "run"), "--train.steps", "8"]) == 0, capsys.readouterr().err
+    lrs = [r["train/lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]]
+    # warm-up 2 steps then linear to 0 over 8: step k (0-based) runs at 3e-3·(8 − k)/6 for k ≥ 2
+    assert lrs[4:] == pytest.approx([3e-3 * (8 - k) / 6 for k in range(4, 8)], rel=1e-9)
