@@ -36,6 +36,7 @@ from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss
 from proximal.data.prompts import load_prompts
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
+from proximal.models.loading import load_tokenizer
 from proximal.models.policy import build_policy
 from proximal.rollout.collect import collect
 from proximal.rollout.engine import HFEngine, row_seed
@@ -61,24 +62,28 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     t, mc, r, g = cfg.train, cfg.model, cfg.rollout, cfg.grpo
     run = open_run("grpo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
-    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}  # fail before loading models
+    # Reward functions and prompts first: a mistake in either is reported before any model loads.
+    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
+    prompts = load_prompts(cfg.data.prompts, load_tokenizer(mc.path, role="policy tokenizer (model.path)"),
+                           max_length=cfg.data.max_prompt_length, on_too_long=cfg.data.on_long_prompt,
+                           on_empty=cfg.data.on_empty_prompt)
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
-    prompts = load_prompts(cfg.data.prompts, tokenizer, max_length=cfg.data.max_prompt_length,
-                           on_too_long=cfg.data.on_long_prompt, on_empty=cfg.data.on_empty_prompt)
     sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
                       world_size=run.world_size)
     G, mini = r.group_size, cfg.mini_batch_size
     opt, sched = optimizer_and_scheduler(actor, cfg.optim,
                                          total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini))
-    engine = HFEngine(actor, tokenizer.pad_token_id)
+    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights)
     trained = {"actor": (actor, opt)}
     stateful = {"actor_scheduler": sched, "sampler": sampler}
     start, counters = run.restore(trained, stateful)
     counters = {"skipped_nonfinite": 0, "skipped_uniform_groups": 0, **counters}
     run.begin(cfg, start=start, total=t.steps, counters=counters, progress=cfg.output.progress,
               tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
+    run.record_models(actor=actor, reference=models.reference.model if models.reference is not None else None,
+                      reward_model=models.scorer.reward_model)
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()

@@ -220,10 +220,17 @@ def test_batch_not_divisible_by_processes_is_an_error(monkeypatch):
 
 
 def test_every_field_is_documented():
-    doc = (Path(__file__).parents[2] / "docs" / "grpo.md").read_text()
-    for name, _, _, help_ in describe(GRPOConfig):
+    """Every field has help text and a row of docs/grpo.md's tables showing its current default (the
+    rendering and the table reader of tests/test_docs.py)."""
+    from test_docs import render_default, table_rows
+
+    rows = table_rows((Path(__file__).parents[2] / "docs" / "grpo.md").read_text())
+    for name, _, default, help_ in describe(GRPOConfig):
         assert help_, name
-        assert f"`{name}`" in doc, f"docs/grpo.md does not document {name}"
+        lines = rows.get(f"`{name}`")
+        assert lines, f"docs/grpo.md has no table row for {name}"
+        assert any(f"`{render_default(default)}`" in line for line in lines), \
+            f"docs/grpo.md: the row of {name} does not show its default `{render_default(default)}`"
 
 
 def test_the_command_is_registered(capsys):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-import torch
 
 from grpo_support import grpo_config, grpo_main, read_jsonl
 
@@ -28,7 +27,6 @@ VARIANTS = {
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mean_score_rises_with_a_rule_reward(variant, seed, assets, tmp_path, capsys):
-    torch.set_num_threads(1)
     run_dir = tmp_path / "run"
     cfg = grpo_config(assets.policy("llama"), assets.prompts, run_dir,
                       rollout={"batch_size": 4, "group_size": 4, "max_new_tokens": 8},
