@@ -33,16 +33,14 @@ import torch
 from proximal.config import ConfigError
 from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, logprobs_from_logits, masked_sum,
                            rloo_advantages, token_entropy, uniform_groups)
-from proximal.data.prompts import load_prompts
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
-from proximal.models.loading import load_tokenizer
 from proximal.models.policy import build_policy
-from proximal.rollout.collect import collect
+from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logits
-from proximal.rollout.scoring import build_scorer, load_reward_function
+from proximal.rollout.scoring import build_scorer
 from proximal.train import dist
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
@@ -62,12 +60,9 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     t, mc, r, g = cfg.train, cfg.model, cfg.rollout, cfg.grpo
     run = open_run("grpo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
-    # Reward functions and prompts first: a mistake in either is reported before any model loads.
-    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
-    prompts = load_prompts(cfg.data.prompts, load_tokenizer(mc.path, role="policy tokenizer (model.path)"),
-                           max_length=cfg.data.max_prompt_length, on_too_long=cfg.data.on_long_prompt,
-                           on_empty=cfg.data.on_empty_prompt)
-
+    d = cfg.data
+    functions, prompts = load_inputs(mc.reward_functions, d.prompts, mc.path, max_prompt_length=d.max_prompt_length,
+                                     on_long_prompt=d.on_long_prompt, on_empty_prompt=d.on_empty_prompt)
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
     sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
