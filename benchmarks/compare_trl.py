@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     works = [with_precision(WORKS[w], a.bf16_precision) for w in a.works]
     skipped: dict[str, str] = {}
     if any(w.method == "grpo" for w in works) and not has_command("grpo"):
-        skipped["grpo"] = "`proximal grpo` does not exist in this tree yet (issue 10); the pair is not run"
-        log(f"[skip] grpo: {skipped['grpo']}")
+        for w in works:
+            if w.method == "grpo":
+                skipped[w.name] = "`proximal grpo` does not exist in this tree yet (issue 10); the pair was not run"
+                log(f"[skip] {w.name}: {skipped[w.name]}")
         works = [w for w in works if w.method != "grpo"]
 
     # 1. Models and prompts, written once.

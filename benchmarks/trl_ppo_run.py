@@ -34,6 +34,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="profile this step with torch.profiler and time its phases (benchmarks/profile_step.py)")
+    ap.add_argument("--profile-rows", type=int, default=25)
+    ap.add_argument("--profile-sort", default="self_cpu_time_total")
+    ap.add_argument("--profile-trace", default=None)
     a = ap.parse_args()
 
     import torch
@@ -75,13 +80,18 @@ def main() -> int:
     value = AutoModelForSequenceClassification.from_pretrained(a.reward, dtype=torch.float32, num_labels=1)
 
     stamps: list[float] = []
+    prof = Profiler(ppo_module, a.profile_step) if a.profile_step else None
 
     class StepTimer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
+            if prof:
+                prof.boundary(len(stamps) - 1)
 
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
+            if prof:
+                prof.boundary(len(stamps) - 1)
 
     B = a.batch
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +103,8 @@ def main() -> int:
             temperature=1.0, seed=a.seed, disable_tqdm=True, logging_steps=a.steps + 1)
         trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                              train_dataset=train, value_model=value, callbacks=[StepTimer()])
+        if prof:
+            prof.wrap_trainer(trainer)
         t_train = time.perf_counter()
         trainer.train()
         t_end = time.perf_counter()
@@ -120,12 +132,116 @@ def main() -> int:
                      "transformers": transformers.__version__, "trl": trl.__version__,
                      "datasets": datasets.__version__},
     }
+    if prof:
+        result["profile"] = prof.result(rows=a.profile_rows, sort=a.profile_sort, trace=a.profile_trace)
     json.dump(result, open(a.out, "w"), indent=1)
     if checked["bad"] or checked["calls"] != a.steps:
         print(f"trl_ppo_run: responses were not exactly {a.response_length} non-special tokens: {checked}",
               file=sys.stderr)
         return 3
     return 0
+
+
+class Profiler:
+    """torch.profiler over one step (from the previous step's end to its own), and the time of its
+    phases, by wrapping TRL's module functions: generation, the reference forward, the reward and value
+    forwards, in the PPO epochs the forward, backward and optimiser-step calls, and its housekeeping
+    (``gc.collect``, ``empty_cache``, ``log``)."""
+
+    def __init__(self, module, step: int):
+        import torch.profiler
+
+        self.module, self.step, self.on = module, step, False
+        self.times: dict[str, float] = {}
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self.t0 = self.step_s = 0.0
+        self._timed("batch_generation", "generation")
+        self._timed("get_reward", "reward + value forward (rollout)")
+        forward = module.forward
+
+        def timed_forward(model, *args, **kw):
+            import torch
+
+            name = "epochs: forward (policy + value)" if torch.is_grad_enabled() else "reference forward (rollout)"
+            with self.phase(name):
+                return forward(model, *args, **kw)
+
+        module.forward = timed_forward
+        self._timed("empty_cache", "empty_cache")
+        import gc
+        import types
+
+        collect = gc.collect
+
+        def timed_collect(*args, **kw):
+            with self.phase("gc.collect"):
+                return collect(*args, **kw)
+
+        module.gc = types.SimpleNamespace(collect=timed_collect)  # the module's own `gc` name only
+
+    def _timed(self, attr: str, name: str):
+        fn = getattr(self.module, attr)
+
+        def wrapped(*args, **kw):
+            with self.phase(name):
+                return fn(*args, **kw)
+
+        setattr(self.module, attr, wrapped)
+
+    def wrap_trainer(self, trainer):
+        backward, step = trainer.accelerator.backward, trainer.optimizer.step
+
+        def timed_backward(*args, **kw):
+            with self.phase("epochs: backward"):
+                return backward(*args, **kw)
+
+        def timed_step(*args, **kw):
+            with self.phase("epochs: optimizer step"):
+                return step(*args, **kw)
+
+        trainer.accelerator.backward, trainer.optimizer.step = timed_backward, timed_step
+        log = trainer.log
+
+        def timed_log(*args, **kw):
+            with self.phase("log"):
+                return log(*args, **kw)
+
+        trainer.log = timed_log
+
+    def phase(self, name: str):
+        import contextlib
+
+        import torch.profiler
+
+        @contextlib.contextmanager
+        def cm():
+            if not self.on:
+                yield
+                return
+            t = time.perf_counter()
+            with torch.profiler.record_function(f"phase::{name}"):
+                yield
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+
+        return cm()
+
+    def boundary(self, finished: int):
+        """Called at train begin (0) and at each step's end (k)."""
+        if finished == self.step - 1:
+            self.prof.__enter__()
+            self.on, self.t0 = True, time.perf_counter()
+        elif finished == self.step and self.on:
+            self.step_s = time.perf_counter() - self.t0
+            self.on = False
+            self.prof.__exit__(None, None, None)
+
+    def result(self, *, rows: int, sort: str, trace: str | None) -> dict:
+        phases = dict(self.times)
+        phases["rest of the step"] = self.step_s - sum(phases.values())
+        if trace:
+            self.prof.export_chrome_trace(trace)
+        return {"step_s": self.step_s, "phases": phases,
+                "table": self.prof.key_averages().table(sort_by=sort, row_limit=rows)}
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ WORKS: dict[str, Work] = {
     "wide-bf16": replace(WIDE, name="wide-bf16", precision="bf16-mixed"),
     "grpo": GRPO_TINY,
     "mini": MINI,
+    "mini-grpo": replace(MINI, name="mini-grpo", method="grpo", group_size=2),
 }
 DEFAULT_WORKS = ("tiny", "wide", "tiny-bf16", "wide-bf16", "grpo")
 
