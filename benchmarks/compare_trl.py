@@ -27,6 +27,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))  # this tree's proximal, whatever the venv has installed
 
 from harness import anchors, report  # noqa: E402
 from harness.measure import BUSY_NOTE, machine  # noqa: E402
@@ -69,6 +70,9 @@ NOTES = """
   value coefficient (TRL 0.1, proximal 0.5), gradient clipping (TRL's PPOTrainer.train never clips;
   proximal clips at 1.0), KL in the reward (both k1, β = 0.05), reward whitening off on both.
 - TRL's PPOTrainer has one AdamW over policy and value model; proximal has one each (same rates).
+- TRL's configs default `gradient_checkpointing=True`, but PPOTrainer's own training loop never turns it
+  on (each run's JSON records `policy.is_gradient_checkpointing`: false), so neither side recomputes
+  activations; proximal's `train.activation_checkpointing` stays false.
 - **bf16 rows**: proximal runs `train.precision: bf16-mixed` (float32 master weights, bf16 autocast, frozen
   models held in bf16). TRL 1.12's PPOTrainer builds its own `Accelerator()` without a mixed-precision
   argument, and transformers 5.24's `TrainingArguments(bf16=True)` no longer exports

@@ -24,6 +24,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))  # this tree's proximal, whatever the venv has installed
 
 from harness import anchors  # noqa: E402
 from harness.measure import machine  # noqa: E402
@@ -75,14 +76,14 @@ def plot(data: dict, path: Path) -> None:
                         label=f"fit {a:.2g} + {b:.2g}·x s")
         ax.set_xlabel(label)
         ax.set_ylabel("seconds per PPO step (median of steps 2–N)")
-        ax.set_title(f"tiny, {fixed}")
+        ax.set_title(fixed)
         ax.set_xscale("log", base=2)
         ax.set_xticks([p["x"] for p in data["points"] if p["sweep"] == sweep])
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     m = data["meta"]
-    fig.suptitle(f"proximal ppo step time, {m['machine']['cpu']} ({m['machine']['cores']} cores, {m['threads']} threads), "
+    fig.suptitle(f"PPO step time on tiny, {m['machine']['cpu']} ({m['machine']['cores']} cores, {m['threads']} threads), "
                  f"{m['date'][:10]}" + ("  [machine was loaded]" if m.get("loaded") else ""), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ its field names there when it lands.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,17 +56,15 @@ def grpo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: 
     }
 
 
-def has_command(name: str, python: str = sys.executable) -> bool:
+def has_command(name: str) -> bool:
     """Whether this tree's proximal has ``proximal <name>`` (GRPO may not exist yet)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from proximal.cli import COMMANDS
-    finally:
-        sys.path.pop(0)
-    return name in COMMANDS
+    code = f"import sys; from proximal.cli import COMMANDS; sys.exit(0 if {name!r} in COMMANDS else 1)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env).returncode == 0
 
 
 def command(method: str, config_path: Path, python: str = sys.executable) -> list[str]:
+    """``python -m proximal <method> --config FILE``: the CLI, as a user runs it."""
     return [python, "-m", "proximal", method, "--config", str(config_path)]
 
 
