@@ -101,7 +101,12 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every CUDA device) — ``transformers.set_seed``."""
-    from transformers import set_seed
+    """Seed Python, NumPy and torch (CPU and every CUDA device), as ``transformers.set_seed`` does —
+    without importing ``transformers.trainer_utils``, which pulls in half of the Trainer's stack."""
+    import random
 
-    set_seed(seed)
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)  # also seeds every CUDA device

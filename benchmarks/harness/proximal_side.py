@@ -1,0 +1,98 @@
+"""proximal's side of a benchmark: the run config of each work, the command, and its step times.
+
+The PPO config sets every field the issue pins (4 epochs, one mini-batch, lr 1e-5 for both models,
+T = R, temperature 1, CPU, the critic from the reward model) and leaves the rest at proximal's
+defaults; docs of each field: ``python -m proximal ppo --help``. The GRPO config is one small
+function, :func:`grpo_config`, because ``proximal grpo`` is being written as this harness is: adjust
+its field names there when it lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from harness.works import Work
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The reward function GRPO uses on both sides (benchmarks/grpo_reward.py): pure Python, microseconds.
+GRPO_REWARD = "grpo_reward:distinct_chars"
+
+
+def ppo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path) -> dict:
+    B = work.batch
+    return {
+        "model": {"path": model["policy"], "reward_model": model["reward"], "critic": "reward_model"},
+        "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
+        "rollout": {"batch_size": B, "max_new_tokens": work.response_len, "temperature": 1.0, "top_p": 1.0,
+                    "top_k": 0},
+        "ppo": {"epochs": 4, "mini_batch_size": B, "micro_batch_size": B},
+        "optim": {"lr": 1.0e-5, "critic_lr": 1.0e-5},
+        "train": {"steps": steps, "save_every": 0, "seed": 0, "device": "cpu", "precision": work.precision},
+        "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
+    }
+
+
+def grpo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path, beta: float,
+                loss: str) -> dict:
+    """``proximal grpo`` per issue 10: rollout.batch_size prompts a step, rollout.group_size completions
+    each, grpo.iterations passes, grpo.loss in grpo|dr_grpo|dapo. The names below are the issue's;
+    check them (and whether β is grpo.beta or kl.beta) when the command lands."""
+    return {
+        "model": {"path": model["policy"], "reward_functions": [GRPO_REWARD]},
+        "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
+        "rollout": {"batch_size": work.batch // work.group_size, "group_size": work.group_size,
+                    "max_new_tokens": work.response_len, "temperature": 1.0},
+        "grpo": {"iterations": 1, "loss": loss, "beta": beta, "clip_eps": 0.2},
+        "optim": {"lr": 1.0e-5},
+        "train": {"steps": steps, "save_every": 0, "seed": 0, "device": "cpu", "precision": work.precision},
+        "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
+    }
+
+
+def has_command(name: str) -> bool:
+    """Whether this tree's proximal has ``proximal <name>`` (GRPO may not exist yet)."""
+    code = f"import sys; from proximal.cli import COMMANDS; sys.exit(0 if {name!r} in COMMANDS else 1)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env).returncode == 0
+
+
+def command(method: str, config_path: Path, python: str = sys.executable) -> list[str]:
+    """``python -m proximal <method> --config FILE``: the CLI, as a user runs it."""
+    return [python, "-m", "proximal", method, "--config", str(config_path)]
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def read_steps(run_dir: Path) -> dict:
+    """Step times from ``metrics.jsonl``.
+
+    ``period_s[k]`` is the time from step k-1's log line to step k's (``time/wall_s`` differences; step
+    1's from the loop's start): the whole loop, logging and sample writing included — the same span as
+    TRL's ``on_step_end`` to ``on_step_end``. ``step_s`` is proximal's own ``time/step_s`` (step start
+    to metrics, no logging). The last checkpoint is written after step N's log line, so neither holds it.
+    """
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step_s" in r]
+    wall = [float(r["time/wall_s"]) for r in rows]
+    period = [wall[0]] + [b - a for a, b in zip(wall, wall[1:])]
+    lengths = [float(r.get("response/length_mean", float("nan"))) for r in rows]
+    eos = [float(r.get("response/eos_frac", float("nan"))) for r in rows]
+    return {"step_s": [float(r["time/step_s"]) for r in rows], "period_s": period, "wall_s": wall,
+            "response_length_mean": lengths, "eos_frac": eos}
+
+
+def median_from_step2(xs: list[float]) -> float | None:
+    """The median of steps 2..N (step 1 warms caches and allocators); step 1 alone when N = 1."""
+    tail = xs[1:] if len(xs) > 1 else xs
+    return statistics.median(tail) if tail else None

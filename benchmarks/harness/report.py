@@ -1,0 +1,106 @@
+"""Summaries of the alternated runs, ``results.md`` and the JSON of every number."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+#: Issue 12's targets for the step-time ratio proximal / TRL (peak RSS ratio ≤ 1.0 on each).
+TARGETS = {"tiny": 0.5, "wide": 0.6, "tiny-bf16": 0.35, "wide-bf16": 0.3, "grpo": 0.5}
+METRICS = (("median_step_s", "s/step"), ("wall_s", "process s"), ("peak_rss_mib", "peak RSS MiB"))
+BUSY_WARN = 0.25  # busy CPUs of other processes before a run above which its numbers are suspect
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and r.get("rc") == 0 and not r.get("error")
+
+
+def summarize(runs: list[dict], works: list[str]) -> dict:
+    """Per work: each side's median over rounds of each metric, and the median (min, max) of the
+    per-round ratios proximal / anchor (a pair counts only when both of its runs succeeded)."""
+    out = {}
+    for w in works:
+        rounds = sorted({r["round"] for r in runs if r["work"] == w})
+        pairs = []
+        for k in rounds:
+            p = next((r for r in runs if r["work"] == w and r["round"] == k and r["side"] == "proximal"), None)
+            t = next((r for r in runs if r["work"] == w and r["round"] == k and r["side"] != "proximal"), None)
+            pairs.append((p, t))
+        s: dict = {"rounds": len(rounds)}
+        for key, _ in METRICS:
+            for side, idx in (("proximal", 0), ("anchor", 1)):
+                vals = [pair[idx][key] for pair in pairs if _ok(pair[idx]) and pair[idx].get(key) is not None]
+                s[f"{side}_{key}"] = statistics.median(vals) if vals else None
+            ratios = [p[key] / t[key] for p, t in pairs if _ok(p) and _ok(t) and p.get(key) and t.get(key)]
+            s[f"ratio_{key}"] = statistics.median(ratios) if ratios else None
+            s[f"ratio_{key}_all"] = ratios
+        s["failed_runs"] = sum(1 for pair in pairs for r in pair if r is not None and not _ok(r))
+        busy = [r.get("cpu_busy_before", 0.0) for pair in pairs for r in pair if r is not None]
+        s["max_cpu_busy_before"] = max(busy) if busy else None
+        out[w] = s
+    return out
+
+
+def _f(x, nd=3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{nd}g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
+def write(results_md: Path, data: dict, notes: str) -> None:
+    """``results_md`` and, beside it, the same stem ``.json`` with every number."""
+    meta, summary, runs = data["meta"], data["summary"], data["runs"]
+    results_md.parent.mkdir(parents=True, exist_ok=True)
+    results_md.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    m = meta["machine"]
+    lines = [
+        "# proximal against TRL, head to head",
+        "",
+        f"Measured {meta['date']} with `{meta['command']}` ({meta['rounds']} rounds, {meta['steps']} steps a run, "
+        f"{meta['threads']} torch threads a process; every run a fresh process; proximal and the anchor alternate "
+        "A B A B within each work).",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} memory (AMX-BF16: {'yes' if m['amx_bf16'] else 'no'}, "
+        f"AVX512-BF16: {'yes' if m['avx512_bf16'] else 'no'}); {m['os']}.",
+        f"- proximal: commit {meta['proximal']['commit']}, torch {meta['proximal']['torch']}, "
+        f"transformers {meta['proximal']['transformers']}.",
+    ]
+    for name, v in meta.get("anchors", {}).items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl", "accelerate")
+                                                 if k in v) + ".")
+    busy = [r.get("cpu_busy_before") or 0.0 for r in runs]
+    worst = max(busy) if busy else 0.0
+    if worst > BUSY_WARN:
+        lines += ["", f"**Warning: the machine was not quiet.** Before some runs other processes kept up to {worst:.2f} "
+                      f"CPUs busy (of {m['cores']}); with the cores oversubscribed a tiny model's step slows many "
+                      "times over, so these numbers measure the load, not the code. Rerun on a quiet machine."]
+    lines += ["", "## Summary", "",
+              "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
+              "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
+              "whole process, spawn to exit; peak RSS = the process's peak resident set.", "",
+              "| work | s/step proximal | s/step TRL | ratio | target | process s proximal | process s TRL | ratio "
+              "| peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w, s in summary.items():
+        lines.append("| " + " | ".join([
+            w, _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(s["ratio_median_step_s"], 2),
+            f"≤ {TARGETS[w]}" if w in TARGETS else "—",
+            _f(s["proximal_wall_s"]), _f(s["anchor_wall_s"]), _f(s["ratio_wall_s"], 2),
+            _f(s["proximal_peak_rss_mib"], 4), _f(s["anchor_peak_rss_mib"], 4), _f(s["ratio_peak_rss_mib"], 2),
+        ]) + " |")
+    for w, why in meta.get("skipped", {}).items():
+        lines.append(f"| {w} | skipped: {why} |" + " |" * 9)
+    lines += ["", "## Every run", "",
+              "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
+              "note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        note = r.get("error", "")[:160].replace("|", "/")
+        lines.append("| " + " | ".join([r["work"], str(r["round"]), r["side"], _f(r.get("median_step_s")),
+                                        _f(r.get("wall_s")), _f(r.get("peak_rss_mib"), 4),
+                                        _f(r.get("cpu_busy_before"), 2),
+                                        " ".join(f"{x:.2f}" for x in r.get("loadavg_before", [])), note]) + " |")
+    lines += ["", notes.strip(), ""]
+    results_md.write_text("\n".join(lines))
