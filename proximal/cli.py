@@ -16,6 +16,7 @@ import sys
 # command -> (module, function taking argv, one-line summary)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "ppo": ("proximal.trainers.ppo", "cli", "PPO-based RLHF: actor, reference, reward model and critic"),
+    "grpo": ("proximal.trainers.grpo", "cli", "critic-free online RL: GRPO, Dr. GRPO, DAPO and RLOO (grpo.advantage: rloo)"),
     "sft": ("proximal.trainers.sft", "cli", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
     "dpo": ("proximal.trainers.dpo", "dpo_cli", "DPO on preference pairs: the policy against a frozen reference"),

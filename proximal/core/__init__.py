@@ -1,5 +1,5 @@
-"""The seed's PPO mathematics (§1–§6), and DPO / SimPO, as pure tensor functions; this package imports
-only torch.
+"""The seed's PPO mathematics (§1–§6), DPO / SimPO, and GRPO / RLOO, as pure tensor functions; this package
+imports only torch.
 
 Conventions, stated once (each module's docstring repeats the notation):
 
@@ -11,6 +11,8 @@ Conventions, stated once (each module's docstring repeats the notation):
 """
 
 from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten
+from proximal.core.advantages import GROUP_SCALES, group_advantages, rloo_advantages, uniform_groups
+from proximal.core.grpo import grpo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,
     AdaptiveKLController,
@@ -45,6 +47,7 @@ __all__ = [
     "AGGREGATIONS",
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
+    "GROUP_SCALES",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
@@ -54,6 +57,8 @@ __all__ = [
     "explained_variance",
     "aggregation_units",
     "gae",
+    "group_advantages",
+    "grpo_policy_loss",
     "kl_penalty",
     "last_valid_index",
     "logprobs_from_logits",
@@ -65,6 +70,7 @@ __all__ = [
     "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
+    "rloo_advantages",
     "sequence_logprobs",
     "sft_loss",
     "shape_rewards",
@@ -72,6 +78,7 @@ __all__ = [
     "token_entropy",
     "token_kl",
     "token_nll",
+    "uniform_groups",
     "value_loss",
     "whiten",
 ]

@@ -1,9 +1,12 @@
-"""Shaped token rewards (seed §3), generalised advantage estimation and whitening (seed §4).
+"""Shaped token rewards (seed §3), generalised advantage estimation and whitening (seed §4) for PPO,
+and the critic-free baselines of GRPO (group-normalised) and RLOO (leave-one-out), which give one
+advantage per response from the scores of the other responses to the same prompt.
 
 Notation: B batch size, T response length; ``response_mask`` is bool (B, T), True = a real
 response token (see :mod:`proximal.core.stats`). Batches are right-padded: row b's valid tokens are
 columns 0 … n_b − 1, and its last valid token (column n_b − 1) is the seed's t = T for that row —
 the EOS token when one was generated, otherwise the token at which generation hit the length limit.
+For the group baselines, G is the group size: rows g·G … g·G + G − 1 are the G responses to prompt g.
 """
 
 from __future__ import annotations
@@ -147,3 +150,129 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, keep_mean: bool = False, 
     if keep_mean:
         out = out + mean
     return torch.where(mask, out, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Critic-free baselines: GRPO's group-normalised and RLOO's leave-one-out advantages
+# ----------------------------------------------------------------------------------------------
+
+#: ``scale`` of :func:`group_advantages`: what the centred score is divided by.
+GROUP_SCALES = ("group", "batch", "none")
+
+
+def _groups(scores: Tensor, group_size: int, valid: Tensor | None, what: str) -> tuple[Tensor, Tensor]:
+    """``scores`` and ``valid`` as (n_groups, G), in at least float32; ValueError for a bad layout."""
+    if scores.dim() != 1:
+        raise ValueError(f"{what}: scores must be (B,), got shape {tuple(scores.shape)}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{what}: group_size must be a positive int, got {group_size!r}")
+    if scores.numel() == 0 or scores.numel() % group_size:
+        raise ValueError(f"{what}: {scores.numel()} scores do not split into groups of {group_size}")
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    check_mask(scores, valid, "valid")
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    return scores.to(dtype).view(-1, group_size), valid.view(-1, group_size)
+
+
+def uniform_groups(scores: Tensor, group_size: int, *, valid: Tensor | None = None) -> Tensor:
+    """Which groups carry no learning signal: fewer than two distinct valid scores, (n_groups,) bool.
+
+    A group whose valid scores are all equal (or that has fewer than two valid rows) has zero
+    advantage in every mode of :func:`group_advantages` and :func:`rloo_advantages`; DAPO's
+    dynamic sampling (Yu et al. 2025, §3.2) drops such groups from the update. Equality is exact:
+    rule rewards are exact numbers, and a tolerance would hide real (tiny) differences.
+
+    Args:
+        scores: (B,) with B = n_groups·G; rows g·G … g·G + G − 1 answer one prompt.
+        group_size: G.
+        valid: optional bool (B,): rows whose score counts (False = a non-finite score, left out).
+    """
+    s, m = _groups(scores, group_size, valid, "uniform_groups")
+    hi = torch.where(m, s, -torch.inf).max(1).values
+    lo = torch.where(m, s, torch.inf).min(1).values
+    return (m.sum(1) < 2) | (hi == lo)
+
+
+def group_advantages(scores: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4, *,
+                     valid: Tensor | None = None) -> Tensor:
+    """GRPO's group-relative advantage of each response (Shao et al. 2024, DeepSeekMath, §4.1.2,
+    outcome supervision): with r_1 … r_G the scores of the G responses to one prompt,
+
+        Â_i = (r_i − mean(r)) / (std(r) + ε)             scale="group"  (the paper)
+        Â_i = (r_i − mean(r)) / (std_batch + ε)          scale="batch"  (std over the whole batch)
+        Â_i =  r_i − mean(r)                             scale="none"   (Dr. GRPO, Liu et al. 2025, §3.1)
+
+    Every token of response i gets Â_i. mean and std are over the group's valid rows; std is the
+    **sample** standard deviation (÷ (n − 1)), as ``torch.std`` gives it in TRL, verl and OpenRLHF,
+    whose numbers users compare with (the project's whitening uses ÷ n, see :func:`whiten`). ε is
+    added to std, as TRL does; ε = 1e-4 keeps a group of nearly equal scores from exploding.
+
+    "batch" keeps the group mean as the baseline and divides by the standard deviation of every
+    valid score of the batch (TRL's ``scale_rewards="batch"``): groups whose scores hardly differ
+    then get small advantages instead of being blown up to unit scale.
+
+    A group whose valid scores are all equal (:func:`uniform_groups`) gets exactly 0 in every mode
+    — not round-off, not NaN — and so does every invalid row.
+
+    Args:
+        scores: (B,) total scores, B = n_groups·G; rows g·G … g·G + G − 1 answer prompt g.
+        group_size: G ≥ 1.
+        scale: one of :data:`GROUP_SCALES`.
+        eps: ε ≥ 0.
+        valid: optional bool (B,); False rows (non-finite scores) are left out of every statistic
+            and get advantage 0. Values there are never read.
+
+    Returns:
+        (B,) advantages in at least float32.
+    """
+    if scale not in GROUP_SCALES:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {GROUP_SCALES}")
+    check("group_eps", eps)
+    s, m = _groups(scores, group_size, valid, "group_advantages")
+    s = torch.where(m, s, 0.0)
+    n = m.sum(1, keepdim=True)                                           # (n_groups, 1)
+    mean = s.sum(1, keepdim=True) / n.clamp_min(1)
+    centred = torch.where(m, s - mean, 0.0)                              # (n_groups, G)
+    if scale == "none":
+        adv = centred
+    else:
+        if scale == "group":
+            sq, count = (centred * centred).sum(1, keepdim=True), n
+        else:  # the batch's own mean and sample std, over every valid row
+            flat, n_all = s[m], m.sum()
+            dev = flat - flat.sum() / n_all.clamp_min(1)
+            sq, count = (dev * dev).sum(), n_all
+        std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), 0.0)
+        adv = centred / (std + eps)
+    keep = m & ~uniform_groups(scores, group_size, valid=valid)[:, None]
+    return torch.where(keep, adv, 0.0).reshape(-1)
+
+
+def rloo_advantages(scores: Tensor, group_size: int, *, valid: Tensor | None = None) -> Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, RLOO): each response's
+    baseline is the mean score of the **other** responses to its prompt,
+
+        Â_i = r_i − 1/(n − 1) · Σ_{j ≠ i} r_j  = n/(n − 1) · (r_i − mean(r))
+
+    with n the group's valid rows. The baseline does not depend on r_i, so the policy gradient stays
+    unbiased (GRPO's own mean does depend on it). Uniform groups, groups with fewer than two valid
+    rows and invalid rows get exactly 0.
+
+    Args:
+        scores: (B,), B = n_groups·G, grouped as in :func:`group_advantages`.
+        group_size: G ≥ 2.
+        valid: optional bool (B,), as in :func:`group_advantages`.
+
+    Returns:
+        (B,) advantages in at least float32.
+    """
+    if isinstance(group_size, int) and group_size < 2:
+        raise ValueError(f"rloo_advantages: group_size must be ≥ 2 (a leave-one-out baseline needs another "
+                         f"response), got {group_size}")
+    s, m = _groups(scores, group_size, valid, "rloo_advantages")
+    s = torch.where(m, s, 0.0)
+    n = m.sum(1, keepdim=True)
+    others = (s.sum(1, keepdim=True) - s) / (n - 1).clamp_min(1)        # mean of the other valid rows
+    keep = m & ~uniform_groups(scores, group_size, valid=valid)[:, None]
+    return torch.where(keep, s - others, 0.0).reshape(-1)

@@ -34,6 +34,22 @@ class Collected:
     generate_s: float                      # seconds spent generating
 
 
+def load_inputs(reward_functions: list[str], prompts_path: str, policy_path: str, *, max_prompt_length: int,
+                on_long_prompt: str, on_empty_prompt: str):
+    """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
+    either is reported first: each ``module:function`` reward function imported
+    (:func:`~proximal.rollout.scoring.load_reward_function`), and the prompts rendered and tokenised
+    with the policy's tokenizer (:func:`~proximal.data.prompts.load_prompts`)."""
+    from proximal.data.prompts import load_prompts
+    from proximal.models.loading import load_tokenizer
+    from proximal.rollout.scoring import load_reward_function
+
+    functions = {spec: load_reward_function(spec) for spec in reward_functions}
+    prompt_set = load_prompts(prompts_path, load_tokenizer(policy_path, role="policy tokenizer (model.path)"),
+                              max_length=max_prompt_length, on_too_long=on_long_prompt, on_empty=on_empty_prompt)
+    return functions, prompt_set
+
+
 def collect(step: int, *, prompt_set, sampler, engine: RolloutEngine, scorer: Scorer, tokenizer, seed: int,
             device: torch.device, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
             stop_token_ids: list[int] | None = None, stop_strings: list[str] | None = None,

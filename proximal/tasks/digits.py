@@ -132,6 +132,21 @@ def gold_score(prompts: list[str], completions: list[str]) -> list[float]:
     return [gold(p, c) for p, c in zip(prompts, completions)]
 
 
+def exact_sort(prompts: list[str], completions: list[str]) -> list[float]:
+    """The task's rule verifier: 1.0 where the response is exactly the sorted digits, else 0.0.
+
+    A reward function (``model.reward_functions: [proximal.tasks.digits:exact_sort]``) of the kind
+    GRPO was designed around (Shao et al. 2024; DeepSeek-R1's accuracy reward): checkable, binary,
+    never fooled the way a learned reward model can be. Whatever follows EOS, padding and surrounding
+    whitespace are ignored, as in :func:`gold`; anything else — a digit missing, extra or out of
+    place, any other character — is wrong.
+    :func:`gold_score` is the partial credit beside it.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"exact_sort: {len(prompts)} prompts but {len(completions)} completions")
+    return [1.0 if _response_text(c) == answer(p) else 0.0 for p, c in zip(prompts, completions)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulated data sources: prompts, a sloppy teacher, preference candidates, a noisy labeller
 # ----------------------------------------------------------------------------------------------

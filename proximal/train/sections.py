@@ -300,6 +300,13 @@ class RolloutSection:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
         return e
 
+    def collect_kwargs(self) -> dict:
+        """What :func:`proximal.rollout.collect.collect` takes from this section, as keyword arguments
+        (sampling, stops, the missing-EOS penalty, the non-finite-score policy)."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings,
+                    missing_eos_penalty=self.missing_eos_penalty, nonfinite=self.nonfinite_scores)
+
 
 # ----------------------------------------------------------------------------------------------
 # Data of the methods that learn from preference pairs (reward model, DPO, SimPO)

@@ -1,0 +1,129 @@
+"""The critic-free policy loss of GRPO (Shao et al. 2024), Dr. GRPO (Liu et al. 2025) and DAPO (Yu et
+al. 2025); RLOO (Ahmadian et al. 2024) uses it with leave-one-out advantages.
+
+Notation: B batch size (responses; G per prompt), T response length; ``response_mask`` is bool
+(B, T), True = a real response token (see :mod:`proximal.core.stats`). The loss is returned for
+minimisation, with detached stats.
+
+What differs from PPO's :func:`~proximal.core.losses.ppo_policy_loss`: the advantage is one number
+per response (from :func:`~proximal.core.advantages.group_advantages` or
+:func:`~proximal.core.advantages.rloo_advantages`, no critic, no GAE); the clip interval may be
+asymmetric (DAPO's clip-higher); and the KL to the reference is a term of the loss, estimated with
+k3 per token, instead of a penalty folded into the reward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from proximal.core.kl import kl_penalty
+from proximal.core.ranges import check
+from proximal.core.stats import check_mask, masked_aggregate, stat_mean
+
+
+def grpo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+                     response_mask: Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                     beta: float = 0.04, aggregation: str = "seq-mean-token-mean",
+                     max_response_length: int | None = None, *,
+                     normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The negated GRPO objective (DeepSeekMath eq. 3), per token i, t::
+
+        ρ_{i,t} = exp(log π_θ(o_{i,t} | q, o_{i,<t}) − log π_old(o_{i,t} | q, o_{i,<t}))
+        ℓ_{i,t} = −min(ρ_{i,t}·Â_i, clip(ρ_{i,t}, 1 − ε, 1 + ε_high)·Â_i) + β·k3_{i,t}
+        k3_{i,t} = π_ref/π_θ − log(π_ref/π_θ) − 1 = exp(ref − logπ) − (ref − logπ) − 1     (DeepSeekMath eq. 4)
+
+    reduced by ``aggregation`` (:func:`~proximal.core.stats.masked_aggregate`):
+
+    - ``"seq-mean-token-mean"``: 1/G Σ_i 1/|o_i| Σ_t ℓ_{i,t} — the paper's eq. 3. A token's weight is
+      1/|o_i|: short correct answers are pushed up harder, long wrong ones pushed down more gently
+      (the length bias Dr. GRPO, §3.1, points out);
+    - ``"seq-mean-token-sum-norm"``: 1/G Σ_i Σ_t ℓ_{i,t} / L with L = ``max_response_length`` — Dr.
+      GRPO's fix: every token weighs 1/(G·L) whatever its response's length;
+    - ``"token-mean"``: Σ_{i,t} ℓ_{i,t} / Σ_i |o_i| — DAPO's token-level loss (§3.3).
+
+    The k3 term is an unbiased estimate of KL(π_θ ‖ π_ref) from tokens sampled by π_θ, ≥ 0, with
+    gradient β·(1 − π_ref/π_θ)·∇log π_θ. ε_high > ε (DAPO's clip-higher, 0.28 with ε = 0.2) lets
+    low-probability tokens with Â > 0 grow further before the clip, against entropy collapse.
+
+    Where the clipped term is the smaller (Â > 0 and ρ > 1 + ε_high, or Â < 0 and ρ < 1 − ε) the
+    surrogate's gradient is exactly 0. On-policy (π_θ = π_old, the first update of a batch with
+    μ = 1) ρ = 1 and the surrogate's gradient is the REINFORCE-with-baseline gradient −Â_i·∇log π_θ,
+    weighted by the aggregation.
+
+    Args:
+        logprobs: log π_θ(o_t | s_t) under the current parameters (with grad), (B, T).
+        old_logprobs: log π_old, recorded when the responses were sampled, (B, T).
+        ref_logprobs: log π_ref, (B, T); may be None when ``beta`` = 0 (no reference is needed).
+        advantages: Â, (B,) one per response (broadcast over its tokens) or (B, T); detached.
+        response_mask: bool (B, T).
+        clip_eps: ε ∈ (0, 1), the lower side of the interval.
+        clip_eps_high: ε_high > 0, the upper side; None = ``clip_eps`` (symmetric, the paper's).
+        beta: β ≥ 0, the KL coefficient (DeepSeekMath: 0.04; DAPO and Dr. GRPO: 0).
+        aggregation: see above.
+        max_response_length: L, needed by ``"seq-mean-token-sum-norm"`` (the generation budget T_max).
+        normalizer: the aggregation's unit count over the whole batch when this call sees a
+            micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
+
+    Returns:
+        ``(loss, stats)``. Stats, aggregated like the loss so shares add up: ``pg_loss`` (the clipped
+        surrogate part) and ``kl_loss`` (β·k3 part; loss = pg_loss + kl_loss). Token means over valid
+        tokens: ``clipfrac_low`` (Â < 0 clipped at 1 − ε), ``clipfrac_high`` (Â > 0 clipped at
+        1 + ε_high), ``ratio_mean``, ``kl_ref`` (k3 to the reference; 0 without one),
+        ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ)), ``advantage_mean``. Extremes: ``ratio_min``,
+        ``ratio_max``, ``advantage_min``, ``advantage_max`` (±inf for an empty mask).
+    """
+    check_mask(logprobs, response_mask, "response_mask")
+    if old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if advantages.shape == logprobs.shape[:1]:
+        advantages = advantages[:, None].expand_as(logprobs)
+    elif advantages.shape != logprobs.shape:
+        raise ValueError(f"advantages must be (B,) or (B, T) = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
+    check("clip_eps", clip_eps)
+    clip_eps_high = clip_eps if clip_eps_high is None else check("clip_eps_high", clip_eps_high)
+    check("beta", float(beta))
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(f"grpo_policy_loss: beta = {beta} needs ref_logprobs (pass beta=0 to train without a reference)")
+
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
+    advantages = torch.where(response_mask, advantages.to(log_ratio.dtype), 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
+    surrogate = -torch.minimum(unclipped, clipped)                                   # (B, T)
+    pg_loss = masked_aggregate(surrogate, response_mask, aggregation, max_length=max_response_length,
+                               normalizer=normalizer)
+    kl = None
+    if ref_logprobs is not None:
+        # both sides replaced at masked positions first: k3 of (0, 0) is 0, so garbage there can
+        # reach neither the value nor, through torch.where's backward, the gradient (0·inf = NaN)
+        kl = kl_penalty(torch.where(response_mask, logprobs, 0.0), torch.where(response_mask, ref_logprobs, 0.0), "k3")
+    kl_loss = (beta * masked_aggregate(kl, response_mask, aggregation, max_length=max_response_length,
+                                       normalizer=normalizer) if beta > 0 else torch.zeros_like(pg_loss))
+    loss = pg_loss + kl_loss
+
+    with torch.no_grad():
+        flattened = clipped < unclipped                 # the min chose the clipped branch: zero gradient
+        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        zeros = torch.zeros_like(log_ratio)
+        stats = {
+            "pg_loss": pg_loss.detach(),
+            "kl_loss": kl_loss.detach(),
+            "clipfrac_low": stat_mean((flattened & (advantages < 0)).to(ratio.dtype), response_mask),
+            "clipfrac_high": stat_mean((flattened & (advantages > 0)).to(ratio.dtype), response_mask),
+            "ratio_mean": stat_mean(ratio, response_mask),
+            "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
+            "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
+            "kl_ref": stat_mean(kl.detach(), response_mask) if kl is not None else zeros.sum(),
+            # samples come from π_old, so kl_penalty's "policy" is π_old and its "reference" π_θ
+            "approx_kl": stat_mean(kl_penalty(-log_ratio, zeros, "k3"), response_mask),
+            "advantage_mean": stat_mean(advantages, response_mask),
+            "advantage_min": torch.where(response_mask, advantages, math.inf).min(),
+            "advantage_max": torch.where(response_mask, advantages, -math.inf).max(),
+        }
+    return loss, stats
