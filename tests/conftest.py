@@ -90,9 +90,4 @@ class Assets:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Assets:
-    return Assets(tmp_path_factory.mktemp("ppo_assets"))
-
-
-@pytest.fixture(scope="session")
-def assets(tmp_path_factory) -> Assets:
     return Assets(tmp_path_factory.mktemp("assets"))

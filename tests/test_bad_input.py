@@ -9,7 +9,6 @@ offsets, each file of a checkpoint, they are never resumed from.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

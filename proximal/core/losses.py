@@ -23,7 +23,7 @@ from torch import Tensor
 from proximal.core.kl import kl_penalty
 from proximal.core.ranges import RANGES, check
 from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
-from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean, masked_mean_var, stat_mean
+from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean_var, stat_mean
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,

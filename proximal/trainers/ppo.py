@@ -29,17 +29,17 @@ from proximal.core import (AdaptiveKLController, FixedKLController, Proportional
                            entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
                            ptx_loss, shape_rewards, value_loss, whiten)
 from proximal.data.collate import pad_right
-from proximal.data.prompts import load_prompts, load_texts
+from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
 from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
 from proximal.logging import write_samples
-from proximal.rollout.collect import collect
+from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
 from proximal.rollout.sampling import response_logits
-from proximal.rollout.scoring import build_scorer, load_reward_function, same_tokenizer
+from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train import dist
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, clip_and_step, optimizer_and_scheduler
@@ -57,11 +57,9 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
     run = open_run("ppo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
-    # Reward functions and prompts first: a mistake in either is reported before any model loads.
-    functions = {spec: load_reward_function(spec) for spec in mc.reward_functions}
-    prompts = load_prompts(cfg.data.prompts, load_tokenizer(mc.path, role="policy tokenizer (model.path)"),
-                           max_length=cfg.data.max_prompt_length, on_too_long=cfg.data.on_long_prompt,
-                           on_empty=cfg.data.on_empty_prompt)
+    d = cfg.data  # reward functions and prompts first: a mistake in either is reported before any model loads
+    functions, prompts = load_inputs(mc.reward_functions, d.prompts, mc.path, max_prompt_length=d.max_prompt_length,
+                                     on_long_prompt=d.on_long_prompt, on_empty_prompt=d.on_empty_prompt)
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
@@ -94,10 +92,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # stop or T tokens, each row from its own seeded generator; scores r_ψ(x, y) (+ reward functions).
         # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
         got = collect(step, prompt_set=prompts, sampler=sampler, engine=engine, scorer=models.scorer,
-                      tokenizer=tokenizer, seed=t.seed, device=run.device, max_new_tokens=r.max_new_tokens,
-                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=r.stop_token_ids,
-                      stop_strings=r.stop_strings, missing_eos_penalty=r.missing_eos_penalty,
-                      nonfinite=r.nonfinite_scores)
+                      tokenizer=tokenizer, seed=t.seed, device=run.device, **r.collect_kwargs())
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 

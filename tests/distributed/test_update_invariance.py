@@ -11,7 +11,6 @@ whole mini-batch give the same update.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_support import ppo_update_once, rm_step_once, sft_step_once
 from multiprocess import run_ranks
