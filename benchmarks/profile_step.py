@@ -41,13 +41,17 @@ from harness.sides import child_env, trl_command  # noqa: E402
 from harness.works import WORKS, with_precision, write_models, write_prompts  # noqa: E402
 
 
-def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None) -> dict:
+def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None,
+                     by_shape: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import proximal.trainers.ppo as ppo
     from harness import proximal_side
     from proximal.config import load_config
+    from proximal.train.host import tune_allocator
+
+    tune_allocator()  # as the command line does
 
     target = warmup + 1
     times: dict[str, float] = {}
@@ -107,7 +111,7 @@ def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: 
     times["rest of the step"] = step_s - sum(times.values())
     if trace:
         prof.export_chrome_trace(str(trace))
-    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    table = prof.key_averages(group_by_input_shape=by_shape).table(sort_by=sort, row_limit=rows)
     return {"side": "proximal", "step": target, "step_s": step_s, "phases": times, "table": table}
 
 
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="operators to list")
     ap.add_argument("--sort", default="self_cpu_time_total", help="torch.profiler sort key (default %(default)s)")
     ap.add_argument("--trace", type=Path, default=None, help="write a Chrome trace of the profiled step here")
+    ap.add_argument("--by-shape", action="store_true", help="group operators by input shapes (proximal side)")
     ap.add_argument("--workdir", type=Path, default=BENCH / ".work")
     ap.add_argument("--json", type=Path, default=None, help="also write the phases and the table as JSON")
     a = ap.parse_args(argv)
@@ -152,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-        res = profile_proximal(work, assets, warmup=a.warmup, rows=a.rows, sort=a.sort, trace=a.trace)
+        res = profile_proximal(work, assets, warmup=a.warmup, rows=a.rows, sort=a.sort, trace=a.trace,
+                               by_shape=a.by_shape)
     else:
         res = profile_trl(work, assets, warmup=a.warmup, rows=a.rows, sort=a.sort, trace=a.trace, threads=a.threads)
 

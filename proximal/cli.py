@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, func, _ = COMMANDS[name]
     _quiet_transformers()
+    if "-h" not in rest and "--help" not in rest:
+        from proximal.train.host import tune_allocator
+
+        tune_allocator()
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
 

@@ -41,76 +41,166 @@ def _chunks(logits: Tensor, chunk_tokens: int):
 
 def _scaled(logits: Tensor, sl: slice, mask: Tensor | None, temperature: float) -> Tensor:
     """One chunk as z = logits / τ in the compute dtype, with masked rows set to 0 so garbage there
-    (NaN, inf) cannot produce NaN gradients for the model through ``0 · NaN``."""
+    (NaN, inf) cannot produce NaN through ``0 · NaN``."""
     z = logits[:, sl].to(_compute_dtype(logits))
     if mask is not None:
         z = torch.where(mask[:, sl, None], z, 0.0)
     return z / temperature if temperature != 1.0 else z
 
 
+def _blocks(shape, chunk_tokens: int):
+    """Index tuples of (rows, positions) blocks of about ``chunk_tokens`` pairs, covering (B, T).
+
+    Each block is several whole rows ``[b0:b1]`` or a run of positions of one row ``[b, t0:t1]``, so
+    its part of a contiguous (B, T, V) tensor is itself contiguous: the gradient is written into
+    place, never assembled from copies."""
+    B, T = shape
+    if T <= chunk_tokens:
+        rows = max(1, chunk_tokens // max(T, 1))
+        for b0 in range(0, B, rows):
+            yield (slice(b0, min(b0 + rows, B)),)
+    else:
+        for b in range(B):
+            for t0 in range(0, T, chunk_tokens):
+                yield (slice(b, b + 1), slice(t0, min(t0 + chunk_tokens, T)))
+
+
+def _z(logits: Tensor, block, temperature: float) -> Tensor:
+    """A block of logits / τ in the compute dtype: the view itself when nothing needs converting
+    (never modified in place)."""
+    z = logits[block]
+    if z.dtype != _compute_dtype(logits):
+        z = z.to(_compute_dtype(logits))
+    return z / temperature if temperature != 1.0 else z
+
+
+class _Workspace:
+    """Scratch tensors reused by every block of one call (a fresh large tensor per block costs page
+    faults that take longer than the arithmetic)."""
+
+    def __init__(self, like: Tensor, shape, chunk_tokens: int):
+        B, T = shape
+        pairs = min(max(1, chunk_tokens // max(T, 1)), B) * T if T <= chunk_tokens else chunk_tokens  # largest block
+        self.numel, self.like, self.buffers = pairs * like.shape[-1], like, {}
+
+    def get(self, name: str, shape) -> Tensor:
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = self.like.new_empty(self.numel, dtype=_compute_dtype(self.like))
+        n = 1
+        for d in shape:
+            n *= d
+        return buf[:n].view(shape)
+
+
+def _zero_masked(g: Tensor, mask: Tensor | None, block) -> None:
+    """Zero the gradient rows of masked positions, in place — whatever sat there (NaN, inf) never
+    reaches the result. Skipped when the block has no masked position."""
+    if mask is not None:
+        m = mask[block]
+        if not bool(m.all()):
+            g.masked_fill_(~m[..., None], 0.0)
+
+
+def _log_softmax_into(z: Tensor, out: Tensor) -> Tensor:
+    return torch.log_softmax(z, dim=-1, out=out)
+
+
 class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(z)[y] a block at a time; optionally also the entropy of softmax(z) (not
+    differentiated: for logging), from the same pass over the logits.
+
+    Masked positions are computed like the others (their rows may hold garbage) and then discarded:
+    the outputs there are set to 0 and their gradient rows zeroed, so nothing read there can leak,
+    and no pass over the logits is spent on masking them beforehand."""
+
     @staticmethod
-    def forward(ctx, logits, tokens, mask, temperature, chunk_tokens):
-        out = logits.new_empty(tokens.shape, dtype=_compute_dtype(logits))
-        lse = torch.empty_like(out)
-        for sl in _chunks(logits, chunk_tokens):
-            z = _scaled(logits, sl, mask, temperature)  # (B, c, V)
-            lse[:, sl] = torch.logsumexp(z, dim=-1)
-            out[:, sl] = z.gather(-1, tokens[:, sl, None]).squeeze(-1) - lse[:, sl]
-        ctx.save_for_backward(logits, tokens, mask, lse)
+    def forward(ctx, logits, tokens, mask, temperature, chunk_tokens, with_entropy):
+        shape = logits.shape[:2]
+        lp = logits.new_empty(shape, dtype=_compute_dtype(logits))
+        ent = torch.empty_like(lp) if with_entropy else None
+        safe_tokens = tokens if mask is None else torch.where(mask, tokens, 0)  # -100 etc. never indexes
+        ws = _Workspace(logits, shape, chunk_tokens)
+        floor = torch.finfo(lp.dtype).min
+        for block in _blocks(shape, chunk_tokens):
+            z = _z(logits, block, temperature)                                  # (b, t, V)
+            logp = _log_softmax_into(z, ws.get("logp", z.shape))  # one fused kernel (logsumexp is slower)
+            lp[block] = logp.gather(-1, safe_tokens[block][..., None]).squeeze(-1)
+            if with_entropy:  # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
+                logp.clamp_(min=floor)
+                p = torch.exp(logp, out=ws.get("p", z.shape))
+                ent[block] = -torch.einsum("btv,btv->bt", p, logp)
+        ctx.save_for_backward(logits, safe_tokens, mask)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        return out
+        if mask is not None:
+            lp = torch.where(mask, lp, 0.0)
+            ent = torch.where(mask, ent, 0.0) if with_entropy else None
+        if not with_entropy:
+            return lp, None
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        logits, tokens, mask, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_entropy):
+        logits, tokens, mask = ctx.saved_tensors
         tau = ctx.temperature
-        grad = torch.empty_like(logits)
-        for sl in _chunks(logits, ctx.chunk_tokens):
-            z = _scaled(logits, sl, mask, tau)
-            g_out = grad_out[:, sl, None].to(z.dtype)  # (B, c, 1)
+        g_out = grad_out if mask is None else torch.where(mask, grad_out, 0.0)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # contiguous
+        direct = grad.dtype == _compute_dtype(logits)
+        ws = _Workspace(logits, logits.shape[:2], ctx.chunk_tokens)
+        for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
+            z = _z(logits, block, tau)
             # d(z_y − lse)/dz = onehot(y) − softmax(z); then d/dlogits = d/dz / τ.
-            g = torch.exp(z - lse[:, sl, None]) * -g_out
-            g.scatter_add_(-1, tokens[:, sl, None], g_out)
-            if mask is not None:
-                g = torch.where(mask[:, sl, None], g, 0.0)
-            grad[:, sl] = (g / tau).to(grad.dtype)
-        return grad, None, None, None, None
+            g = torch.softmax(z, dim=-1, out=grad[block] if direct else ws.get("g", z.shape))
+            _zero_masked(g, mask, block)
+            go = g_out[block][..., None].to(g.dtype)
+            g.mul_(-go).scatter_add_(-1, tokens[block][..., None], go)
+            if tau != 1.0:
+                g.div_(tau)
+            if not direct:
+                grad[block] = g
+        return grad, None, None, None, None, None
 
 
 class _TokenEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, mask, temperature, chunk_tokens):
-        out = logits.new_empty(logits.shape[:2], dtype=_compute_dtype(logits))
-        lse = torch.empty_like(out)
-        for sl in _chunks(logits, chunk_tokens):
-            z = _scaled(logits, sl, mask, temperature)
-            lse[:, sl] = torch.logsumexp(z, dim=-1)
-            logp = z - lse[:, sl, None]
-            p = torch.exp(logp)
-            # H = −Σ p log p, with 0·log 0 = 0 so −inf logits (banned tokens) give no NaN.
-            out[:, sl] = -torch.where(p > 0, p * logp, 0.0).sum(-1)
-        ctx.save_for_backward(logits, mask, lse, out)
+        shape = logits.shape[:2]
+        ent = logits.new_empty(shape, dtype=_compute_dtype(logits))
+        ws = _Workspace(logits, shape, chunk_tokens)
+        floor = torch.finfo(ent.dtype).min
+        for block in _blocks(shape, chunk_tokens):
+            z = _z(logits, block, temperature)
+            # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
+            logp = _log_softmax_into(z, ws.get("logp", z.shape)).clamp_(min=floor)
+            ent[block] = -torch.einsum("btv,btv->bt", torch.exp(logp, out=ws.get("p", z.shape)), logp)
+        ctx.save_for_backward(logits, mask, ent)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        return out
+        return ent if mask is None else torch.where(mask, ent, 0.0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        logits, mask, lse, entropy = ctx.saved_tensors
+        logits, mask, entropy = ctx.saved_tensors
         tau = ctx.temperature
-        grad = torch.empty_like(logits)
-        for sl in _chunks(logits, ctx.chunk_tokens):
-            z = _scaled(logits, sl, mask, tau)
-            logp = z - lse[:, sl, None]
-            p = torch.exp(logp)
-            # dH/dz_j = −p_j (log p_j + H)
-            g = torch.where(p > 0, -p * (logp + entropy[:, sl, None]), 0.0)
-            g = g * grad_out[:, sl, None].to(g.dtype)
-            if mask is not None:
-                g = torch.where(mask[:, sl, None], g, 0.0)
-            grad[:, sl] = (g / tau).to(grad.dtype)
+        g_out = grad_out if mask is None else torch.where(mask, grad_out, 0.0)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        direct = grad.dtype == _compute_dtype(logits)
+        ws = _Workspace(logits, logits.shape[:2], ctx.chunk_tokens)
+        floor = torch.finfo(_compute_dtype(logits)).min
+        for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
+            z = _z(logits, block, tau)
+            logp = _log_softmax_into(z, ws.get("logp", z.shape)).clamp_(min=floor)
+            # dH/dz_j = −p_j (log p_j + H); p_j = 0 (banned) contributes 0, not 0·(−inf)
+            g = torch.exp(logp, out=grad[block] if direct else ws.get("g", z.shape))
+            g.mul_(logp.add_(entropy[block][..., None]))
+            _zero_masked(g, mask, block)
+            g.mul_(-g_out[block][..., None].to(g.dtype))
+            if tau != 1.0:
+                g.div_(tau)
+            if not direct:
+                grad[block] = g
         return grad, None, None, None
 
 
@@ -131,8 +221,8 @@ def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
-                         mask: Tensor | None = None,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+                         mask: Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                         with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] for each position — the seed's §1 policy
     π_θ(a_t | s_t) = P(y_t | x, y_<t), evaluated on the sampled tokens (and §5's log π_θ, log π_old).
 
@@ -148,19 +238,23 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
         mask: optional bool (B, T). Where False the result is 0, and neither the token id there
             (e.g. -100) nor the logits there (even NaN) are read; their gradient is exactly 0.
         chunk_tokens: about how many (row, position) pairs are expanded to V floats at once.
+        with_entropy: also return the per-position entropy of softmax(logits / τ) (as
+            :func:`token_entropy`), computed in the same pass over the logits and **not
+            differentiated** — for logging it when no loss uses it.
 
     Returns:
-        (B, T) log-probabilities in float32 (float64 if the logits are float64).
+        (B, T) log-probabilities in float32 (float64 if the logits are float64); with
+        ``with_entropy``, ``(logprobs, entropy)``.
+
+    Only the valid positions are read (gathered a chunk of rows at a time), so padding costs nothing.
     """
     _check(logits, mask, temperature, chunk_tokens)
     if tokens.shape != logits.shape[:2]:
         raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match logits (B, T) "
                          f"{tuple(logits.shape[:2])}")
-    tokens = tokens.long()
-    if mask is not None:
-        tokens = torch.where(mask, tokens, 0)
-    out = _TokenLogprobs.apply(logits, tokens, mask, float(temperature), int(chunk_tokens))
-    return out if mask is None else torch.where(mask, out, 0.0)
+    out, entropy = _TokenLogprobs.apply(logits, tokens.long(), mask, float(temperature), int(chunk_tokens),
+                                        bool(with_entropy))
+    return (out, entropy) if with_entropy else out
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
@@ -177,8 +271,7 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | No
         (B, T) entropies in nats, float32 (float64 for float64 logits).
     """
     _check(logits, mask, temperature, chunk_tokens)
-    out = _TokenEntropy.apply(logits, mask, float(temperature), int(chunk_tokens))
-    return out if mask is None else torch.where(mask, out, 0.0)
+    return _TokenEntropy.apply(logits, mask, float(temperature), int(chunk_tokens))
 
 
 def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,

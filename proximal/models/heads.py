@@ -46,3 +46,22 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if (last < 0).any():
         raise ValueError("last_token_scores: a row has no real token")
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A causal LM's logits at positions ``start … stop − 1`` only, (B, stop − start, V), contiguous.
+
+    The output layer runs on those positions alone (``logits_to_keep`` as a tensor of positions, in
+    every recent ``transformers`` causal LM): a prompt's vocabulary-sized logits are never computed,
+    and no slice of a larger logits tensor is kept (its backward would build and zero the whole
+    tensor again). Positions count real tokens only, so left padding never shifts them.
+    """
+    from proximal.models.loading import accepts_logits_to_keep
+    from proximal.models.parallel import autocast
+
+    keep = accepts_logits_to_keep(model)
+    extra = {"logits_to_keep": torch.arange(start, stop, device=input_ids.device)} if keep else {}
+    with autocast(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask), use_cache=False, **extra).logits
+    return logits if keep else logits[:, start:stop]

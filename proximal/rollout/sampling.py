@@ -16,9 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from proximal.models.heads import position_ids_from_mask
-from proximal.models.loading import accepts_logits_to_keep
-from proximal.models.parallel import autocast
+from proximal.models.heads import lm_logits
 from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 
 
@@ -129,16 +127,11 @@ def response_logits(model, rollout_or_ids, attention_mask: torch.Tensor | None =
                     prompt_len: int | None = None) -> torch.Tensor:
     """Logits predicting each response token: positions P-1 … P+T-2 of the full sequence. Shape (B, T, V).
 
-    Only those positions go through the output layer (``logits_to_keep``): the vocabulary-sized
-    logits of the prompt are never computed."""
+    Only those positions go through the output layer (:func:`proximal.models.heads.lm_logits`): the
+    vocabulary-sized logits of the prompt are never computed."""
     if attention_mask is None:
         r = rollout_or_ids
         input_ids, attention_mask, prompt_len = r.input_ids, r.attention_mask, r.prompt_ids.shape[1]
     else:
         input_ids = rollout_or_ids
-    T = input_ids.shape[1] - prompt_len
-    extra = {"logits_to_keep": T + 1} if accepts_logits_to_keep(model) else {}
-    with autocast(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False, **extra).logits
-    return logits[:, -(T + 1):-1]
+    return lm_logits(model, input_ids, attention_mask, prompt_len - 1, input_ids.shape[1] - 1)

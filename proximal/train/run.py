@@ -240,10 +240,16 @@ def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, devic
     seed_everything(seed)
     run_dir = Path(resume_dir or output_dir)
     notes: list[str] = []
+    if dev.type == "cpu":
+        from proximal.train.host import busy_cpu_note
+
+        busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
+        notes += [busy] if busy else []
     if resume_dir is not None:
-        ckpt, notes = find_checkpoint(run_dir / "checkpoints")
+        ckpt, found_notes = find_checkpoint(run_dir / "checkpoints")
+        notes += found_notes
         if ckpt is None:
-            detail = "; ".join(n for n in notes if n.startswith("skipping")) or "none was ever written"
+            detail = "; ".join(n for n in found_notes if n.startswith("skipping")) or "none was ever written"
             raise CheckpointError(f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})")
         stale = [c for c in completed(run_dir / "checkpoints") if c.name > ckpt.name]
         if stale:  # damaged ones skipped on the way: their steps are redone, so they must not be kept

@@ -37,7 +37,7 @@ from proximal.data.preferences import ON_TOO_LONG_PAIRS, collate_pairs, load_pre
 from proximal.data.sampler import Sampler
 from proximal.logging import read_metrics
 from proximal.models.loading import check_fits, load_tokenizer
-from proximal.models.parallel import autocast
+from proximal.models.heads import lm_logits
 from proximal.models.policy import build_policy, load_reference
 from proximal.train.batches import accumulate, evaluate, evaluate_rows, plan_steps
 from proximal.train.checkpoint import export_final
@@ -305,8 +305,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
 def response_logits(model, batch: dict) -> torch.Tensor:
     """Logits predicting tokens 1..L−1 of a right-padded batch, (2B, L−1, V): ``[:, t]`` scores
     ``input_ids[:, t + 1]``."""
-    with autocast(model):
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
+    ids = batch["input_ids"]
+    return lm_logits(model, ids, batch["attention_mask"], 0, ids.shape[1] - 1)
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ import torch
 
 from proximal.config import ConfigError
 from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, logprobs_from_logits, masked_sum,
-                           rloo_advantages, token_entropy, uniform_groups)
+                           rloo_advantages, uniform_groups)
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
 from proximal.models.policy import build_policy
@@ -236,14 +236,14 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
                 m = exp.select(idx)
                 mask = m.mask
                 logits = response_logits(actor.module, m.rollout)                                # (b, T, V)
-                logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
+                logprobs, token_ent = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask,
+                                                           with_entropy=True)  # logged, not trained on
                 loss, st = grpo_policy_loss(logprobs, m.logprobs, m.ref_logprobs, m.advantages, mask,
                                             clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta,
                                             aggregation=aggregation, max_response_length=max_length,
                                             normalizer=norm)
                 loss.backward()
-                with torch.no_grad():
-                    entropy = masked_sum(token_entropy(logits.detach(), temperature, mask=mask), mask)
+                entropy = masked_sum(token_ent, mask)
                 n_tok = mask.sum().double()
                 if n_tok > 0:
                     extremes.copy_(torch.maximum(extremes, torch.stack(

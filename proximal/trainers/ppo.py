@@ -26,6 +26,7 @@ import torch
 
 from proximal.config import ConfigError
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, aggregation_units,
+                           masked_aggregate,
                            entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
                            ptx_loss, shape_rewards, value_loss, whiten)
 from proximal.data.collate import pad_right
@@ -38,6 +39,7 @@ from proximal.logging import write_samples
 from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
+from proximal.models.heads import lm_logits
 from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train import dist
@@ -241,12 +243,16 @@ def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float
     for m in micro:
         mask, n = m.mask, m.mask.sum().double()
         logits = response_logits(actor, m.rollout)                                              # (b, T, V)
-        logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
-        pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
-                                      max_length=max_length, normalizer=norm)
-        with torch.set_grad_enabled(hp.entropy_coef > 0):  # logged always, differentiated only if used
+        if hp.entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
+            logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
             entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
                                           max_length=max_length, normalizer=norm)
+        else:  # logged only: from the log-probabilities' own pass over the logits
+            logprobs, token_ent = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask,
+                                                       with_entropy=True)
+            entropy = masked_aggregate(token_ent, mask, hp.aggregation, max_length=max_length, normalizer=norm)
+        pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
+                                      max_length=max_length, normalizer=norm)
         (pg_loss - hp.entropy_coef * entropy).backward()
         acc += torch.stack([pg["clipfrac"].double() * n, pg["approx_kl_k3"].double() * n,
                             pg["approx_kl_k1"].double() * n, n, pg_loss.detach().double(), entropy.detach().double()])
@@ -282,11 +288,8 @@ def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
     total = sum(max(len(x) - 1, 0) for x in rows)  # predicted tokens, all ranks
     mine = ptx.sampler.local_part(rows)
     ids, att = pad_right(mine, tokenizer.pad_token_id, next(actor.parameters()).device)
-    from proximal.models.parallel import autocast
-
-    with autocast(actor):
-        logits = actor(input_ids=ids, attention_mask=att, use_cache=False).logits
-    return ptx_loss(logits[:, :-1], ids[:, 1:], att[:, 1:].bool(), normalizer=total / dist.world_size())
+    logits = lm_logits(actor, ids, att, 0, ids.shape[1] - 1)
+    return ptx_loss(logits, ids[:, 1:], att[:, 1:].bool(), normalizer=total / dist.world_size())
 
 
 # ----------------------------------------------------------------------------------------------

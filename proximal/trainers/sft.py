@@ -24,7 +24,8 @@ from proximal.data.sampler import Sampler
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, collate_sft, load_sft_examples
 from proximal.logging import read_metrics
 from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
-from proximal.models.parallel import autocast, load_dtype, prepare_trained
+from proximal.models.heads import lm_logits
+from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.train.batches import accumulate, evaluate, plan_steps
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
@@ -180,9 +181,8 @@ def nll_step(model, rows, pad_id: int, device, normalizer: float | None = None) 
     b = {k: v.to(device) for k, v in collate_sft(rows, pad_id).items()}
     mask = b["response_mask"][:, 1:]
     norm = normalizer if normalizer is not None else float(mask.sum())
-    with autocast(model):
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
-    loss = sft_loss(logits[:, :-1], b["input_ids"][:, 1:], mask, normalizer=norm)
+    logits = lm_logits(model, b["input_ids"], b["attention_mask"], 0, b["input_ids"].shape[1] - 1)  # predict 1 … L−1
+    loss = sft_loss(logits, b["input_ids"][:, 1:], mask, normalizer=norm)
     if normalizer is not None:
         loss.backward()
     return {"loss_sum": loss.detach() * norm, "tokens": mask.sum()}

@@ -128,3 +128,23 @@ def test_shape_validation():
         logprobs_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
         token_entropy(torch.zeros(2, 3))
+
+
+def test_entropy_from_the_logprobs_pass_equals_token_entropy_and_is_not_trained():
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 5, 7, generator=g, dtype=F64) * 2).requires_grad_(True)
+    logits.data[0, 1, 2] = -math.inf  # a banned token: probability 0, no NaN
+    tokens = torch.randint(0, 7, (3, 5), generator=g)
+    tokens[0, 1] = 0
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    lp, ent = logprobs_from_logits(logits, tokens, 0.9, mask=mask, chunk_tokens=4, with_entropy=True)
+    torch.testing.assert_close(lp, logprobs_from_logits(logits, tokens, 0.9, mask=mask), rtol=0, atol=0)
+    torch.testing.assert_close(ent, token_entropy(logits.detach(), 0.9, mask=mask, chunk_tokens=2), rtol=0, atol=1e-12)
+    p = torch.softmax(logits.detach() / 0.9, -1)
+    by_hand = -torch.where(p > 0, p * torch.log(p), 0.0).sum(-1)
+    torch.testing.assert_close(ent[mask], by_hand[mask], rtol=0, atol=1e-12)
+    assert not ent.requires_grad and torch.isfinite(ent).all()
+    lp.sum().backward()  # only the log-probabilities carry a gradient
+    ref = logits.detach().clone().requires_grad_(True)
+    torch.where(mask, _reference(ref, tokens, 0.9), 0.0).sum().backward()
+    torch.testing.assert_close(logits.grad, torch.where(mask[..., None], ref.grad, 0.0), rtol=0, atol=1e-12)
