@@ -62,7 +62,7 @@ def test_benchmark_policy_cannot_sample_a_special_token_and_prompts_round_trip(t
     ids = torch.randint(4, MINI.vocab, (3, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
-    # exp(-200) underflows to 0 in float32 and bfloat16; the Gumbel-max noise proximal adds is < 88
+    # exp(-200) underflows to 0 in float32 and bfloat16: both sides' samplers give such a token probability 0
     assert bool((logp[..., m["special_ids"]] < -200).all())
     p = write_prompts(MINI, tmp_path, 6, m["policy"])
     texts = [json.loads(line)["prompt"] for line in Path(p["jsonl"]).read_text().splitlines()]

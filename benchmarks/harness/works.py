@@ -12,8 +12,8 @@ model's EOS. So the benchmark policy is built so that it cannot sample any speci
 BOS, unk): :func:`forbid_tokens` dedicates one hidden dimension k to a constant C that no layer
 reads or writes, and gives the special tokens' output rows −M there, so their logits sit about
 ``n_k·(C+M)`` ≈ 1000 nats below every other token's. Their softmax probability is exactly 0 in float32
-and bfloat16 (TRL's multinomial never draws them) and proximal's Gumbel-max perturbation is bounded
-by −log(float32 tiny) ≈ 87, so neither side can ever draw one: every response is R tokens, on
+and bfloat16, and neither TRL's multinomial nor proximal's inverse-CDF sampler draws a token of
+probability 0, so neither side can ever draw one: every response is R tokens, on
 identical arithmetic (the shapes are those of the issue; only the values of a few weights differ
 from a plain random initialisation). Ten steps at lr 1e-5 move those weights by ~1e-4.
 """

@@ -66,12 +66,13 @@ def _blocks(shape, chunk_tokens: int):
 
 
 def _z(logits: Tensor, block, temperature: float) -> Tensor:
-    """A block of logits / τ in the compute dtype: the view itself when nothing needs converting
-    (never modified in place)."""
+    """A block of logits / τ: the view itself at τ = 1 (in the logits' dtype: the softmax kernels
+    read bfloat16 and accumulate in float32 themselves, so nothing is converted beforehand), else a
+    float32 copy divided by τ. Never modified in place."""
     z = logits[block]
-    if z.dtype != _compute_dtype(logits):
-        z = z.to(_compute_dtype(logits))
-    return z / temperature if temperature != 1.0 else z
+    if temperature == 1.0:
+        return z
+    return z.to(_compute_dtype(logits)) / temperature
 
 
 class _Workspace:
@@ -102,8 +103,22 @@ def _zero_masked(g: Tensor, mask: Tensor | None, block) -> None:
             g.masked_fill_(~m[..., None], 0.0)
 
 
-def _log_softmax_into(z: Tensor, out: Tensor) -> Tensor:
+def _log_softmax(z: Tensor, ws: _Workspace) -> Tensor:
+    """log softmax(z) over the vocabulary in the compute dtype, in a workspace buffer. A bfloat16
+    block is first copied into the workspace (``log_softmax(dtype=float32)`` would convert into a
+    fresh tensor every time), then transformed in place."""
+    out = ws.get("logp", z.shape)
+    if z.dtype != out.dtype:
+        return torch.log_softmax(out.copy_(z), dim=-1, out=out)
     return torch.log_softmax(z, dim=-1, out=out)
+
+
+def _add_at(g: Tensor, tokens: Tensor, values: Tensor) -> None:
+    """g[..., tokens] += values for a contiguous (b, t, V) block, through flat indices: one element per
+    position (``scatter_add_`` on bfloat16 converts the whole block to float32 and back)."""
+    V = g.shape[-1]
+    pos = torch.arange(tokens.numel(), device=g.device) * V + tokens.reshape(-1)
+    g.view(-1).index_put_((pos,), values.reshape(-1).to(g.dtype), accumulate=True)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -124,7 +139,7 @@ class _TokenLogprobs(torch.autograd.Function):
         floor = torch.finfo(lp.dtype).min
         for block in _blocks(shape, chunk_tokens):
             z = _z(logits, block, temperature)                                  # (b, t, V)
-            logp = _log_softmax_into(z, ws.get("logp", z.shape))  # one fused kernel (logsumexp is slower)
+            logp = _log_softmax(z, ws)  # one fused kernel (torch.logsumexp is slower)
             lp[block] = logp.gather(-1, safe_tokens[block][..., None]).squeeze(-1)
             if with_entropy:  # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
                 logp.clamp_(min=floor)
@@ -146,16 +161,20 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, tokens, mask = ctx.saved_tensors
         tau = ctx.temperature
         g_out = grad_out if mask is None else torch.where(mask, grad_out, 0.0)
+        # The gradient is in the logits' dtype; softmax is computed in float32 and written into it
+        # block by block (for bfloat16 logits the products below then run in bfloat16, whose
+        # resolution the gradient has anyway).
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # contiguous
-        direct = grad.dtype == _compute_dtype(logits)
         ws = _Workspace(logits, logits.shape[:2], ctx.chunk_tokens)
         for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
             z = _z(logits, block, tau)
+            direct = z.dtype == grad.dtype  # else (bfloat16 logits at τ ≠ 1) through a float32 workspace
             # d(z_y − lse)/dz = onehot(y) − softmax(z); then d/dlogits = d/dz / τ.
             g = torch.softmax(z, dim=-1, out=grad[block] if direct else ws.get("g", z.shape))
             _zero_masked(g, mask, block)
-            go = g_out[block][..., None].to(g.dtype)
-            g.mul_(-go).scatter_add_(-1, tokens[block][..., None], go)
+            go = g_out[block]
+            g.mul_(-go[..., None].to(g.dtype))
+            _add_at(g, tokens[block], go)
             if tau != 1.0:
                 g.div_(tau)
             if not direct:
@@ -173,7 +192,7 @@ class _TokenEntropy(torch.autograd.Function):
         for block in _blocks(shape, chunk_tokens):
             z = _z(logits, block, temperature)
             # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
-            logp = _log_softmax_into(z, ws.get("logp", z.shape)).clamp_(min=floor)
+            logp = _log_softmax(z, ws).clamp_(min=floor)
             ent[block] = -torch.einsum("btv,btv->bt", torch.exp(logp, out=ws.get("p", z.shape)), logp)
         ctx.save_for_backward(logits, mask, ent)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
@@ -191,7 +210,7 @@ class _TokenEntropy(torch.autograd.Function):
         floor = torch.finfo(_compute_dtype(logits)).min
         for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
             z = _z(logits, block, tau)
-            logp = _log_softmax_into(z, ws.get("logp", z.shape)).clamp_(min=floor)
+            logp = _log_softmax(z, ws).clamp_(min=floor)
             # dH/dz_j = −p_j (log p_j + H); p_j = 0 (banned) contributes 0, not 0·(−inf)
             g = torch.exp(logp, out=grad[block] if direct else ws.get("g", z.shape))
             g.mul_(logp.add_(entropy[block][..., None]))

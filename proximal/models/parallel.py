@@ -95,10 +95,22 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def choose_attention(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """On a CPU computing in bfloat16, use plain ("eager") attention: torch's fused CPU attention kernel
+    is about 3× slower than two bfloat16 matmuls there (measured: 32 × 8 heads × 96 tokens, forward
+    and backward, 31.8 ms against 9.3 ms); in float32 and on GPUs the model's own choice is kept."""
+    if device.type == "cpu" and compute_dtype == torch.bfloat16 and hasattr(unwrap(model), "set_attn_implementation"):
+        try:
+            unwrap(model).set_attn_implementation("eager")
+        except (ValueError, ImportError):  # an architecture without it keeps its default
+            pass
+
+
 def prepare_trained(model: torch.nn.Module, *, device: torch.device, precision: str, world_size: int,
                     activation_checkpointing: bool = False) -> torch.nn.Module:
     """Move, optionally checkpoint, and (several processes) shard a model that will be trained."""
     model.to(device)
+    choose_attention(model, device, torch.float32 if precision == "32-true" else torch.bfloat16)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if world_size > 1:
@@ -113,6 +125,7 @@ def prepare_frozen(model: torch.nn.Module, *, device: torch.device, world_size: 
     """Freeze (eval mode, no gradients), move, and with several processes shard or replicate."""
     freeze(model)
     model.to(device)
+    choose_attention(model, device, next(model.parameters()).dtype)
     if world_size > 1 and sharding == "shard":
         shard(model, trained=False)
     return model

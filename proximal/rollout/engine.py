@@ -8,11 +8,12 @@ generates from its own copy of the weights and refreshes that copy in :meth:`aft
 
 **Sampling does not depend on how the batch is laid out.** Row b draws its tokens with its own
 generator seeded by ``seeds[b]`` — the trainers derive it from (run seed, step, position in the
-global batch), :func:`row_seed` — through the Gumbel-max trick: the next token is
-argmax_v (z_v − log E_v) with E_v ~ Exp(1) from the row's generator and z the tempered, filtered
-logits, which is an exact sample of softmax(z). So a row gets the same tokens whichever other rows
-share its batch or its process, and a run gives the same rollouts on 1 process or on 8 (up to
-float32 round-off in the logits).
+global batch), :func:`row_seed` — by inverse-CDF sampling: the next token is the first v whose
+cumulative probability F(v) = Σ_{w ≤ v} softmax(z)_w exceeds u·F(V), with u ~ U[0, 1) the row's
+next draw and z the tempered, filtered logits — an exact sample of softmax(z) from one random
+number per row per token. So a row gets the same tokens whichever other rows share its batch or its
+process, and a run gives the same rollouts on 1 process or on 8 (up to float32 round-off in the
+logits).
 """
 
 from __future__ import annotations
@@ -74,16 +75,21 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     return z
 
 
-def gumbel_sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
-    """One token per row from softmax(filter(logits / τ)), row b's randomness from ``generators[b]``. (B,)."""
+def categorical_sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
+    """One token per row from softmax(filter(logits / τ)), row b's randomness from ``generators[b]``. (B,).
+
+    Inverse-CDF sampling: the cumulative sum (in float64, so that rounding cannot move a boundary
+    by more than ~1e-16) is searched for u·F(V), u ~ U[0, 1) — one draw per row, where the
+    Gumbel-max trick needs V. A filtered token (probability 0) spans an empty interval and is never
+    chosen.
+    """
     z = logits.float()
     if params.temperature != 1.0:
         z = z / params.temperature
-    z = filter_logits(z, params.top_k, params.top_p)
-    e = torch.empty_like(z)
-    for b, g in enumerate(generators):
-        e[b].exponential_(generator=g)
-    return (z - e.clamp_min_(torch.finfo(e.dtype).tiny).log()).argmax(-1)
+    cdf = torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)  # (B, V)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=cdf.device) for g in generators])
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return token.clamp_max_(cdf.shape[-1] - 1)
 
 
 class HFEngine:
@@ -127,7 +133,7 @@ class HFEngine:
             done = torch.zeros(B, dtype=torch.bool, device=device)
             tokens = []
             for t in range(params.max_new_tokens):
-                token = gumbel_sample(logits, generators, params)
+                token = categorical_sample(logits, generators, params)
                 token = torch.where(done, self.pad_token_id, token)
                 tokens.append(token)
                 done = done | torch.isin(token, stop)

@@ -21,7 +21,7 @@ import ctypes
 import os
 import sys
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _TUNED = False
 
 
@@ -35,7 +35,11 @@ def tune_allocator(threshold: int = 1 << 30) -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 62) == 1
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        # One arena: the intra-op worker threads' allocations come from the same heap, not from
+        # per-thread heaps that cannot hold a block over 64 MiB and mmap it instead.
+        ok = all(libc.mallopt(option, value) == 1 for option, value in (
+            (_M_MMAP_THRESHOLD, int(threshold)), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1)))
     except (OSError, AttributeError):  # musl, or no glibc
         return False
     _TUNED = ok
@@ -44,13 +48,14 @@ def tune_allocator(threshold: int = 1 << 30) -> bool:
 
 def busy_cpu_note(threads: int) -> str | None:
     """A one-line note when the cores are oversubscribed: the 1-minute load average (what other
-    processes ask for) plus this process's ``threads`` exceed the cores by more than half a core."""
+    processes ask for — it lags, so a run that just ended still counts for a while) plus this
+    process's ``threads`` exceed the cores by more than one core."""
     try:
         load = os.getloadavg()[0]
     except OSError:
         return None
     cores = os.cpu_count() or 1
-    if load + threads <= cores + 0.5:
+    if load + threads <= cores + 1.0:
         return None
     return (f"the CPU is busy (load average {load:.1f} on {cores} cores, and {threads} torch threads here): steps "
             "will be slower than on an idle machine, up to 10x for small models; give this run the free cores "

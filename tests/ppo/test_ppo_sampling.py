@@ -40,3 +40,20 @@ def test_sampling_ignores_the_checkpoints_generation_config(field, assets, tmp_p
     differ = int((out[0].response_ids != out[1].response_ids).any(1).sum())
     assert differ == 0, (f"the checkpoint's generation_config {CHECKPOINT_GENERATION_FIELDS[field]} changed "
                          f"{differ} of 32 sampled responses")
+
+
+def test_categorical_sample_draws_from_the_tempered_filtered_distribution():
+    """The rollout sampler's frequencies match softmax(filter(z / τ)) (a chi-square-sized bound on
+    20 000 draws), filtered tokens are never drawn, and a row's draws depend on its generator only."""
+    from proximal.rollout.engine import SamplingParams, categorical_sample
+
+    z = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=(), temperature=0.8, top_k=4)
+    p = torch.softmax(torch.where(torch.arange(5) == 3, -torch.inf, z / 0.8), -1)[0]  # top-4 drops token 3
+    gens = [torch.Generator().manual_seed(i) for i in range(20_000)]
+    draws = categorical_sample(z.expand(20_000, 5), gens, params)
+    freq = torch.bincount(draws, minlength=5).double() / 20_000
+    assert freq[3] == 0
+    assert torch.allclose(freq, p.double(), atol=4 * (0.25 / 20_000) ** 0.5)  # 4 standard errors at worst
+    again = categorical_sample(z.expand(3, 5), [torch.Generator().manual_seed(i) for i in (7, 0, 7)], params)
+    assert again[0] == again[2] == draws[7] and again[1] == draws[0]
