@@ -55,6 +55,12 @@ def frac_a(prompts: list[str], completions: list[str]) -> list[float]:
     return [c.count("a") / max(1, len(c)) for c in completions]
 
 
+def length(prompts: list[str], completions: list[str]) -> list[float]:
+    """The completion's length in characters over 10: varies within a group whenever lengths do (an
+    untrained policy's rewards under ``frac_a`` are often all 0)."""
+    return [len(c) / 10 for c in completions]
+
+
 def nan_for_h(prompts: list[str], completions: list[str]) -> list[float]:
     """NaN for every prompt that starts with 'h', else the fraction of 'a'."""
     return [math.nan if p.startswith("h") else s for p, s in zip(prompts, frac_a(prompts, completions))]

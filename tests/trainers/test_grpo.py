@@ -40,14 +40,16 @@ def _assert_healthy(rows: list[dict], steps: int, *, beta: float, max_new_tokens
 
 # Each loss and each advantage mode runs on every architecture; the DAPO row also has DAPO's other
 # pieces (clip-higher, β = 0, overlong and dynamic-sampling filters; stop strings make most responses
-# stop, so the overlong filter leaves some to train on), the Dr. GRPO row β = 0 as in
+# stop, so the overlong filter leaves some to train on; a length reward, so the dynamic-sampling
+# filter leaves groups whose rewards differ), the Dr. GRPO row β = 0 as in
 # its paper, and the RLOO row μ = 2 iterations of two mini-batches each.
 COMBOS = {
     "grpo-group": ["--grpo.loss", "grpo", "--grpo.advantage", "group"],
     "dr_grpo-unscaled": ["--grpo.loss", "dr_grpo", "--grpo.advantage", "unscaled", "--grpo.beta", "0"],
     "dapo-batch": ["--grpo.loss", "dapo", "--grpo.advantage", "batch", "--grpo.beta", "0",
                    "--grpo.clip_eps_high", "0.28", "--grpo.mask_truncated", "true",
-                   "--grpo.skip_uniform_groups", "true", "--rollout.stop_strings", "[a, b, c, d]"],
+                   "--grpo.skip_uniform_groups", "true", "--rollout.stop_strings", "[a, b, c, d]",
+                   "--model.reward_functions", "[ppo_support:length]"],
     "grpo-rloo": ["--grpo.advantage", "rloo", "--grpo.iterations", "2", "--grpo.mini_batch_size", "4",
                   "--grpo.micro_batch_size", "2"],
 }

@@ -20,13 +20,14 @@ T = 6
 VARIED_LENGTHS = {"stop_strings": ["a", "b"]}
 
 
-def _one_step(assets, tmp_path, monkeypatch, name: str, rollout: dict | None = None, **sections):
+def _one_step(assets, tmp_path, monkeypatch, name: str, rollout: dict | None = None, model: dict | None = None,
+              **sections):
     """One GRPO step (8 responses: 2 prompts × G = 4); returns the recorded gradients and the metrics row."""
     from proximal.trainers import grpo
 
     grads = record_gradients(monkeypatch)
     cfg = grpo_config(assets.policy("llama"), assets.prompts, tmp_path / name, train={"steps": 1},
-                      rollout={"max_new_tokens": T, **(rollout or {})}, **sections)
+                      rollout={"max_new_tokens": T, **(rollout or {})}, model=model or {}, **sections)
     grpo.train(train_config(cfg, tmp_path / f"{name}.yaml"))
     [row] = read_jsonl(tmp_path / name / "metrics.jsonl")
     return grads, without_timing(row)
@@ -41,6 +42,7 @@ def test_micro_batch_accumulation_gives_the_whole_batch_gradient(loss, assets, t
     for micro in (1, 4):
         with pytest.MonkeyPatch.context() as mp:
             runs[micro] = _one_step(assets, tmp_path, mp, f"{loss}-{micro}", rollout=VARIED_LENGTHS,
+                                    model={"reward_functions": ["ppo_support:length"]},
                                     grpo={"loss": loss, "mini_batch_size": 4, "micro_batch_size": micro,
                                           "beta": 0.1})
     (g1, row1), (g4, row4) = runs[1], runs[4]
