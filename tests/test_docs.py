@@ -115,4 +115,4 @@ def test_relative_links_point_to_existing_files(page):
 def test_no_page_cites_the_design_document(page):
     text = (DOCS / page).read_text()
     hits = [m.group(0) for m in re.finditer(r"seed(?:'s|’s)?\s*\(?§", text)]
-    assert not hits, f"docs/{page} cites the design document ('seed §…'): {hits[:5]}; cite the paper or docs/formulas.md"
+    assert not hits, f"docs/{page} cites the design document (a § of it): {hits[:5]}; cite the paper or docs/formulas.md"
