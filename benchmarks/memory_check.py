@@ -26,7 +26,8 @@ rss-mmap   the same with ``MALLOC_MMAP_THRESHOLD_=65536`` (a fixed threshold: ev
 
 The PPO step is written out here with plain ``transformers`` models on purpose: it must not depend on
 ``proximal.trainers.ppo`` (the planner is checked against what PyTorch allocates, not against our own
-trainer's choices), and it follows the seed's steps §1-§6 the way every PPO trainer does.
+trainer's choices), and it follows the steps of docs/formulas.md (rollout, scoring, KL-shaped
+rewards and GAE, actor and critic updates) the way every PPO trainer does.
 """
 
 from __future__ import annotations
@@ -87,19 +88,19 @@ def response_logprobs(model, seq, prompt_len):
 
 
 def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
-    """One PPO step (seed §1-§6). ``mark(name)`` records when each phase starts."""
+    """One PPO step (the steps of docs/formulas.md). ``mark(name)`` records when each phase starts."""
     from proximal.models.heads import last_token_scores, token_values
 
     B, P = prompts.shape
     beta, gamma, lam, eps, eps_v = 0.05, 1.0, 0.95, 0.2, 0.2
-    # 1. Rollout (§1): sample T tokens per prompt from the actor with the KV cache.
+    # 1. Rollout (the token-level MDP): sample T tokens per prompt from the actor with the KV cache.
     mark("rollout")
     actor.eval()
     with torch.no_grad():
         seq = actor.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=T,
                              min_new_tokens=T, pad_token_id=0, eos_token_id=1)  # (B, P + T)
     mask = torch.ones_like(seq)
-    # 2. Scoring (§2): old and reference log-probs, values, reward — no grad, micro-batches.
+    # 2. Scoring (the four models): old and reference log-probs, values, reward — no grad, micro-batches.
     mark("scoring")
     old_lp, ref_lp, values, scores = [], [], [], []
     with torch.no_grad():
@@ -110,7 +111,7 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
             values.append(token_values(critic, s_, mask[i:i + mb])[:, P - 1:-1])
             scores.append(last_token_scores(reward, s_, mask[i:i + mb]))
     old_lp, ref_lp, values, scores = (torch.cat(x) for x in (old_lp, ref_lp, values, scores))
-    # 3. Per-token KL-shaped rewards (§3), GAE (§4), whitened advantages.
+    # 3. Per-token KL-shaped rewards (Ziegler et al. 2019), GAE (Schulman et al. 2015), whitened advantages.
     rewards = -beta * (old_lp - ref_lp)
     rewards[:, -1] += scores
     adv, last = torch.zeros_like(rewards), torch.zeros(B, device=seq.device)
@@ -120,7 +121,8 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
         adv[:, t] = last
     returns = adv + values
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    # 4. Actor update (§5): clipped surrogate, gradients accumulated over micro-batches, one AdamW step.
+    # 4. Actor update: clipped surrogate (Schulman et al. 2017), gradients accumulated over
+    # micro-batches, one AdamW step.
     mark("actor update")
     actor.train()
     for i in range(0, B, mb):
@@ -131,7 +133,7 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
         loss.backward()
     opt_a.step()
     opt_a.zero_grad(set_to_none=True)
-    # 5. Critic update (§6): clipped value loss.
+    # 5. Critic update: clipped value loss.
     mark("critic update")
     critic.train()
     for i in range(0, B, mb):
@@ -158,7 +160,7 @@ def _build_and_step(spec: dict, steps: int, device: str = "cpu", on_mark=None):
     P, T, B, mb = spec["prompt_len"], spec["response_len"], spec["batch"], spec["micro_batch"]
     cfg = tiny_config("llama", spec["vocab"], hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
                       max_positions=P + T, num_labels=1)
-    # The four models of seed §2: the reference is a frozen copy of the actor (the SFT model), the
+    # The four models (Ouyang et al. 2022): the reference is a frozen copy of the actor (the SFT model), the
     # critic starts from the reward model (one-label sequence classifiers, as in proximal.models.heads).
     actor = AutoModelForCausalLM.from_config(cfg).to(device)
     ref = AutoModelForCausalLM.from_config(cfg).to(device)

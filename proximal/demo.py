@@ -226,7 +226,8 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: 
     * ``gold`` — :func:`proximal.tasks.digits.gold_score`, in [0, 1];
     * ``proxy`` — the reward model's score r_ψ(x, y), computed by PPO's :class:`~proximal.rollout.scoring.Scorer`;
     * ``kl`` — Σ_t KL(π(·|s_t) ‖ π_ref(·|s_t)) over the response's tokens, each term exact over the
-      vocabulary (the states s_t are sampled). Its expectation is the sequence KL of seed §3; PPO's
+      vocabulary (the states s_t are sampled). Its expectation is the sequence KL of the KL-regularised
+      objective (Ziegler et al. 2019); PPO's
       ``kl/seq_mean`` estimates the same quantity with the sampled-token (k1) estimator;
     * ``length`` — response tokens including EOS (as PPO's ``response/length_mean``); ``eos`` — stopped before T.
 

@@ -1,4 +1,5 @@
-"""GPU memory planner for PPO's four models: the seed's §7 budget as documented formulas.
+"""GPU memory planner for PPO's four models: the memory budget of their weights, AdamW states,
+gradients and activations, as documented formulas.
 
 ``proximal memory --params 70e9`` or ``proximal memory --config path/to/model`` answers the first
 question of a PPO run — do the actor, critic, reference and reward model fit? — before any GPU is
@@ -16,7 +17,8 @@ Notation (used in every docstring below):
     B   rollout sequences on one GPU     m   training micro-batch (sequences) on one GPU
     W   GPUs holding one shard each (FSDP world size)
 
-Bytes per parameter (seed §7 for 16-bit; float32 is the apples-to-apples CPU variant)::
+Bytes per parameter (for 16-bit, the usual mixed-precision AdamW budget of Rajbhandari et al. 2020;
+float32 is the apples-to-apples CPU variant)::
 
                       weights  gradients  AdamW state
     bfloat16/float16     2         2      12 = float32 master copy 4 + first moment 4 + second moment 4
@@ -347,7 +349,7 @@ class Setup:
 
 @dataclass
 class Row:
-    """One row of the seed's table, in bytes on one GPU. ``None`` = not sized (no model shape given)."""
+    """One row of the budget table, in bytes on one GPU. ``None`` = not sized (no model shape given)."""
 
     role: str
     n_params: int
@@ -389,7 +391,7 @@ class Plan:
 
     @property
     def all_at_once(self) -> int:
-        """The seed's accounting: every column of every row resident together (an upper bound)."""
+        """The usual accounting: every column of every row resident together (an upper bound)."""
         return sum(r.total for r in self.rows.values())
 
     @property
@@ -618,7 +620,8 @@ def render(p: Plan, unit: str, best: Plan | None, best_on_gpu: Plan | None = Non
     def desc(role: str, spec: ModelSpec) -> str:
         return f"  {role:<9} {_count(spec.n_params)} params" + (f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else "")
 
-    lines = ["proximal memory: PPO's four models (seed §7), bytes on one GPU", desc("actor", st.actor),
+    lines = ["proximal memory: the memory budget of PPO's four models (weights, AdamW states, gradients, "
+             "activations), bytes on one GPU", desc("actor", st.actor),
              desc("critic", st.critic), desc("reference", st.actor), desc("reward", st.reward),
              f"  dtype {st.dtype}; rollout batch {st.batch} ({st.rollout_batch_per_gpu} per GPU), micro-batch "
              f"{st.micro_batch} per GPU, {st.prompt_len} prompt + {st.response_len} response = {s} tokens"
@@ -742,8 +745,9 @@ def _gib_arg(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="proximal memory",
-        description="Will PPO's four models (actor, critic, reference, reward) fit? The seed's §7 memory "
-                    "budget per model and per GPU, with a verdict and the cheapest strategy that fits. "
+        description="Will PPO's four models (actor, critic, reference, reward) fit? The memory budget of "
+                    "their weights, AdamW states, gradients and activations per model and per GPU, "
+                    "with a verdict and the cheapest strategy that fits. "
                     "Formulas and their derivation: docs/memory.md.",
         epilog="examples:\n  proximal memory --params 70e9\n"
                "  proximal memory --config ./my-llama --batch 128 --micro-batch 2 --activation-checkpointing "
@@ -757,14 +761,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", "--model", dest="config", metavar="PATH",
                      help="actor model directory or its config.json (read locally, never downloaded); "
                           "sizes parameters, activations and KV cache")
-    for role, default in (("critic", "the reward model's, which seed §2 initialises it from"),
+    for role, default in (("critic", "the reward model's, which proximal ppo initialises it from"),
                           ("reward", "the actor's backbone with a scalar head")):
         g = m.add_mutually_exclusive_group()
         g.add_argument(f"--{role}-params", type=_count_arg, metavar="N", help=f"{role} parameter count (default: {default})")
         g.add_argument(f"--{role}-config", metavar="PATH", help=f"{role} model directory or config.json (default: {default})")
     ap.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                     help="weights/gradients/activations dtype; 16-bit = mixed precision with float32 AdamW "
-                         "master copy (seed: 2N + 2N + 12N), float32 = 4N + 4N + 8N (default: bfloat16)")
+                         "master copy (2N + 2N + 12N), float32 = 4N + 4N + 8N (default: bfloat16)")
     ap.add_argument("--batch", type=_int_arg(1), default=64, help="rollout batch: prompts per PPO step, all GPUs (default: 64)")
     ap.add_argument("--prompt-len", type=_int_arg(1), default=512, help="prompt tokens P (default: 512)")
     ap.add_argument("--response-len", type=_int_arg(1), default=512, help="response tokens T (default: 512)")
@@ -814,7 +818,7 @@ def setup_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     elif args.critic_params:
         critic = ModelSpec(args.critic_params)
     else:
-        critic = reward  # seed §2: the critic is initialised from the reward model
+        critic = reward  # as proximal ppo (and Ouyang et al. 2022): the critic starts from the reward model
     if args.strategy in ("fsdp", "fsdp-offload") and args.gpus * args.nodes == 1:
         parser.error(f"--strategy {args.strategy} shards over --gpus x --nodes GPUs; with 1 GPU use single or offload")
     try:

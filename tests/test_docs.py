@@ -115,4 +115,18 @@ def test_relative_links_point_to_existing_files(page):
 def test_no_page_cites_the_design_document(page):
     text = (DOCS / page).read_text()
     hits = [m.group(0) for m in re.finditer(r"seed(?:'s|’s)?\s*\(?§", text)]
-    assert not hits, f"docs/{page} cites the design document ('seed §…'): {hits[:5]}; cite the paper or docs/formulas.md"
+    assert not hits, f"docs/{page} cites the design document (a § of it): {hits[:5]}; cite the paper or docs/formulas.md"
+
+
+def test_errors_page_names_every_exception_of_the_exit_code_map():
+    """docs/errors.md lists every user-facing error; each exception class the one exit-code map
+    turns into a status (``proximal.train.command``) is named there, with that status."""
+    from proximal.train.command import EXIT_TRAINING, EXIT_USER, TRAINING_ERRORS, USER_ERRORS
+
+    text = (DOCS / "errors.md").read_text()
+    missing = [cls.__name__ for cls in USER_ERRORS + TRAINING_ERRORS if f"`{cls.__name__}`" not in text]
+    assert not missing, f"docs/errors.md does not name {missing}; add them to its exit-status table"
+    table = {line.split("|")[1].strip(): line for line in text.splitlines() if re.match(r"\| \d+ \|", line)}
+    for status, classes in ((EXIT_USER, USER_ERRORS), (EXIT_TRAINING, TRAINING_ERRORS)):
+        row = table.get(str(status), "")
+        assert all(f"`{c.__name__}`" in row for c in classes), f"exit status {status}'s row must name {classes}"

@@ -29,10 +29,11 @@ def seventy_b(**kw) -> Setup:
     return Setup(actor=ModelSpec(N70), critic=ModelSpec(N70), reward=ModelSpec(N70), **kw)
 
 
-# ---- the seed's §7 table --------------------------------------------------------------------------
+# ---- the budget table for 70B --------------------------------------------------------------------
 
-def test_70b_rows_are_the_seeds_per_component_figures():
-    # Seed §7, N = 70e9, bf16: actor and critic 2N weights, 12N AdamW (fp32 master + 2 moments), 2N grads;
+def test_70b_rows_are_the_usual_per_component_figures():
+    # The usual mixed-precision AdamW budget, N = 70e9, bf16: actor and critic 2N weights, 12N AdamW
+    # (fp32 master + 2 moments), 2N grads;
     # reference and reward 2N weights only. In bytes: 2N = 140 GB, 12N = 840 GB.
     p = plan(seventy_b())
     for role in ("actor", "critic"):
@@ -41,7 +42,8 @@ def test_70b_rows_are_the_seeds_per_component_figures():
     for role in ("reference", "reward"):
         r = p.rows[role]
         assert (r.parameters, r.optimizer, r.gradients) == (140 * 10**9, 0, 0)
-    # 16N + 16N + 2N + 2N = 36N = 2.52 TB: the seed's "over 800 GB" holds, by a factor of 3.15.
+    # 16N + 16N + 2N + 2N = 36N = 2.52 TB: "a 70B PPO run needs over 800 GB" holds, by a factor
+    # of 3.15.
     assert p.all_at_once == 2_520 * 10**9
     assert p.all_at_once > 800 * 10**9
     # Phase-aware: weights 8N + AdamW 24N always resident; one model's gradients (2N) at a time.
@@ -209,7 +211,7 @@ def test_activation_and_kv_formulas_by_hand():
 
 # ---- the CLI -------------------------------------------------------------------------------------
 
-def test_cli_70b_prints_the_seed_table_and_verdict(capsys):
+def test_cli_70b_prints_the_budget_table_and_verdict(capsys):
     assert main(["memory", "--params", "70e9", "--units", "GB"]) == 0
     out = capsys.readouterr().out
     assert "140.0 GB" in out and "840.0 GB" in out and "1,120.0 GB" in out and "2,520.0 GB" in out

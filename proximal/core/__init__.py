@@ -1,5 +1,5 @@
-"""The seed's PPO mathematics (§1–§6), DPO / SimPO, and GRPO / RLOO, as pure tensor functions; this package
-imports only torch.
+"""The mathematics of PPO-based RLHF (Schulman et al. 2015, 2017; Ziegler et al. 2019; Ouyang et al.
+2022), DPO / SimPO, and GRPO / RLOO, as pure tensor functions; this package imports only torch.
 
 Conventions, stated once (each module's docstring repeats the notation):
 
@@ -7,7 +7,7 @@ Conventions, stated once (each module's docstring repeats the notation):
 - ``response_mask`` is a bool (B, T) tensor, True = a real response token; values at False
   positions are never read (``torch.where``, not multiplication, so NaN/inf there cannot leak).
 - Losses are returned for minimisation, with a dict of detached stats where they have one.
-- ``docs/formulas.md`` maps every equation of the seed to the function that implements it.
+- ``docs/formulas.md`` writes out every equation and names the function that implements it.
 """
 
 from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten

@@ -1,10 +1,11 @@
-"""Shaped token rewards (seed §3), generalised advantage estimation and whitening (seed §4) for PPO,
-and the critic-free baselines of GRPO (group-normalised) and RLOO (leave-one-out), which give one
-advantage per response from the scores of the other responses to the same prompt.
+"""Shaped token rewards (Ziegler et al. 2019), generalised advantage estimation (Schulman et al. 2015)
+and advantage whitening for PPO, and the critic-free baselines of GRPO (group-normalised) and RLOO
+(leave-one-out), which give one advantage per response from the scores of the other responses to the
+same prompt.
 
 Notation: B batch size, T response length; ``response_mask`` is bool (B, T), True = a real
 response token (see :mod:`proximal.core.stats`). Batches are right-padded: row b's valid tokens are
-columns 0 … n_b − 1, and its last valid token (column n_b − 1) is the seed's t = T for that row —
+columns 0 … n_b − 1, and its last valid token (column n_b − 1) is t = T for that row —
 the EOS token when one was generated, otherwise the token at which generation hit the length limit.
 For the group baselines, G is the group size: rows g·G … g·G + G − 1 are the G responses to prompt g.
 """
@@ -28,12 +29,13 @@ def last_valid_index(response_mask: Tensor) -> Tensor:
 
 def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor,
                   beta: float, estimator: str = "k1") -> tuple[Tensor, Tensor]:
-    """The seed's §3 augmented token rewards::
+    """The augmented token rewards of Ziegler et al. (2019) (docs/formulas.md, "Per-token KL shaping and
+    the KL controllers")::
 
         R_t = −β·KL_t                   for t < T
         R_T = R_ψ(x, y) − β·KL_T         at the last valid token of the row
 
-    with KL_t = :func:`~proximal.core.kl.kl_penalty` (``"k1"`` = log π_θ − log π_ref, the seed's).
+    with KL_t = :func:`~proximal.core.kl.kl_penalty` (``"k1"`` = log π_θ − log π_ref, the usual one).
     The score goes on the last *valid* token — the EOS slot, never the pad slot after it.
 
     Args:
@@ -69,11 +71,11 @@ def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, respon
 
 def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation, the seed's §4 backward recurrence::
+    """Generalised advantage estimation (Schulman et al. 2015), the backward recurrence::
 
         δ_t = R_t + γ·V(s_{t+1}) − V(s_t),        V(s_{T+1}) ≡ 0
         Â_t = δ_t + γλ·Â_{t+1}                      (= Σ_l (γλ)^l δ_{t+l})
-        returns_t = Â_t + V(s_t)                     (§6's V_t^targ)
+        returns_t = Â_t + V(s_t)                     (the value target V_t^targ)
 
     The mask is applied inside the recursion: a masked position is not a step of the episode. Its
     reward and value are never read, and the "next value" and "next advantage" are carried across it
@@ -87,8 +89,8 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1
         rewards: R_t, (B, T) (e.g. from :func:`shape_rewards`).
         values: V_φ(s_t) from the critic at rollout time, (B, T).
         response_mask: bool (B, T).
-        gamma: γ ∈ [0, 1]; the seed's default 1.0.
-        lam: λ ∈ [0, 1]; the seed's default 0.95. λ = 0 gives the TD residual, λ = 1 the
+        gamma: γ ∈ [0, 1]; the usual default 1.0.
+        lam: λ ∈ [0, 1]; the usual default 0.95. λ = 0 gives the TD residual, λ = 1 the
             Monte-Carlo return minus the baseline.
 
     Returns:
@@ -117,20 +119,21 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, keep_mean: bool = False, *,
            all_reduce: AllReduce | None = None) -> Tensor:
-    """The seed's §4 advantage normalisation over all valid positions::
+    """Advantage normalisation over all valid positions (docs/formulas.md, "Generalised advantage
+    estimation")::
 
         x ← (x − μ) / (σ + ε_norm)
 
     μ and σ are the masked mean and the biased (population, ÷n) standard deviation — see
-    :func:`~proximal.core.stats.masked_var`. As in the seed, ε is added to σ, not to σ²
+    :func:`~proximal.core.stats.masked_var`. As the formula writes it, ε is added to σ, not to σ²
     (TRL and torchtune use rsqrt(σ² + ε); the two agree to about ε/(2σ²) relative — 5e-9 at
     σ = 1 — and differ only for nearly constant inputs).
 
     Args:
         x: (B, T), e.g. advantages.
         mask: bool (B, T).
-        eps: ε_norm ≥ 0; the seed's 1e-8.
-        keep_mean: False (the seed's) gives zero mean; True adds μ back, scaling only the spread
+        eps: ε_norm ≥ 0; the usual 1e-8.
+        keep_mean: False (the usual choice) gives zero mean; True adds μ back, scaling only the spread
             (a variant used to whiten rewards).
         all_reduce: sums over data-parallel ranks so μ and σ are those of the global batch (see
             :mod:`proximal.core.stats`).

@@ -1,11 +1,12 @@
-"""Per-token KL estimators and the controllers that set the KL coefficient β (seed §3).
+"""Per-token KL estimators and the controllers that set the KL coefficient β (Ziegler et al. 2019;
+Stiennon et al. 2020; docs/formulas.md, "Per-token KL shaping and the KL controllers").
 
 Notation: B batch size, T response length (see :mod:`proximal.core.stats`).
 
 The estimators follow Schulman's "Approximating KL Divergence" (2020). With samples y_t ~ π_θ and
 r = π_ref(y_t | s_t) / π_θ(y_t | s_t), each is an estimate of KL(π_θ ‖ π_ref) at token t:
 
-    k1 = −log r = log π_θ − log π_ref          unbiased, can be negative, high variance (the seed's)
+    k1 = −log r = log π_θ − log π_ref          unbiased, can be negative, high variance (the usual one)
     k2 = ½ (log r)²                              biased, always ≥ 0, low variance
     k3 = (r − 1) − log r                         unbiased, always ≥ 0, low variance
 """
@@ -23,9 +24,10 @@ ESTIMATORS = ("k1", "k2", "k3")
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from the log-probabilities of the sampled tokens.
 
-    Implements the seed's §3 per-token term log π_θ(y_t | x, y_<t) − log π_ref(y_t | x, y_<t)
-    (``"k1"``), which appears as r_KL(t) = −β·log(π_θ / π_ref) in §2's diagram and in R_t; ``"k2"``
-    and ``"k3"`` are the lower-variance alternatives (module docstring).
+    Implements the per-token term of Ziegler et al. (2019),
+    log π_θ(y_t | x, y_<t) − log π_ref(y_t | x, y_<t) (``"k1"``), which appears as
+    r_KL(t) = −β·log(π_θ / π_ref) in the four models' diagram (docs/formulas.md, "The four models")
+    and in R_t; ``"k2"`` and ``"k3"`` are the lower-variance alternatives (module docstring).
 
     Elementwise, so it needs no mask: whatever sits at a padded position stays at that position.
     Callers reduce with a mask (:func:`~proximal.core.advantages.shape_rewards`, ``masked_mean``).
@@ -90,7 +92,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """The seed's §3 piecewise adaptive rule (Ziegler et al. 2019; Ouyang et al. 2022).
+    """The piecewise adaptive rule (Ziegler et al. 2019; Ouyang et al. 2022; docs/formulas.md, "Per-token
+    KL shaping and the KL controllers").
 
     After each training iteration, with d = the observed KL(π_θ ‖ π_ref) and K = ``k_beta``::
 
@@ -104,7 +107,7 @@ class AdaptiveKLController:
     Args:
         init_beta: β₀ > 0 (a multiplicative rule can never leave 0).
         target: d_targ > 0, same units as the observed KL.
-        k_beta: K_β ∈ (0, 1); the seed's typical value is 0.1.
+        k_beta: K_β ∈ (0, 1); the usual value is 0.1.
     """
 
     def __init__(self, init_beta: float, target: float, k_beta: float = 0.1):
@@ -116,7 +119,7 @@ class AdaptiveKLController:
 
     def update(self, observed_kl: float, n_steps: int = 1) -> float:
         """Apply the rule once per call (``n_steps`` is accepted for a uniform interface and
-        ignored: the seed's rule is per iteration). Returns the new β."""
+        ignored: the rule is applied once per iteration). Returns the new β."""
         d = _finite(observed_kl, "observed_kl")
         if d > 1.5 * self.target:
             self.beta *= 1 + self.k_beta
@@ -137,8 +140,8 @@ class ProportionalKLController:
         e = clip(d / d_targ − 1, −0.2, 0.2)
         β ← β·(1 + e·n_steps / horizon)
 
-    where ``n_steps`` is the number of samples (episodes) the update covers. Not in the seed; kept
-    because it is what the original RLHF code ran.
+    where ``n_steps`` is the number of samples (episodes) the update covers. Not the piecewise rule
+    above; kept because it is what the original RLHF code ran.
 
     Args:
         init_beta: β₀ > 0.

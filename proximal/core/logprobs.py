@@ -242,8 +242,9 @@ def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
                          mask: Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                          with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] for each position — the seed's §1 policy
-    π_θ(a_t | s_t) = P(y_t | x, y_<t), evaluated on the sampled tokens (and §5's log π_θ, log π_old).
+    """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] for each position — the policy
+    π_θ(a_t | s_t) = P(y_t | x, y_<t) of docs/formulas.md, "The MDP of autoregressive generation",
+    evaluated on the sampled tokens (and the clipped surrogate's log π_θ, log π_old).
 
     Equal to ``torch.log_softmax(logits / τ, -1).gather(-1, tokens[..., None]).squeeze(-1)``, but no
     full-vocabulary float32 tensor of the whole batch is created or kept for backward (module
@@ -278,7 +279,8 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
-    """Per-position entropy S[π](s_t) = −Σ_a π(a|s_t) log π(a|s_t) of softmax(logits_t / τ) (seed §6).
+    """Per-position entropy S[π](s_t) = −Σ_a π(a|s_t) log π(a|s_t) of softmax(logits_t / τ) (the
+    entropy bonus of Schulman et al. 2017).
 
     Args:
         logits: (B, T, V), any float dtype.

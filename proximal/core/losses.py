@@ -1,8 +1,9 @@
-"""Losses of PPO-based RLHF (seed §2, §5, §6), each a pure function returning what it minimises.
+"""Losses of PPO-based RLHF (Schulman et al. 2017; Ouyang et al. 2022; Bradley & Terry 1952), each a
+pure function returning what it minimises.
 
 Notation: B batch size, T response length, V vocabulary size; ``response_mask`` is bool (B, T),
 True = a real response token (see :mod:`proximal.core.stats`). Every loss is a quantity to
-*minimise*: the seed's objectives are maximised, so ``ppo_policy_loss`` returns −L^CLIP and
+*minimise*: the papers' objectives are maximised, so ``ppo_policy_loss`` returns −L^CLIP and
 ``ptx_loss`` returns −L^PTX. Stats are detached tensors for logging.
 
 The actor and critic objectives are combined by the trainer (``proximal/trainers/ppo.py``), not
@@ -30,7 +31,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                     response_mask: Tensor, clip_eps: float = 0.2,
                     aggregation: str = "token-mean", *, max_length: int | None = None,
                     normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The negated clipped surrogate of the seed's §5::
+    """The negated clipped surrogate of Schulman et al. (2017) (docs/formulas.md, "The clipped surrogate")::
 
         r_t = exp(log π_θ(y_t|s_t) − log π_old(y_t|s_t))
         L^CLIP = Ê_t[ min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) ]
@@ -44,8 +45,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         old_logprobs: log π_old(y_t | s_t) recorded at rollout time, (B, T).
         advantages: Â_t (whitened or not, detached), (B, T).
         response_mask: bool (B, T).
-        clip_eps: ε ∈ (0, 1); the seed suggests 0.1–0.2.
-        aggregation: ``"token-mean"`` (the seed's Ê_t over all valid tokens),
+        clip_eps: ε ∈ (0, 1); usually 0.1–0.2.
+        aggregation: ``"token-mean"`` (PPO's Ê_t over all valid tokens),
             ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"`` (see
             :func:`~proximal.core.stats.masked_aggregate`, which also explains ``max_length``).
         normalizer: the aggregation's unit count summed over the whole batch when this call sees
@@ -89,7 +90,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
                clip_eps: float = 0.2,
                aggregation: str = "token-mean", *, max_length: int | None = None,
                normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The seed's §6 clipped value loss::
+    """The clipped value loss (docs/formulas.md, "The value loss, PTX and the joint objective")::
 
         V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
         L^VF = ½·Ê_t[ max((V − V^targ)², (V_clip − V^targ)²) ]
@@ -160,10 +161,10 @@ def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: floa
                         aggregation: str = "token-mean", max_length: int | None = None,
                         normalizer: float | Tensor | None = None,
                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
-    """Mean policy entropy S[π_θ](s_t) = −Σ_a π_θ(a|s_t) log π_θ(a|s_t) over valid tokens (seed §6's
-    entropy bonus, weighted by c2 in the trainer). Computed a chunk of the sequence at a time with
-    a recomputing backward (:func:`~proximal.core.logprobs.token_entropy`), so it is affordable to
-    log every step.
+    """Mean policy entropy S[π_θ](s_t) = −Σ_a π_θ(a|s_t) log π_θ(a|s_t) over valid tokens (the
+    entropy bonus of Schulman et al. 2017, weighted by c2 in the trainer). Computed a chunk of the
+    sequence at a time with a recomputing backward (:func:`~proximal.core.logprobs.token_entropy`),
+    so it is affordable to log every step.
 
     Args:
         logits: (B, T, V); ``logits[:, t]`` is π_θ(· | s_t) for response position t (caller shifts).
@@ -227,12 +228,13 @@ def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float 
 def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
                        margin: float | Tensor = 0.0, *,
                        normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Negative log-likelihood of the seed's §2 Bradley–Terry preference model::
+    """Negative log-likelihood of the Bradley–Terry preference model (Bradley & Terry 1952; Christiano
+    et al. 2017; Ouyang et al. 2022)::
 
         P(y_w ≻ y_l | x) = σ(R_ψ(x, y_w) − R_ψ(x, y_l))
         loss = −mean log σ(r_w − r_l − m)
 
-    with an optional margin m (Llama 2's preference-strength margin; 0 gives the seed's model).
+    with an optional margin m (Llama 2's preference-strength margin; 0 gives the plain Bradley–Terry model).
     ``F.logsigmoid`` keeps it finite for any score gap.
 
     Args:

@@ -80,8 +80,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, *,
                 all_reduce: AllReduce | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True: μ = Σ_{mask} x / n.
 
-    This is the seed's empirical mean μ(Â) "across all valid token positions" (§4) and the token
-    average Ê_t of §5–§6.
+    This is the empirical mean μ(Â) over all valid token positions of advantage whitening and the
+    token average Ê_t of the clipped surrogate and the value loss (docs/formulas.md).
 
     Args:
         x: any shape, e.g. (B, T).
@@ -143,10 +143,10 @@ def masked_mean_var(x: Tensor, mask: Tensor, *,
 def masked_var(x: Tensor, mask: Tensor, *, all_reduce: AllReduce | None = None) -> Tensor:
     """Biased (population) variance of ``x`` over valid positions: σ² = Σ_{mask} (x − μ)² / n.
 
-    We divide by n, not n − 1: the seed's σ(Â) is "the empirical standard deviation computed
-    across all valid token positions", it is defined for a single valid token, and it makes a
-    whitened batch have variance exactly 1 (up to ε). For the token counts of a rollout batch the
-    two differ by a factor n/(n−1) ≈ 1.
+    We divide by n, not n − 1: whitening's σ(Â) is the empirical standard deviation over all valid
+    token positions (docs/formulas.md, "Generalised advantage estimation"), it is defined for a
+    single valid token, and it makes a whitened batch have variance exactly 1 (up to ε). For the
+    token counts of a rollout batch the two differ by a factor n/(n−1) ≈ 1.
 
     Two passes (mean first, then centred squares) rather than E[x²] − E[x]²: the one-pass form loses
     every significant digit in float32 when |μ| ≫ σ.

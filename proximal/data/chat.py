@@ -134,7 +134,8 @@ def encode_prompt(text: str, tokenizer) -> list[int]:
 
 
 def encode_response(text: str, tokenizer) -> list[int]:
-    """Token ids of a response followed by EOS (the token that ends the episode, seed §1)."""
+    """Token ids of a response followed by EOS (the token that ends the episode; docs/formulas.md,
+    "The MDP of autoregressive generation")."""
     if tokenizer.eos_token_id is None:
         raise DataError(f"tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no EOS token; "
                         "responses must end with one")

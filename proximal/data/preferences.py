@@ -1,4 +1,5 @@
-"""Preference pairs ``(x, y_w, y_l)`` for Bradley–Terry reward-model training (seed §2, item 3).
+"""Preference pairs ``(x, y_w, y_l)`` for Bradley–Terry reward-model training (Christiano et al. 2017;
+Ouyang et al. 2022).
 
 Accepted JSONL records (see docs/rm.md for examples):
 

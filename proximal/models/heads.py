@@ -2,7 +2,7 @@
 
 The critic and the reward model are both ``AutoModelForSequenceClassification`` checkpoints with one
 label, so they save and load in plain Hugging Face format and the critic can be initialised from the
-reward model (seed §2). We do not use the model's own pooled output: it pools the last token whose id
+reward model (as in Ouyang et al. 2022). We do not use the model's own pooled output: it pools the last token whose id
 differs from ``pad_token_id``, which is wrong when pad = EOS. We run the backbone and the scalar head
 ourselves and choose positions from the attention mask.
 """

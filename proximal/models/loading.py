@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoints for the four PPO models (seed §2) and for SFT / reward training.
+"""Loading Hugging Face checkpoints for the four PPO models (Ouyang et al. 2022) and for SFT / reward training.
 
 Every loader takes a local directory or a hub id and goes through ``from_pretrained``; nothing here
 downloads unless the user points at a hub id on a machine that has the network.
@@ -164,7 +164,7 @@ def cache_argument(model) -> str:
 
 
 def freeze(model) -> None:
-    """Eval mode, gradients off: the reference and the reward model are never updated (seed §2)."""
+    """Eval mode, gradients off: the reference and the reward model are never updated (Ouyang et al. 2022)."""
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -1,5 +1,5 @@
 """Sampling responses from the policy: the token-level MDP of Ziegler et al. (2019) and Ouyang et al.
-(2022), written out in docs/formulas.md (§1).
+(2022), written out in docs/formulas.md ("The MDP of autoregressive generation").
 
 The state s_t is the prompt plus the response prefix; the action is the next token; the episode ends
 at EOS (or a configured stop token / stop string) or after T = ``max_new_tokens`` tokens. Everything

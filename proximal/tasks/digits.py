@@ -12,7 +12,7 @@ digit, over the longer of the response and the answer, so that missing *and* ext
     gold("31415=", "31415")  = 2/5 = 0.4     the prompt copied back unsorted
 
 The gold score is what a human would *want*; RLHF never sees it. What RLHF sees is built the way
-the seed's pipeline builds it (§2), with the imperfections of real data put in on purpose:
+InstructGPT's pipeline builds it (Ouyang et al. 2022), with the imperfections of real data put in on purpose:
 
 * **SFT demonstrations are imperfect.** A sloppy teacher (:data:`TEACHER`) writes the right answer
   only some of the time; otherwise it makes one or two slips (an adjacent swap, a dropped digit, a
@@ -21,7 +21,7 @@ the seed's pipeline builds it (§2), with the imperfections of real data put in 
 * **Preference labels are noisy.** Each preference pair holds two candidates for one prompt
   (drawn from :data:`CANDIDATES`, a wider mix than the teacher's), and a simulated labeller picks
   the chosen one by Bradley–Terry sampling on the gold scores with temperature ``tau``:
-  ``P(a ≻ b) = σ((gold(a) − gold(b)) / tau)`` (seed §2, the same model the reward model is fitted
+  ``P(a ≻ b) = σ((gold(a) − gold(b)) / tau)`` (Bradley & Terry 1952, the same model the reward model is fitted
   with). With the default ``tau`` the labeller agrees with gold on about 4 of 5 pairs whose gold
   differs (:func:`expected_agreement` computes the exact rate for a data set).
 * **The reward model is therefore a proxy.** It is a tiny network trained on a few thousand noisy

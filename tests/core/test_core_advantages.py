@@ -1,5 +1,6 @@
-"""Shaped rewards (§3), GAE (§4) and whitening (§4): hand-worked values, the seed's λ = 0 and λ = 1
-limits, and properties (loop vs vectorised, garbage at masked positions, right-padding, holes)."""
+"""Shaped rewards (Ziegler et al. 2019), GAE (Schulman et al. 2015) and whitening: hand-worked values,
+the λ = 0 and λ = 1 limits, and properties (loop vs vectorised, garbage at masked positions,
+right-padding, holes)."""
 
 import inspect
 import math
@@ -80,7 +81,7 @@ def test_gae_lambda_zero_is_td_residual():
     adv, ret = gae(t([R3]), t([V3]), mask, gamma=0.9, lam=0.0)
     close(adv, [[1.0 + 0.9 * 0.3 - 0.4, 0.5 + 0.9 * 0.8 - 0.3, 2.0 - 0.8]])  # [0.87, 0.92, 1.2]
     close(ret, [[0.87 + 0.4, 0.92 + 0.3, 1.2 + 0.8]])
-    # γ = 1 (the seed's default)
+    # γ = 1 (the usual default)
     adv, _ = gae(t([R3]), t([V3]), mask, gamma=1.0, lam=0.0)
     close(adv, [[1.0 + 0.3 - 0.4, 0.5 + 0.8 - 0.3, 2.0 - 0.8]])
 
@@ -124,7 +125,7 @@ def test_gae_validates_gamma_lambda(kw, match):
 
 
 def _gae_loop(rewards, values, lengths, gamma, lam):
-    """The seed's sum form Â_t = Σ_{l=0}^{n−t−1} (γλ)^l δ_{t+l}, one row and one token at a time."""
+    """GAE's sum form Â_t = Σ_{l=0}^{n−t−1} (γλ)^l δ_{t+l}, one row and one token at a time."""
     out = []
     for r, v, n in zip(rewards, values, lengths):
         delta = [r[i] + gamma * (v[i + 1] if i + 1 < n else 0.0) - v[i] for i in range(n)]
@@ -208,7 +209,7 @@ def test_whiten_hand_values():
     x = t([[1.0, 2.0, NAN], [3.0, INF, 4.0]])
     m = b([[True, True, False], [True, False, True]])
     # μ = 2.5, σ² = 1.25 (biased: deviations² 2.25 + 0.25 + 0.25 + 2.25 = 5, over 4), σ = √1.25;
-    # the seed's (x − μ)/(σ + ε_norm)
+    # docs/formulas.md's (x − μ)/(σ + ε_norm)
     sd = math.sqrt(1.25)
     s = sd + 1e-8
     close(whiten(x, m), [[-1.5 / s, -0.5 / s, 0.0], [0.5 / s, 0.0, 1.5 / s]])

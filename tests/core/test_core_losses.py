@@ -1,4 +1,5 @@
-"""PPO policy loss (§5), value loss (§6), entropy (§6), PTX loss (§6) and Bradley–Terry (§2):
+"""PPO policy loss, value loss, entropy (Schulman et al. 2017), PTX loss (Ouyang et al. 2022) and
+Bradley–Terry:
 hand-worked values, where the gradient is and is not zero, and masking/padding properties."""
 
 import math
@@ -32,7 +33,7 @@ def b(x):
 
 # ------------------------------------------------------------------------------- policy loss
 # ε = 0.2, so the interval is [0.8, 1.2]. One token per case:
-#   case  A    r     r·A    clip(r)·A   min     clipped?  (the seed's §5 mechanics)
+#   case  A    r     r·A    clip(r)·A   min     clipped?  (the clipped surrogate's mechanics)
 #   0    +2   1.5    3.0    2.4         2.4     yes       A > 0, r > 1 + ε: ceiling, zero gradient
 #   1    +2   0.5    1.0    1.6         1.0     no        A > 0, r < 1 − ε: still pushed up
 #   2    −2   1.5   −3.0   −2.4        −3.0     no        A < 0, r > 1 + ε: still pushed down

@@ -1,4 +1,5 @@
-"""Reference and reward model are never updated (seed §2: "a static, frozen copy", "a frozen model");
+"""Reference and reward model are never updated (Ouyang et al. 2022: the reference is a frozen copy
+of the SFT model, the reward model is frozen);
 with LoRA the reference is the base model itself, adapters switched off."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The KL controller inside the real loop (seed §3): β is updated once per rollout batch from the
+"""The KL controller inside the real loop (docs/formulas.md, "Per-token KL shaping and the KL
+controllers"): β is updated once per rollout batch from the
 batch's mean sequence KL, and the logged β sequence is exactly the rule applied to the logged KL."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ BETA0, TARGET, K_BETA, HORIZON = 0.1, 0.05, 0.2, 40
 
 
 def _adaptive(beta: float, d: float) -> float:
-    """The seed's rule, written out from §3."""
+    """The piecewise rule, written out from docs/formulas.md."""
     if d > 1.5 * TARGET:
         return beta * (1 + K_BETA)
     if d < TARGET / 1.5:

@@ -1,4 +1,4 @@
-"""Stop handling (seed §1: the episode ends at EOS, a stop token or a stop string) and the guarantee
+"""Stop handling (the MDP of Ziegler et al. 2019: the episode ends at EOS, a stop token or a stop string) and the guarantee
 that tokens after the stop never influence any loss."""
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from proximal.rollout.sampling import Rollout, stop_mask
 
 
 def test_reward_total_is_score_minus_beta_times_kl(llama_run):
-    """Σ_t R_t = r_ψ − β·Σ_t KL_t (seed §3), so the batch means obey the same identity."""
+    """Σ_t R_t = r_ψ − β·Σ_t KL_t (Ziegler et al. 2019; docs/formulas.md,
+    "Per-token KL shaping and the KL controllers"), so the batch means obey the same identity."""
     rows = read_jsonl(llama_run.dir / "metrics.jsonl")
     assert rows[0]["kl/seq_mean"] == 0.0  # step 1: π_θ is still π_ref, bitwise
     for r in rows:

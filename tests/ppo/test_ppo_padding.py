@@ -1,4 +1,4 @@
-"""Left-padding a prompt changes no log-probability, value or score (seed §1: the state is the prompt
+"""Left-padding a prompt changes no log-probability, value or score (the MDP of Ziegler et al. 2019: the state is the prompt
 and the response prefix, never the padding). GPT-2 has absolute position embeddings, so it checks
 that positions count real tokens only; Llama and Qwen2 check the same through rotary positions."""
 

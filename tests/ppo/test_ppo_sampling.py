@@ -1,5 +1,5 @@
-"""Rollouts sample from π_θ at the configured temperature / top-p / top-k and nothing else (seed §1,
-§5: the ratio r_t and the KL assume the tokens came from exactly the policy whose log-probabilities
+"""Rollouts sample from π_θ at the configured temperature / top-p / top-k and nothing else (docs/formulas.md,
+the MDP and the clipped surrogate: the ratio r_t and the KL assume the tokens came from exactly the policy whose log-probabilities
 are recomputed). A checkpoint's own ``generation_config.json`` must not add processors of its own."""
 
 from __future__ import annotations
