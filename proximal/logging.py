@@ -20,6 +20,19 @@ def _plain(v: Any) -> Any:
     return v
 
 
+#: What each optional logger needs installed, and the message when it is missing.
+TENSORBOARD_MISSING = "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'"
+WANDB_MISSING = "output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'"
+
+
+def missing_extras(tensorboard: bool, wandb_project: str | None) -> list[str]:
+    """One message per optional logger asked for whose package is not installed (nothing is imported)."""
+    from importlib.util import find_spec
+
+    return ([TENSORBOARD_MISSING] if tensorboard and find_spec("tensorboard") is None else []) + \
+           ([WANDB_MISSING] if wandb_project and find_spec("wandb") is None else [])
+
+
 class MetricsLogger:
     """Appends ``{"step": k, ...}`` lines to ``run_dir/metrics.jsonl`` and mirrors them to optional sinks.
 
@@ -37,13 +50,13 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError("output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'") from e
+                raise ImportError(TENSORBOARD_MISSING) from e
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb_project:
             try:
                 import wandb
             except ImportError as e:
-                raise ImportError("output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'") from e
+                raise ImportError(WANDB_MISSING) from e
             self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

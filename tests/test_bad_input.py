@@ -113,6 +113,27 @@ def test_out_of_range_values_are_refused_before_any_model_loads(override, field,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("override, message", [
+    (("--output.tensorboard", "true"), "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'"),
+    (("--output.wandb_project", "p"), "output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'"),
+])
+def test_a_missing_logging_extra_is_refused_before_overwrite_deletes_anything(override, message, assets, tmp_path,
+                                                                               capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("earlier: run\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = tiny_config(assets.policy("llama"), assets.prompts, run)
+    assert ppo_main(cfg, "--output.overwrite", "true", *override) == 2
+    assert f"invalid configuration:\n  - {message}" in _err(capsys)
+    assert (run / "config.yaml").read_text() == "earlier: run\n" and (run / "metrics.jsonl").is_file()
+
+
 def test_a_causal_lm_as_reward_model_is_named_as_such(assets, tmp_path, capsys):
     cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
                       model={"reward_model": str(assets.policy("gpt2"))})
@@ -120,6 +141,35 @@ def test_a_causal_lm_as_reward_model_is_named_as_such(assets, tmp_path, capsys):
     err = _err(capsys)
     assert "is a GPT2LMHeadModel (a language model), not a reward model" in err and "proximal rm" in err
     assert "labels" not in err
+
+
+def test_a_reward_model_as_the_policy_is_named_as_such(assets, tmp_path, capsys):
+    """transformers would load the backbone into a causal LM with a fresh output layer and train it."""
+    cfg = tiny_config(assets.reward_model("llama"), assets.prompts, tmp_path / "run",
+                      model={"reward_model": str(assets.reward_model("llama"))})
+    assert ppo_main(cfg) == 2
+    err = _err(capsys)
+    assert f"policy (model.path): {str(assets.reward_model('llama'))!r} is a LlamaForSequenceClassification (a classifier" in err
+    assert "not a language model" in err
+
+
+def test_a_non_finite_gradient_names_the_step(assets, tmp_path, capsys, monkeypatch):
+    """The second step's gradient norm is NaN (as after a loss overflow): exit status 1, the step and
+    the model named, the weights of step 1 kept (the step was not applied)."""
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def nan_on_the_second(params, max_norm, *args, **kwargs):
+        calls.append(1)
+        norm = real(params, max_norm, *args, **kwargs)
+        return norm * float("nan") if len(calls) == 2 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_on_the_second)
+    rows = tmp_path / "sft.jsonl"
+    write_jsonl(rows, [{"prompt": "ab 1", "response": "aa"}, {"prompt": "ba 2", "response": "b"}])
+    assert main(_sft_argv(assets, rows, tmp_path / "sft", "--train.steps", "3")) == 1
+    err = _err(capsys)
+    assert "step 2: the gradient norm of the model is nan; the step was not applied" in err
+    assert len(calls) == 2 and len(read_jsonl(tmp_path / "sft" / "metrics.jsonl")) >= 1
 
 
 def test_repeated_character_in_a_tiny_tokenizer(assets):
@@ -234,3 +284,47 @@ def test_damage_anywhere_in_a_checkpoint_is_detected(finished_run, tmp_path):
             assert any(str(rel.name) in n for n in notes), (rel, damage, notes)
             checked += 1
     assert checked >= 3 * len(files)
+
+
+@pytest.mark.parametrize("override", [["--model.path", "OTHER"], ["--model.lora_r", "4"]])
+def test_resuming_with_other_models_is_refused(override, finished_run, assets, tmp_path, capsys):
+    run = _copy(finished_run / "two", tmp_path / "run")
+    other = str(assets.policy("gpt2"))
+    override = [other if v == "OTHER" else v for v in override]
+    assert ppo_main(None, "--resume", str(run), "--train.steps", "3", *override) == 2
+    err = _err(capsys)
+    key = override[0][2:]
+    assert f"--resume {run}: a resumed run keeps the models it was trained with; {key} = " in err
+    assert "(the run has " in err and "Traceback" not in err
+    assert not (run / "checkpoints" / "step_000003").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_named(finished_run, assets, tmp_path, capsys):
+    """config.yaml edited by hand to another architecture: the checkpoint's keys are missing from it."""
+    import yaml
+
+    run = _copy(finished_run / "two", tmp_path / "run")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"]["path"] = str(assets.policy("gpt2"))
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert ppo_main(None, "--resume", str(run), "--train.steps", "3") == 2
+    err = _err(capsys)
+    assert f"checkpoint {run / 'checkpoints' / 'step_000002'}: its weights do not fit the models being trained" in err
+    assert "Missing key" in err and "Traceback" not in err
+
+
+def test_resuming_past_the_configured_steps(finished_run, tmp_path, capsys):
+    """Fewer steps than the checkpoint's: refused, nothing touched. As many: a note, nothing trained."""
+    run = _copy(finished_run / "two", tmp_path / "run")
+    before = (run / "metrics.jsonl").read_text()
+    assert ppo_main(None, "--resume", str(run), "--train.steps", "1") == 2
+    err = _err(capsys)
+    assert f"--resume {run}: its checkpoint is at step 2, past the 1 steps this config trains" in err
+    assert "give --train.steps larger than 2" in err
+    assert (run / "metrics.jsonl").read_text() == before
+    listing = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert listing == ["latest", "step_000001", "step_000002"]
+    assert ppo_main(None, "--resume", str(run)) == 0
+    assert "the run is already at step 2 of 2: nothing to train" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == listing

@@ -82,9 +82,10 @@ def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "t
     if not texts:
         why = []
         if skipped:
-            why.append(f"{skipped} were longer than data.max_prompt_length={max_length} and skipped")
+            why.append(f"{skipped} {'was' if skipped == 1 else 'were'} longer than data.max_prompt_length = "
+                       f"{max_length} and skipped")
         if empty:
-            why.append(f"{empty} were empty and skipped")
+            why.append(f"{empty} {'was' if empty == 1 else 'were'} empty and skipped")
         raise DataError(f"{path}: no prompts" + (f" ({'; '.join(why)})" if why else ""))
     return PromptSet(texts, ids, messages, skipped_too_long=skipped, truncated=truncated, skipped_empty=empty)
 

@@ -52,14 +52,16 @@ class LoadReport:
 
     def none_left(self, max_length: int) -> DataError:
         if not self.skipped_empty:
-            return DataError(f"{self.path}: all {self.rows} rows are longer than data.max_length = {max_length} "
-                             "and were skipped; raise data.max_length")
+            every = "the only row is" if self.rows == 1 else f"all {self.rows} rows are"
+            return DataError(f"{self.path}: {every} longer than data.max_length = {max_length} "
+                             "and skipped; raise data.max_length")
         why = []
         if self.skipped:
             why.append(f"{self.skipped} longer than data.max_length = {max_length}")
         if self.skipped_empty:
             why.append(f"{self.skipped_empty} with an empty response (or, for pairs, two identical ones)")
-        return DataError(f"{self.path}: all {self.rows} rows were skipped ({'; '.join(why)})")
+        every = "the only row was" if self.rows == 1 else f"all {self.rows} rows were"
+        return DataError(f"{self.path}: {every} skipped ({'; '.join(why)})")
 
 
 def too_long_error(where: str, what: str, n: int, prompt_len: int, max_length: int) -> DataError:

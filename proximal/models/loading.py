@@ -60,9 +60,38 @@ def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
     """An ``AutoModelForCausalLM`` from ``path``."""
     _check_path(path, role)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        if (Path(path) / "adapter_config.json").is_file():
+            model = _merged_adapters(path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except ModelLoadError:
+        raise
     except Exception as e:
         raise ModelLoadError(f"{role}: cannot load a causal LM from {path!r}: {e}") from e
+    architectures = getattr(model.config, "architectures", None) or []
+    if architectures and all(a.endswith(_NOT_LANGUAGE_MODELS) for a in architectures):
+        # transformers would load the backbone and initialise a fresh output layer, silently
+        raise ModelLoadError(f"{role}: {path!r} is a {architectures[0]} (a classifier, such as the output of "
+                             "`proximal rm`), not a language model; give a causal LM checkpoint (the SFT model)")
+    return model
+
+
+def _merged_adapters(path: str, dtype: str):
+    """A LoRA run's output (peft adapters over the base checkpoint their config names) as one plain
+    model, the adapters merged into the weights: the next stage trains and exports it like any other
+    checkpoint (loaded unmerged, transformers would train the adapters on top and save only them)."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig
+
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    if base and not Path(base).exists() and Path(base).is_absolute():
+        raise ModelLoadError(f"{path!r} holds LoRA adapters over {base!r}, which does not exist (any more)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return AutoPeftModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).merge_and_unload()
+
+
+#: Architecture-name endings of checkpoints that are not language models.
+_NOT_LANGUAGE_MODELS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
 def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = "float32",

@@ -14,6 +14,7 @@ sharding across processes) through :mod:`proximal.models.parallel`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -29,14 +30,22 @@ def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str])
     return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
 
 
+def with_adapters(model, config):
+    """``peft.get_peft_model``, without the FutureWarning peft's own use of a deprecated transformers
+    attribute (``is_gradient_checkpointing``) prints on every run."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def build_actor(path: str, *, dtype: str, lora: dict | None = None):
     """The trainable policy, in eval mode (no dropout: the rollout and the update must see one
     policy). With ``lora`` (r, alpha, target_modules) only the adapters train."""
     model = load_causal_lm(path, role="policy (model.path)", dtype=dtype)
     if lora:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config("CAUSAL_LM", **lora))
+        model = with_adapters(model, lora_config("CAUSAL_LM", **lora))
     model.eval()
     return model
 
@@ -97,8 +106,6 @@ def build_critic(source: str, *, policy_path: str, reward_model_path: str | None
     else:
         model = load_sequence_scorer(source, role="critic (model.critic)", dtype=dtype, pad_token_id=pad_token_id)
     if lora:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config("SEQ_CLS", **lora))
+        model = with_adapters(model, lora_config("SEQ_CLS", **lora))
     model.eval()
     return model

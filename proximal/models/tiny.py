@@ -93,6 +93,22 @@ def _ids(tokenizer) -> dict:
                 bos_token_id=tokenizer.bos_token_id)
 
 
+def _save(model, tokenizer, out: Path) -> Path:
+    """``save_pretrained`` of both, without transformers' "Writing model shards" bar (a tiny model is
+    written in milliseconds; the bar would only clutter a test's or the demo's output)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    return out
+
+
 def build_tiny_causal_lm(out_dir: str | Path, tokenizer, *, arch: str = "llama", seed: int = 0,
                          **config_kwargs) -> Path:
     """Save a randomly initialised tiny causal LM and ``tokenizer`` to ``out_dir``; return the path."""
@@ -101,10 +117,7 @@ def build_tiny_causal_lm(out_dir: str | Path, tokenizer, *, arch: str = "llama",
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _save(model, tokenizer, Path(out_dir))
 
 
 def build_tiny_reward_model(out_dir: str | Path, tokenizer, *, arch: str = "llama", seed: int = 0,
@@ -113,7 +126,4 @@ def build_tiny_reward_model(out_dir: str | Path, tokenizer, *, arch: str = "llam
     torch.manual_seed(seed)
     cfg = tiny_config(arch, len(tokenizer), num_labels=num_labels, **_ids(tokenizer), **config_kwargs)
     model = AutoModelForSequenceClassification.from_config(cfg)
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _save(model, tokenizer, Path(out_dir))

@@ -137,7 +137,8 @@ def call_reward_function(name: str, fn: Callable, prompts: list[str], completion
                                   f"list of {len(completions)} numbers, one per completion")
     values = list(values.tolist() if hasattr(values, "tolist") else values)
     if len(values) != len(completions):
-        raise RewardFunctionError(f"{where} returned {len(values)} scores for {len(completions)} completions")
+        raise RewardFunctionError(f"{where} returned {len(values)} score{'' if len(values) == 1 else 's'} for "
+                                  f"{len(completions)} completions")
     bad = [(i, v) for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, numbers.Real)]
     if bad:
         i, v = bad[0]

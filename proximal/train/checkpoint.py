@@ -289,6 +289,12 @@ def load_checkpoint(path: Path, *, trained: dict) -> dict:
     ctx = _quiet_dcp()
     try:
         dcp.load(target, checkpoint_id=str(path / "state"))
+    except (RuntimeError, dcp.api.CheckpointException) as e:  # CheckpointException: a BaseException
+        first = next((line for line in str(e).splitlines() if "Missing key" in line or "ize mismatch" in line), None)
+        if first is None:
+            raise
+        raise CheckpointError(f"checkpoint {path}: its weights do not fit the models being trained "
+                              f"({first.strip()[:300]}); resume with the run's own model settings") from None
     finally:
         ctx.__exit__(None, None, None)
     for name, (module, optimizer) in trained.items():

@@ -80,6 +80,21 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
         return code, None
 
 
+def check_same_models(saved_config: Path, cfg) -> None:
+    """Refuse a resume whose ``model`` section differs from the run's own (another checkpoint, LoRA on
+    or off, another reward model): the checkpoint's weights and optimiser states belong to those models."""
+    import dataclasses
+
+    import yaml
+
+    saved = (yaml.safe_load(saved_config.read_text()) or {}).get("model") or {}
+    now = dataclasses.asdict(cfg.model) if dataclasses.is_dataclass(getattr(cfg, "model", None)) else {}
+    changed = [f"model.{k} = {now[k]!r} (the run has {saved[k]!r})" for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        raise ConfigError(f"--resume {saved_config.parent}: a resumed run keeps the models it was trained with; "
+                          f"{'; '.join(changed)}. Train the other model in a new output.dir")
+
+
 def config_command(argv: list[str], *, prog: str, description: str, config_cls: type,
                    train: Callable[..., Path], summary: Callable[[Path], str] | None = None) -> int:
     """``proximal <prog> --config FILE [--section.key value ...] [--resume RUN_DIR]``.
@@ -106,6 +121,8 @@ def config_command(argv: list[str], *, prog: str, description: str, config_cls: 
                 raise ConfigError(f"--resume {args.resume}: no config.yaml there; is it a run directory?")
             config_path = config_path or saved
         cfg = load_config(config_cls, config_path, overrides)
+        if args.resume is not None:
+            check_same_models(Path(args.resume) / "config.yaml", cfg)
     except ConfigError as e:
         if dist.launched_rank() == 0:
             print(f"proximal {prog}: {e}", file=sys.stderr)

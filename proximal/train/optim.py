@@ -9,6 +9,7 @@ refuses to apply a non-finite gradient.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -105,6 +106,18 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+@contextlib.contextmanager
+def at_step(step: int):
+    """Prefix ``step N:`` to a ``FloatingPointError`` raised inside (a non-finite gradient is
+    detected deep in an update; the user needs to know which step, e.g. to resume before it)."""
+    try:
+        yield
+    except FloatingPointError as e:
+        if str(e).startswith("step "):
+            raise
+        raise FloatingPointError(f"step {step}: {e}") from e
 
 
 def seed_everything(seed: int) -> None:

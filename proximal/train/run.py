@@ -56,11 +56,12 @@ def resolve_device(name: str) -> torch.device:
 def check_per_rank(errors: list[str], name: str, total: int, micro_name: str | None = None,
                    micro: int | None = None) -> None:
     """Append an error unless ``total`` splits evenly over the processes (and into ``micro``-sized
-    passes on each), naming the fields and the process count."""
+    passes on each), naming the fields and the process count. ``total`` not divisible by ``micro`` at
+    all is the caller's own check (one message, not two)."""
     w = dist.launched_world_size()
     if total % w:
         errors.append(f"{name} = {total} is not divisible by the {w} processes (torchrun --nproc_per_node × nodes)")
-    elif micro_name is not None and (total // w) % micro:
+    elif micro_name is not None and total % micro == 0 and (total // w) % micro:
         errors.append(f"{name} = {total} over {w} processes is {total // w} rows each, not divisible by "
                       f"{micro_name} = {micro}")
 
@@ -116,6 +117,13 @@ class Run:
               wandb_project: str | None = None, unit: str = "step") -> None:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
         config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
+        if start > total:  # before anything is written: the checkpoint and the logs stay as they are
+            raise ConfigError(f"--resume {self.dir}: its checkpoint is at step {start}, past the {total} steps "
+                              f"this config trains (train.steps, or train.epochs); give --train.steps larger "
+                              f"than {start} to continue the run")
+        if start == total and start > 0:
+            self.notes.append(f"the run is already at step {start} of {total}: nothing to train (give a larger "
+                              "--train.steps to continue it)")
         if self.is_main:
             for p in self.earlier:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()

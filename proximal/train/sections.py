@@ -188,7 +188,10 @@ class OutputSection:
     wandb_project: str | None = option(None, "Also log to this Weights & Biases project (needs the wandb extra).")
 
     def problems(self, name: str = "output") -> list[str]:
-        return [] if self.dir else [f"{name}.dir is required"]
+        from proximal.logging import missing_extras
+
+        # the extras are checked here, before any model loads and before output.overwrite deletes a run
+        return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(self.tensorboard, self.wandb_project)
 
 
 @dataclass

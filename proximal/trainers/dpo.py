@@ -42,7 +42,7 @@ from proximal.models.policy import build_policy, load_reference
 from proximal.train.batches import accumulate, evaluate, evaluate_rows, plan_steps
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
-from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, due, open_run
 from proximal.train.sections import (FROZEN_SHARDING, BatchTrainSection, OptimSection, OutputSection, PolicyModelSection,
                                      PreferenceDataSection)
@@ -281,7 +281,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             raise FloatingPointError(f"step {step}: the {obj.command.upper()} loss is {s['loss_sum'] / len(batch)}; "
                                      "the step was not applied (lower optim.lr, or check the data)")
         lr = scheduler.get_last_lr()[0]  # the rate this step runs at
-        grad_norm = clip_and_step(policy, optimizer, scheduler, cfg.optim.max_grad_norm, what="policy")
+        with at_step(step):
+            grad_norm = clip_and_step(policy, optimizer, scheduler, cfg.optim.max_grad_norm, what="policy")
         step_s = time.perf_counter() - t0
 
         # 6. Log; evaluate every eval_every steps and after the last one; checkpoint.

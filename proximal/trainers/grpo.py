@@ -44,7 +44,7 @@ from proximal.rollout.scoring import build_scorer
 from proximal.train import dist
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
-from proximal.train.optim import Trained, clip_and_step, optimizer_and_scheduler
+from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import open_run
 from proximal.trainers.grpo_config import ADVANTAGES, LOSSES, GRPOConfig
 
@@ -105,11 +105,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) + β·k3 over mini-batches of the batch.
         t1 = time.perf_counter()
-        update = grpo_update(exp, actor=Trained(actor, opt, sched), aggregation=LOSSES[g.loss],
-                             iterations=g.iterations, mini_batch_size=mini, micro_batch_size=g.micro_batch_size,
-                             clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
-                             temperature=r.temperature, max_length=r.max_new_tokens,
-                             max_grad_norm=cfg.optim.max_grad_norm, shuffle_seed=row_seed(t.seed, step, -1))
+        with at_step(step):
+            update = grpo_update(exp, actor=Trained(actor, opt, sched), aggregation=LOSSES[g.loss],
+                                 iterations=g.iterations, mini_batch_size=mini, micro_batch_size=g.micro_batch_size,
+                                 clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
+                                 temperature=r.temperature, max_length=r.max_new_tokens,
+                                 max_grad_norm=cfg.optim.max_grad_norm, shuffle_seed=row_seed(t.seed, step, -1))
         engine.after_update()
         t_train = time.perf_counter() - t1
 

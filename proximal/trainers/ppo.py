@@ -44,7 +44,7 @@ from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train import dist
 from proximal.train.command import config_command
-from proximal.train.optim import Trained, clip_and_step, optimizer_and_scheduler
+from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import open_run
 from proximal.trainers.ppo_config import PPOConfig, PPOLossConfig
 
@@ -114,10 +114,11 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 6. PPO epochs on the whole batch: clipped surrogate for the actor, clipped value loss for the critic.
         t1 = time.perf_counter()
-        update = ppo_update(gather(exp), actor=Trained(actor, actor_opt, actor_sched),
-                            critic=Trained(critic, critic_opt, critic_sched), hp=p, temperature=r.temperature,
-                            max_length=r.max_new_tokens, max_grad_norm=cfg.optim.max_grad_norm,
-                            shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer)
+        with at_step(step):
+            update = ppo_update(gather(exp), actor=Trained(actor, actor_opt, actor_sched),
+                                critic=Trained(critic, critic_opt, critic_sched), hp=p, temperature=r.temperature,
+                                max_length=r.max_new_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+                                shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer)
         engine.after_update()
         t_train = time.perf_counter() - t1
 

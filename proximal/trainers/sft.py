@@ -29,7 +29,7 @@ from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.train.batches import accumulate, evaluate, plan_steps
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
-from proximal.train.optim import clip_and_step, optimizer_and_scheduler
+from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, open_run
 from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection
 
@@ -155,7 +155,8 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         s = accumulate(sampler.local_part(batch), t.micro_batch_size,
                        lambda rows: nll_step(model, rows, pad, run.device, n_tokens / W), run.device)
         lr = scheduler.get_last_lr()[0]  # the rate this step runs at
-        grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
+        with at_step(step):
+            grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
 
         # 5. Log; evaluate every eval_every steps and after the last one; checkpoint.
         row = {"train/loss": s["loss_sum"] / n_tokens, "train/tokens": n_tokens, "train/grad_norm": grad_norm,

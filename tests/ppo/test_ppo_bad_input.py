@@ -60,6 +60,7 @@ def test_batch_sizes_that_do_not_divide(assets, tmp_path, capsys, no_model_loadi
     assert err.count("invalid configuration") == 1
     assert "rollout.batch_size = 6 is not divisible by ppo.mini_batch_size = 4" in err
     assert "ppo.mini_batch_size = 4 is not divisible by ppo.micro_batch_size = 3" in err
+    assert err.count("not divisible") == 2  # each problem once
 
 
 def test_wrong_type(assets, tmp_path, capsys, no_model_loading):

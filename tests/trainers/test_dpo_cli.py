@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from proximal.cli import main
@@ -64,6 +65,27 @@ def test_cli_lora_runs_and_resumes(assets, tmp_path, capsys):
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["eval/kl"] == 0.0 < rows[2]["eval/kl"]
 
 
+def test_a_lora_run_is_the_next_stage_s_model_with_its_adapters_merged(assets, tmp_path, capsys):
+    """model.path = a LoRA run's directory: one plain model whose outputs are the adapted policy's
+    (loaded as transformers would by default, the adapters would be trained on top and exported alone)."""
+    from peft import AutoPeftModelForCausalLM
+
+    from proximal.models.loading import load_causal_lm
+
+    config = write_yaml(tmp_path / "dpo.yaml", assets.policy("llama"), tmp_path, "dpo",
+                        model={"lora_r": 4}, train={"steps": 2}, optim={"lr": 5e-2})
+    assert main(["dpo", "--config", config]) == 0, capsys.readouterr().err
+    merged = load_causal_lm(str(tmp_path / "run"))
+    assert not hasattr(merged, "peft_config") and not any("lora" in n for n, _ in merged.named_parameters())
+    adapted = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "run"))
+    base = load_causal_lm(str(assets.policy("llama")))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        want, got, before = (m(input_ids=ids).logits for m in (adapted, merged, base))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - before).abs().max() > 1e-3  # the adapters did change the model
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input: one line, the row or the field, no traceback
 # --------------------------------------------------------------------------------------------------
@@ -112,6 +134,7 @@ def test_config_errors_are_one_message(assets, tmp_path, capsys):
     assert "dpo.beta = 0.0 must lie in (0, ∞) (DPO β)" in err
     assert "dpo.label_smoothing = 0.1: the ipo loss has no label-noise variant; use 0" in err
     assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
+    assert err.count("not divisible") == 1  # each problem once
     assert "data.on_too_long: 'cut' is not one of 'error', 'skip', 'truncate'" in err
     config = write_yaml(tmp_path / "s.yaml", assets.policy("llama"), tmp_path, "simpo")
     assert main(["simpo", "--config", config, "--simpo.gamma_beta_ratio", "-1", "--simpo.beta", "nan",

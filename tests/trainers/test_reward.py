@@ -210,6 +210,7 @@ def test_cli_config_error_is_one_message(lm, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("proximal rm:") == 1
     assert "train.batch_size = 10 is not divisible by train.micro_batch_size = 4" in err
+    assert err.count("not divisible") == 1  # each problem once
     assert "optim.max_grad_norm = -1.0 must be ≥ 0 (0 = no clipping)" in err
     assert main(["rm", "--config", config, "--data.on_too_long", "truncate"]) == 2
     assert "data.on_too_long: 'truncate' is not one of 'error', 'skip'" in capsys.readouterr().err

@@ -243,6 +243,7 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("proximal sft:") == 1
     assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
+    assert err.count("not divisible") == 1  # each problem once
     assert "optim.lr = -1.0 must be a positive number" in err
     assert "model.path is required" in err
     assert "train.device = 'tpu' is not one of auto, cpu, cuda, cuda:N" in err
