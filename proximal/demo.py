@@ -1,4 +1,5 @@
-"""``proximal demo``: the whole of RLHF offline on a CPU — SFT → reward model → PPO — with a report.
+"""``proximal demo``: the whole of RLHF offline on a CPU — SFT → reward model → PPO, and DPO, SimPO,
+GRPO and RLOO from the same SFT model — with a report.
 
 The task is the built-in digit-sorting task (:mod:`proximal.tasks.digits`), whose gold score is known
 exactly, so the report can show what RLHF's own numbers cannot: whether the policy got *better*, or
@@ -10,10 +11,12 @@ only better at pleasing the reward model. Five stages, each printed as it runs:
    (``proximal rm``, ``configs/demo/rm.yaml``);
 4. **ppo** — PPO with a sane β, critic initialised from the reward model (``configs/demo/ppo.yaml``),
    and the same run with a tiny β (``configs/demo/ppo_overopt.yaml``) to show over-optimisation;
-5. **eval + report** — sample the SFT and PPO policies on held-out prompts, score them with the
-   gold score, the reward model and the KL to the reference, and write ``<out>/report.md`` with plots.
+5. **dpo**, **simpo** — offline, on the very preference pairs the reward model was fitted to;
+   **grpo**, **rloo** — online and critic-free, rewarded by the task's exact-sort verifier;
+6. **eval + report** — sample every policy on held-out prompts, score them with the gold score, the
+   reward model and the KL to the SFT model, and write ``<out>/report.md`` with plots.
 
-Every trainer is the one the ``sft``, ``rm`` and ``ppo`` commands run, loaded from the YAML files
+Every trainer is the one its command (``sft``, ``rm``, ``ppo``, ``dpo``, ``simpo``, ``grpo``) runs, loaded from the YAML files
 with the paths filled in as ``--section.key value`` overrides; the demo prints each stage's
 equivalent command line. ``--quick`` shrinks data and steps for CI (about a minute or two).
 """
@@ -29,10 +32,16 @@ from typing import Callable
 
 import torch
 
+from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
+
 #: The demo's YAML configs, shipped inside the package (so a plain ``pip install`` runs the demo).
 DEFAULT_CONFIGS = Path(__file__).resolve().parent / "configs" / "demo"
 GOLD_FN = "proximal.tasks.digits:gold_score"
+VERIFIER_FN = "proximal.tasks.digits:exact_sort"
 RUNS = ("ppo", "ppo_overopt")
+#: The other methods, each from the same SFT model (:mod:`proximal.methods`).
+ALTERNATIVES = ("dpo", "simpo", "grpo", "rloo")
+STAGES = ("sft", "rm", *RUNS, *ALTERNATIVES)
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,15 @@ class Plan:
     rm: dict
     ppo: dict
     ppo_overopt: dict
+    dpo: dict
+    simpo: dict
+    grpo: dict
+    rloo: dict
     eval_samples_per_prompt: int
 
 
-FULL = Plan(task={}, sft={}, rm={}, ppo={}, ppo_overopt={}, eval_samples_per_prompt=4)
+FULL = Plan(task={}, sft={}, rm={}, ppo={}, ppo_overopt={}, dpo={}, simpo={}, grpo={}, rloo={},
+            eval_samples_per_prompt=4)
 
 #: The CI-sized demo: every stage and artifact, a fraction of the data and steps. Its numbers show the
 #: plumbing works, not that RLHF does (for that, run the full demo).
@@ -57,6 +71,10 @@ QUICK = Plan(
     rm={"train.steps": 100, "optim.warmup_steps": 10, "train.eval_every": 50},
     ppo={"train.steps": 12},
     ppo_overopt={"train.steps": 12},
+    dpo={"train.steps": 30, "optim.warmup_steps": 5},
+    simpo={"train.steps": 30, "optim.warmup_steps": 5},
+    grpo={"train.steps": 12},
+    rloo={"train.steps": 12},
     eval_samples_per_prompt=1,
 )
 
@@ -76,11 +94,11 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     """
     from proximal import report
     from proximal.tasks.digits import make_task_data
-    from proximal.trainers import ppo, reward, sft
+    from proximal.trainers import dpo, grpo, ppo, reward, sft
 
     out = Path(out_dir)
     configs = Path(configs) if configs is not None else DEFAULT_CONFIGS
-    missing = [n for n in ("sft.yaml", "rm.yaml", "ppo.yaml", "ppo_overopt.yaml") if not (configs / n).is_file()]
+    missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()]
     if missing:
         raise FileNotFoundError(f"demo configs: {', '.join(missing)} not found in {configs}; pass --configs DIR "
                                 f"(a copy of {DEFAULT_CONFIGS})")
@@ -91,7 +109,7 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     t_start = time.perf_counter()
 
     def stage(n: int, name: str, what: str) -> float:
-        echo(f"\n[{n}/6] {name}: {what}")
+        echo(f"\n[{n}/{len(STAGES) + 2}] {name}: {what}")
         return time.perf_counter()
 
     def done(name: str, t0: float, summary: str) -> None:
@@ -119,6 +137,13 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
             acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
             summary = (f"held-out accuracy {acc[-1]:.3f} (the labels agree with gold on "
                        f"{info['label_gold_agreement_eval']:.1%} of these pairs)")
+        elif name in ("dpo", "simpo"):
+            acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+            summary = f"held-out preference accuracy {acc[-1]:.3f}, KL to the SFT model {rows[-1]['eval/kl']:.3f}"
+        elif name in ("grpo", "rloo"):
+            last = rows[-1]
+            summary = (f"last step: exact sorts {last['score/' + VERIFIER_FN]:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
+                       f"k3 KL {last.get('kl/ref_k3', 0.0):.3f}")
         else:
             last = rows[-1]
             summary = (f"last step: proxy {last['score/reward_model']:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
@@ -132,12 +157,17 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     # 4-5. PPO twice: a sane beta, and a tiny one. The gold score rides along with weight 0.
     run_stage(4, "ppo", "PPO with a sane beta (critic initialised from the reward model)", ppo.train)
     run_stage(5, "ppo_overopt", "PPO with a tiny beta: over-optimising the proxy", ppo.train)
+    # 6-9. The alternatives from the same SFT model: offline on the RM's pairs, online on the verifier.
+    run_stage(6, "dpo", "DPO on the reward model's preference pairs (reference: the SFT model)", dpo.train)
+    run_stage(7, "simpo", "SimPO on the same pairs (no reference model)", dpo.train)
+    run_stage(8, "grpo", "GRPO rewarded by the exact-sort verifier (no critic, no reward model)", grpo.train)
+    run_stage(9, "rloo", "RLOO: leave-one-out baseline, the same verifier", grpo.train)
 
-    # 6. Held-out evaluation of the SFT and both PPO policies, with one shared sampling seed; the report.
-    t0 = stage(6, "eval + report", f"sampling {plan.eval_samples_per_prompt} response(s) per held-out prompt "
-                                   "from each policy; writing the report")
+    # 10. Held-out evaluation of every policy, with one shared sampling seed; the report.
+    t0 = stage(len(STAGES) + 2, "eval + report", f"sampling {plan.eval_samples_per_prompt} response(s) per "
+                                                 "held-out prompt from each policy; writing the report")
     max_new = cfgs["ppo"][0].rollout.max_new_tokens
-    policies = {"sft": out / "sft", **{name: final_policy(out / name) for name in RUNS}}
+    policies = {"sft": out / "sft", **{name: final_policy(out / name) for name in (*RUNS, *ALTERNATIVES)}}
     evaluation = {name: evaluate_policy(path, reference=out / "sft", reward_model=out / "rm",
                                         prompts_file=task / "prompts_eval.jsonl",
                                         samples_per_prompt=plan.eval_samples_per_prompt,
@@ -158,29 +188,35 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
 def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
     """``{stage: (config, equivalent command line)}``: each YAML file with paths, seed and ``plan`` filled in.
 
-    All four are loaded (and validated) together; ConfigError lists what is wrong.
+    All are loaded (and validated) together; ConfigError lists what is wrong.
     """
     from proximal.config import ConfigError, load_config
-    from proximal.trainers import ppo, reward, sft
+    from proximal.methods import METHODS, config_class, input_overrides
+    from proximal.trainers import reward, sft
 
     task = out / "task"
+    shared = dict(sft=out / "sft", reward_model=out / "rm", prompts=task / "prompts_train.jsonl",
+                  pairs=task / "prefs_train.jsonl", eval_pairs=task / "prefs_eval.jsonl", verifier=VERIFIER_FN,
+                  gold=GOLD_FN)
     stages = {
-        "sft": (sft.SFTConfig, {"model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
-                                "data.eval_file": task / "sft_eval.jsonl", "output.dir": out / "sft",
-                                "train.seed": seed}),
-        "rm": (reward.RMConfig, {"model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
-                                 "data.eval_file": task / "prefs_eval.jsonl", "output.dir": out / "rm",
-                                 "train.seed": seed}),
-        **{name: (ppo.PPOConfig, {"model.path": out / "sft", "model.reward_model": out / "rm",
-                                  "data.prompts": task / "prompts_train.jsonl", "output.dir": out / name,
-                                  "train.seed": seed}) for name in RUNS},
+        "sft": ("sft", sft.SFTConfig, {"model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
+                                       "data.eval_file": task / "sft_eval.jsonl"}),
+        "rm": ("rm", reward.RMConfig, {"model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
+                                       "data.eval_file": task / "prefs_eval.jsonl"}),
+        # PPO's stages keep their YAML's reward settings (the check below says which).
+        **{name: ("ppo", config_class("ppo"), {"model.path": out / "sft", "model.reward_model": out / "rm",
+                                               "data.prompts": task / "prompts_train.jsonl"}) for name in RUNS},
+        **{name: (METHODS[name].command, config_class(METHODS[name].command),
+                  input_overrides(METHODS[name], METHODS[name].default_source(True), **shared))
+           for name in ALTERNATIVES},
     }
     result, errors = {}, []
-    for name, (cls, overrides) in stages.items():
-        overrides = {k: str(v) for k, v in {**overrides, **getattr(plan, name)}.items()}
+    for name, (command, cls, overrides) in stages.items():
+        overrides = {k: str(v) if isinstance(v, Path) else v
+                     for k, v in {**overrides, "output.dir": out / name, "train.seed": seed,
+                                  **getattr(plan, name)}.items()}
         path = configs / f"{name}.yaml"
-        command = (f"proximal {'ppo' if name in RUNS else name} --config {path} "
-                   + " ".join(f"--{k} {v}" for k, v in overrides.items()))
+        line = f"proximal {command} --config {path} " + " ".join(f"--{k} {command_arg(v)}" for k, v in overrides.items())
         try:
             cfg = load_config(cls, path, overrides)
         except ConfigError as e:
@@ -189,117 +225,32 @@ def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
         if name in RUNS and (cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]):
             errors.append(f"{path}: the demo logs the gold score without training on it; keep "
                           f"model.reward_functions: [{GOLD_FN}] and model.reward_function_weights: [0.0]")
-        result[name] = (cfg, command)
+        result[name] = (cfg, line)
     if errors:
         raise ConfigError("demo configs:\n" + "\n".join(errors))
     return result
 
 
+def command_arg(value) -> str:
+    """An override's value as typed on the command line (``null``, ``'[a, b]'``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "'[" + ", ".join(str(v) for v in value) + "]'"
+    return str(value)
+
+
 def final_policy(run_dir: Path) -> Path:
-    """The actor saved by a finished PPO run: ``run_dir/checkpoints/<latest>/policy``."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir}: no checkpoints/latest; did the PPO run finish?")
-    return root / pointer.read_text().strip() / "policy"
+    """The policy saved by a finished run: ``run_dir/checkpoints/<latest>/policy``."""
+    from proximal.methods import final_policy as final
+
+    return final(run_dir)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
     from proximal.logging import read_metrics
 
     return list(read_metrics(Path(run_dir) / "metrics.jsonl"))
-
-
-# ----------------------------------------------------------------------------------------------
-# Held-out evaluation
-# ----------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def evaluate_policy(policy: str | Path, *, reference: str | Path, reward_model: str | Path, prompts_file: str | Path,
-                    samples_per_prompt: int = 1, max_new_tokens: int = 12, seed: int = 0,
-                    batch_size: int = 256) -> dict:
-    """Sample ``policy`` on held-out prompts and measure what the report's table shows.
-
-    Sampling is PPO's own (:func:`proximal.rollout.sampling.sample`, temperature 1), so the numbers
-    describe the policy PPO optimised, not a greedy decode of it. Per response:
-
-    * ``gold`` — :func:`proximal.tasks.digits.gold_score`, in [0, 1];
-    * ``proxy`` — the reward model's score r_ψ(x, y), computed by PPO's :class:`~proximal.rollout.scoring.Scorer`;
-    * ``kl`` — Σ_t KL(π(·|s_t) ‖ π_ref(·|s_t)) over the response's tokens, each term exact over the
-      vocabulary (the states s_t are sampled). Its expectation is the sequence KL of the KL-regularised
-      objective (Ziegler et al. 2019); PPO's
-      ``kl/seq_mean`` estimates the same quantity with the sampled-token (k1) estimator;
-    * ``length`` — response tokens including EOS (as PPO's ``response/length_mean``); ``eos`` — stopped before T.
-
-    Returns the means under ``mean`` and every response under ``rows``.
-    """
-    from proximal.data.prompts import load_prompts
-    from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
-    from proximal.data.collate import pad_left
-    from proximal.rollout.engine import row_seed
-    from proximal.rollout.sampling import response_logits, sample
-    from proximal.rollout.scoring import Scorer
-    from proximal.tasks.digits import gold_score
-
-    tokenizer = load_tokenizer(str(policy), role="policy")
-    actor = load_causal_lm(str(policy), role="policy")
-    ref = load_causal_lm(str(reference), role="reference")
-    rm_tokenizer = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
-    rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
-    for m in (actor, ref, rm):
-        freeze(m)
-    scorer = Scorer(tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, micro_batch_size=batch_size)
-    prompts = load_prompts(str(prompts_file), tokenizer, max_length=64)
-    order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
-
-    rows = []
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id)
-        seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one generator per response
-        r = sample(actor, tokenizer, ids, mask, seeds=seeds, max_new_tokens=max_new_tokens)
-        texts = [prompts.texts[i] for i in idx]
-        _, comp = scorer(r, texts)
-        completions = scorer.completions(r)
-        golds = gold_score(texts, completions)  # in Python floats, exactly as the task defines it
-        logp = torch.log_softmax(response_logits(actor, r).float(), -1)
-        logq = torch.log_softmax(response_logits(ref, r).float(), -1)
-        kl_tok = (logp.exp() * (logp - logq)).sum(-1)                       # (B, T), exact per state
-        kl = torch.where(r.response_mask, kl_tok, 0.0).sum(1)
-        for j, completion in enumerate(completions):
-            rows.append({"prompt": texts[j], "response": completion, "gold": golds[j],
-                         "proxy": float(comp["reward_model"][j]), "kl": float(kl[j]),
-                         "length": int(r.response_mask[j].sum()), "eos": bool(r.ended[j])})
-    mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in ("gold", "proxy", "kl", "length", "eos")}
-    return {"policy": str(policy), "n": len(rows), "samples_per_prompt": samples_per_prompt, "mean": mean,
-            "rows": rows}
-
-
-@torch.no_grad()
-def reward_model_gold_agreement(reward_model: str | Path, pairs_file: str | Path) -> float:
-    """How often the reward model orders a held-out pair as the gold score does (pairs whose gold differs).
-
-    Pairs are loaded, batched and scored exactly as ``proximal rm`` evaluates them.
-    """
-    from proximal.data.jsonl import read_jsonl
-    from proximal.data.preferences import collate_pairs, load_preference_pairs
-    from proximal.models.loading import freeze, load_tokenizer
-    from proximal.tasks.digits import gold
-    from proximal.trainers.reward import load_reward_model, pair_scores
-
-    tok = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
-    rm, _ = load_reward_model(str(reward_model), "float32", tok)
-    freeze(rm)
-    pairs, _ = load_preference_pairs(pairs_file, tok, max_length=10_000)
-    records = [r for _, r in read_jsonl(pairs_file)]
-    r_w, r_l = pair_scores(rm, collate_pairs(pairs, tok.pad_token_id))
-    agree = n = 0
-    for rec, w, l in zip(records, r_w.tolist(), r_l.tolist()):
-        g_w, g_l = gold(rec["prompt"], rec["chosen"]), gold(rec["prompt"], rec["rejected"])
-        if g_w != g_l:
-            n += 1
-            agree += (w > l) == (g_w > g_l)
-    return agree / n
 
 
 # ----------------------------------------------------------------------------------------------

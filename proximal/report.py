@@ -2,7 +2,8 @@
 
 Nothing here trains or samples. :func:`write_report` reads what the demo's stages wrote —
 ``task/task.json``, ``sft/metrics.jsonl``, ``rm/metrics.jsonl``, ``ppo*/metrics.jsonl`` and
-``ppo*/config.yaml``, ``eval.json``, ``demo.json`` — and turns it into ``report.md`` with its plots
+``ppo*/config.yaml``, each run's ``models.json`` and the alternatives' ``config.yaml``, ``eval.json``,
+``demo.json`` — and turns it into ``report.md`` with its plots
 under ``plots/``. Every number printed in the report is also in ``report.json``, copied (never
 recomputed) from those files, so a test can check that the two agree.
 """
@@ -17,9 +18,12 @@ import yaml
 GOLD = "score/proximal.tasks.digits:gold_score"
 PROXY = "score/reward_model"
 RUN_LABELS = {"ppo": "PPO", "ppo_overopt": "PPO over-optimised"}
-POLICIES = ("sft", "ppo", "ppo_overopt")
+ALTERNATIVES = ("dpo", "simpo", "grpo", "rloo")
+POLICIES = ("sft", "ppo", "ppo_overopt", *ALTERNATIVES)
 TABLE_COLUMNS = (("gold", "gold score ↑"), ("proxy", "proxy reward (RM)"), ("kl", "KL to reference"),
                  ("length", "length (tokens)"), ("eos", "EOS rate"))
+#: Columns read from each run's own files: the models it held (models.json) and its stage's wall time.
+RUN_COLUMNS = ("models held", "stage time (s)")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -44,6 +48,16 @@ def _beta_label(cfg: dict) -> str:
     return f"{kl['controller']} β from {kl['beta']:g}, target KL {kl['target']:g}"
 
 
+def _method_label(name: str, cfg: dict) -> str:
+    if name == "dpo":
+        return f"DPO, β = {cfg['dpo']['beta']:g}"
+    if name == "simpo":
+        return f"SimPO, β = {cfg['simpo']['beta']:g}, γ/β = {cfg['simpo']['gamma_beta_ratio']:g}"
+    g = cfg["grpo"]
+    kind = "RLOO" if g["advantage"] == "rloo" else "GRPO"
+    return f"{kind} ({g['loss']} loss, β = {g['beta']:g}), exact-sort verifier"
+
+
 def collect(out_dir: str | Path) -> dict:
     """Every number the report shows, read from the demo's run files under ``out_dir``."""
     out = Path(out_dir)
@@ -63,6 +77,12 @@ def collect(out_dir: str | Path) -> dict:
             "kl": [r["kl/seq_mean"] for r in rows], "beta": [r["kl/beta"] for r in rows],
             "length": [r["response/length_mean"] for r in rows], "eos": [r["response/eos_frac"] for r in rows],
         }
+    alternatives = {}
+    for name in ALTERNATIVES:
+        cfg = yaml.safe_load((out / name / "config.yaml").read_text())
+        alternatives[name] = {"label": _method_label(name, cfg), "config": f"configs/demo/{name}.yaml",
+                              "steps": cfg["train"]["steps"]}
+    models = {p: len(json.loads((out / p / "models.json").read_text())) for p in POLICIES}
     heldout = {p: evaluation[p]["mean"] for p in POLICIES}
     window = max(1, min(10, len(runs["ppo_overopt"]["step"]) // 5))
     o = runs["ppo_overopt"]
@@ -80,7 +100,9 @@ def collect(out_dir: str | Path) -> dict:
         "heldout_samples_per_prompt": evaluation["sft"]["samples_per_prompt"],
         "heldout_responses": evaluation["sft"]["n"],
         "gold_gain": heldout["ppo"]["gold"] - heldout["sft"]["gold"],
+        "models_held": models,
         "runs": runs,
+        "alternatives": alternatives,
         "overopt": {"window": window, "gold_peak": gold_s[peak], "gold_peak_step": o["step"][peak],
                     "proxy_at_peak": proxy_s[peak], "kl_at_peak": kl_s[peak],
                     "gold_final": gold_s[-1], "proxy_final": proxy_s[-1], "kl_final": kl_s[-1]},
@@ -158,19 +180,53 @@ def plot_overoptimisation(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
+METHOD_COLORS = {"sft": "gray", "ppo": "tab:blue", "ppo_overopt": "tab:red", "dpo": "tab:green",
+                 "simpo": "tab:olive", "grpo": "tab:purple", "rloo": "tab:orange"}
+
+
+def plot_methods(r: dict, path: Path) -> None:
+    """Every policy on held-out prompts: gold against KL to the SFT model, and against training time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = _policy_labels(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
+    for ax, (x_key, x_label) in zip(axes, (("kl", "KL to the SFT model (nats / response, held-out)"),
+                                           ("time", "stage wall time (s)"))):
+        for name in POLICIES:
+            x = r["heldout"][name]["kl"] if x_key == "kl" else r["timings_s"][name]
+            ax.scatter([x], [r["heldout"][name]["gold"]], s=60, color=METHOD_COLORS[name], label=labels[name],
+                       zorder=3)
+        ax.axhline(r["heldout"]["sft"]["gold"], color="gray", linestyle=":", linewidth=1)
+        ax.set_xlabel(x_label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("gold score (held-out)")
+    axes[0].set_title("gold against distance from the SFT model")
+    axes[1].set_title("gold against training time")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------------------------
 # Text
 # ----------------------------------------------------------------------------------------------
 
 def _policy_labels(r: dict) -> dict[str, str]:
-    return {"sft": "SFT (the reference)", **{n: run["label"] for n, run in r["runs"].items()}}
+    return {"sft": "SFT (the reference)", **{n: run["label"] for n, run in r["runs"].items()},
+            **{n: a["label"] for n, a in r["alternatives"].items()}}
 
 
 def results_table(r: dict) -> list[list[str]]:
-    """Rows of the held-out table: header, then one row per policy; numbers as ``f"{x:.3f}"``."""
-    rows = [["policy"] + [title for _, title in TABLE_COLUMNS]]
+    """Rows of the held-out table: header, then one row per policy; held-out means as ``f"{x:.3f}"``,
+    then the models the run held and its stage's wall time."""
+    rows = [["policy"] + [title for _, title in TABLE_COLUMNS] + list(RUN_COLUMNS)]
     for name, label in _policy_labels(r).items():
-        rows.append([label] + [f"{r['heldout'][name][key]:.3f}" for key, _ in TABLE_COLUMNS])
+        rows.append([label] + [f"{r['heldout'][name][key]:.3f}" for key, _ in TABLE_COLUMNS]
+                    + [str(r["models_held"][name]), f"{r['timings_s'][name]:.0f}"])
     return rows
 
 
@@ -214,6 +270,8 @@ def render_markdown(r: dict, out: Path) -> str:
                   "Its numbers say nothing about RLHF; run `proximal demo` for those.\n" if r["quick"] else "")
     sample_rows = [["prompt", "right answer"] + [labels[p] for p in POLICIES]] + _samples(out)
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total")
+    alternatives_line = ", ".join(f"{labels[n].split(',')[0].split(' (')[0]} {r['heldout'][n]['gold']:.3f}"
+                                  for n in ("ppo", *ALTERNATIVES))
     return f"""# proximal demo report
 {quick_note}
 The whole of RLHF on the built-in digit-sorting task: SFT on a sloppy teacher's demonstrations, a
@@ -223,16 +281,28 @@ trains on it. docs/demo.md explains every part of this page.
 
 Seed {r['seed']}; wall time {t['total']:.0f} s ({timing}).
 
-## 1. SFT versus PPO on held-out prompts
+## 1. Every policy on held-out prompts
 
 {r['heldout_responses']} responses per policy ({r['heldout_samples_per_prompt']} per held-out prompt), sampled at
-temperature 1 as in training. KL is Σ over the response of the exact per-token KL(π ‖ π_ref).
+temperature 1 as in training. KL is Σ over the response of the exact per-token KL(π ‖ π_ref), π_ref the
+SFT model. "models held" counts the models the run kept in memory (its `models.json`); the stage
+time is the stage's wall time, loading included.
 
 {_markdown_table(results_table(r))}
 
 **PPO raised the gold score by {r['gold_gain']:+.3f}** over SFT (from {r['heldout']['sft']['gold']:.3f} to
 {r['heldout']['ppo']['gold']:.3f}) at a KL of {r['heldout']['ppo']['kl']:.3f} nats from the reference. The
 sloppy teacher's own gold score is {r['task']['teacher_gold_eval']:.3f}; a perfect sorter scores 1.
+
+The alternatives start from the same SFT model. **DPO** and **SimPO** never sample: they train on
+the same noisy preference pairs the reward model was fitted to (DPO against the frozen SFT model,
+SimPO with no reference at all); **GRPO** and **RLOO** sample G responses per prompt and learn from
+the task's exact-sort verifier (1 for a perfect sort, else 0), with no critic and no reward model.
+Held-out gold: {alternatives_line}. One seed, one budget per method as its config
+sets it — for a measured comparison over seeds and matched budgets, run `proximal compare`
+(docs/compare.md).
+
+![Every method: gold against KL and against time](plots/methods.png)
 
 ## 2. The reward model
 
@@ -268,8 +338,9 @@ The first sample for the first held-out prompts; each cell is `response` gold / 
 {_markdown_table(sample_rows)}
 
 Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
-`ppo/`, `ppo_overopt/` (metrics.jsonl, samples.jsonl, checkpoints/), `eval.json` (every held-out
-response), `report.json` (every number above).
+`ppo/`, `ppo_overopt/`, `grpo/`, `rloo/` (metrics.jsonl, samples.jsonl, checkpoints/), `dpo/`, `simpo/`
+(the policy, metrics.jsonl, checkpoints/), `eval.json` (every held-out response), `report.json` (every
+number above).
 """
 
 
@@ -281,8 +352,9 @@ def write_report(out_dir: str | Path) -> dict:
     plots.mkdir(exist_ok=True)
     plot_training(r, plots / "ppo_training.png")
     plot_overoptimisation(r, plots / "overoptimisation.png")
+    plot_methods(r, plots / "methods.png")
     r["report"] = str(out / "report.md")
-    r["plots"] = [str(plots / "ppo_training.png"), str(plots / "overoptimisation.png")]
+    r["plots"] = [str(plots / n) for n in ("ppo_training.png", "overoptimisation.png", "methods.png")]
     (out / "report.md").write_text(render_markdown(r, out))
     (out / "report.json").write_text(json.dumps(r, indent=1) + "\n")
     return r

@@ -20,6 +20,8 @@ from proximal.cli import main
 pytestmark = pytest.mark.slow
 
 GOLD = "score/proximal.tasks.digits:gold_score"
+PLOTS = ("plots/ppo_training.png", "plots/overoptimisation.png", "plots/methods.png")
+POLICIES = ("ppo", "ppo_overopt", "dpo", "simpo", "grpo", "rloo")
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +45,19 @@ def test_every_artifact_exists(demo):
         *(f"task/{k}_{s}.jsonl" for k in ("sft", "prefs", "prompts") for s in ("train", "eval")),
         "sft/model.safetensors", "sft/config.json", "sft/tokenizer.json", "sft/metrics.jsonl", "sft/config.yaml",
         "rm/model.safetensors", "rm/config.json", "rm/metrics.jsonl", "rm/config.yaml",
-        *(f"{run}/{f}" for run in ("ppo", "ppo_overopt")
-          for f in ("metrics.jsonl", "samples.jsonl", "config.yaml", "checkpoints/latest")),
-        "eval.json", "demo.json", "report.md", "report.json", "plots/ppo_training.png", "plots/overoptimisation.png",
+        *(f"{run}/{f}" for run in ("ppo", "ppo_overopt", "grpo", "rloo")
+          for f in ("metrics.jsonl", "samples.jsonl", "config.yaml", "models.json", "checkpoints/latest")),
+        *(f"{run}/{f}" for run in ("dpo", "simpo")
+          for f in ("model.safetensors", "metrics.jsonl", "config.yaml", "models.json", "checkpoints/latest")),
+        "eval.json", "demo.json", "report.md", "report.json", *PLOTS,
     ]
     missing = [p for p in expected if not (out / p).is_file()]
     assert not missing
-    for png in ("plots/ppo_training.png", "plots/overoptimisation.png"):
+    for png in PLOTS:
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     report = (out / "report.md").read_text()
-    assert "](plots/ppo_training.png)" in report and "](plots/overoptimisation.png)" in report
+    assert all(f"]({png})" in report for png in PLOTS)
 
 
 def test_checkpoints_load_with_plain_transformers(demo):
@@ -62,7 +66,7 @@ def test_checkpoints_load_with_plain_transformers(demo):
 
     from proximal.demo import final_policy
 
-    for path in (out / "sft", final_policy(out / "ppo"), final_policy(out / "ppo_overopt")):
+    for path in (out / "sft", *(final_policy(out / p) for p in POLICIES), out / "dpo", out / "simpo"):
         AutoModelForCausalLM.from_pretrained(path)
         AutoTokenizer.from_pretrained(path)
     rm = AutoModelForSequenceClassification.from_pretrained(out / "rm")
@@ -111,17 +115,28 @@ def test_heldout_table_is_eval_json(demo):
     evaluation = json.loads((out / "eval.json").read_text())
     report = (out / "report.md").read_text()
     table = [line for line in report.splitlines() if line.startswith("| ") and "KL to reference" not in line]
-    for policy, label in (("sft", "SFT"), ("ppo", "PPO, β = 1"), ("ppo_overopt", "PPO over-optimised, β = 0.01")):
+    r = json.loads((out / "report.json").read_text())
+    labels = {"sft": "SFT", "ppo": "PPO, β = 1", "ppo_overopt": "PPO over-optimised, β = 0.01", "dpo": "DPO, β = 0.3",
+              "simpo": "SimPO, β = 2, γ/β = 1", "grpo": "GRPO (grpo loss, β = 0.04), exact-sort verifier",
+              "rloo": "RLOO (dr_grpo loss, β = 0.04), exact-sort verifier"}
+    timings = json.loads((out / "demo.json").read_text())["timings_s"]
+    for policy, label in labels.items():
         rows = evaluation[policy]["rows"]
         assert evaluation[policy]["n"] == len(rows) == 64
         # means recomputed from the individual responses
         mean = {k: sum(float(x[k]) for x in rows) / len(rows) for k in ("gold", "proxy", "kl", "length", "eos")}
         assert evaluation[policy]["mean"] == pytest.approx(mean, abs=1e-12)
-        cells = [f"{mean[k]:.3f}" for k in ("gold", "proxy", "kl", "length", "eos")]
+        held = len(json.loads((out / policy / "models.json").read_text()))
+        assert r["models_held"][policy] == held
+        cells = [f"{mean[k]:.3f}" for k in ("gold", "proxy", "kl", "length", "eos")] + [str(held),
+                                                                                      f"{timings[policy]:.0f}"]
         line = next(t for t in table if t.startswith(f"| {label}"))
         assert [c.strip() for c in line.strip("|").split("|")][1:] == cells
         # the terminal ends with the same table
         assert any(s.startswith(label) and re.split(r"\s{2,}", s.strip())[1:] == cells for s in stdout.splitlines())
+    # PPO holds actor, reference, reward model and critic; DPO policy and reference; GRPO/RLOO at β > 0
+    # actor and reference; SimPO the policy alone
+    assert r["models_held"] == {"sft": 1, "ppo": 4, "ppo_overopt": 4, "dpo": 2, "simpo": 1, "grpo": 2, "rloo": 2}
     assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the SFT model
     from proximal.tasks.digits import gold
     assert all(x["gold"] == gold(x["prompt"], x["response"]) for x in evaluation["ppo"]["rows"])
@@ -129,8 +144,9 @@ def test_heldout_table_is_eval_json(demo):
 
 def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
     out, stdout = demo
-    for n, name in enumerate(("task", "sft", "rm", "ppo", "ppo_overopt", "eval + report"), start=1):
-        assert f"[{n}/6] {name}:" in stdout
+    stages = ("task", "sft", "rm", "ppo", "ppo_overopt", "dpo", "simpo", "grpo", "rloo", "eval + report")
+    for n, name in enumerate(stages, start=1):
+        assert f"[{n}/10] {name}:" in stdout
     assert "same as: proximal sft --config" in stdout and "same as: proximal ppo --config" in stdout
     assert stdout.rstrip().splitlines()[-1] == f"Report: {out / 'report.md'}"
 
@@ -155,7 +171,8 @@ def test_missing_configs_is_a_clear_error(tmp_path, capsys):
     rc = main(["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(tmp_path / "nowhere")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml not found" in err and "--configs" in err
+    assert ("sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml not found"
+            in err and "--configs" in err)
 
 
 def test_config_mistakes_stop_the_demo_before_training(tmp_path, capsys):

@@ -159,9 +159,8 @@ class Run:
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
         """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
 
-        ``memory/peak_bytes``: on CUDA the allocator's peak since the previous row
-        (``torch.cuda.max_memory_allocated``, then reset); on CPU the process's peak resident set so
-        far (``ru_maxrss``; it cannot be reset, so it is the run's peak up to this step)."""
+        ``memory/peak_bytes``: the peak since the previous row (:func:`peak_memory_bytes`): on CUDA
+        the allocator's, on CPU the process's resident set."""
         if step > 0:
             metrics = {**metrics, "memory/peak_bytes": peak_memory_bytes(self.device)}
         if self.logger is not None:
@@ -190,14 +189,32 @@ class Run:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory since the last call (CUDA allocator) or of the process so far (CPU, resident set)."""
+    """Peak memory since the previous call, the largest over processes: on CUDA the allocator's
+    (``torch.cuda.max_memory_allocated``, then reset); on CPU the process's resident set (Linux's
+    VmHWM, then reset through ``/proc/self/clear_refs``; where that cannot be written, the process's
+    peak so far, ``ru_maxrss``)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return int(dist.all_reduce_max(torch.tensor([peak], device=device))[0])
-    import resource
+    else:
+        peak = _resident_peak()
+    if dist.is_distributed():
+        peak = int(dist.all_reduce_max(torch.tensor([peak], dtype=torch.float64, device=device))[0])
+    return int(peak)
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+def _resident_peak() -> int:
+    """The CPU process's peak resident bytes since the previous call (or since it started)."""
+    try:
+        with open("/proc/self/status") as fh:
+            hwm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current resident set (Linux ≥ 4.0)
+        return hwm
+    except (OSError, StopIteration, ValueError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def resident_models(**models) -> dict[str, dict]:

@@ -1,0 +1,131 @@
+"""The post-training methods that start from one SFT model — PPO, DPO, SimPO, GRPO and RLOO — as
+``proximal demo`` and ``proximal compare`` run them.
+
+Each :class:`Method` says which command trains it, whether it samples its own responses (online) or
+reads preference pairs (offline), and which reward sources it can learn from. The functions below
+turn one set of inputs (an SFT model, a reward model, prompts, pairs, a rule verifier) into each
+method's config overrides, and — in :func:`budget_steps`, the one place it is done — a budget into
+a step count. Every method ends with a checkpoint whose ``policy/`` is a plain Hugging Face model
+(:func:`final_policy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+#: Where a method's reward comes from: the learned reward model r_ψ, a rule verifier (a reward
+#: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
+REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str                 # the key: also the name of its YAML under proximal/configs/demo/
+    label: str
+    command: str              # the `proximal` command that trains it
+    online: bool              # samples its own responses while it trains
+    sources: tuple[str, ...]  # the reward sources it can use, its default first
+
+    def default_source(self, have_verifier: bool) -> str:
+        if not self.online:
+            return PAIRS
+        return self.sources[0] if have_verifier or self.sources[0] != VERIFIER else REWARD_MODEL
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ppo", "PPO", "ppo", True, (REWARD_MODEL, VERIFIER)),
+    Method("dpo", "DPO", "dpo", False, (PAIRS,)),
+    Method("simpo", "SimPO", "simpo", False, (PAIRS,)),
+    Method("grpo", "GRPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+    Method("rloo", "RLOO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+)}
+
+
+def config_class(command: str) -> type:
+    from proximal.trainers import dpo, grpo, ppo
+
+    return {"ppo": ppo.PPOConfig, "dpo": dpo.DPOConfig, "simpo": dpo.SimPOConfig, "grpo": grpo.GRPOConfig}[command]
+
+
+def trainer(command: str) -> Callable[[Any], Path]:
+    from proximal.trainers import dpo, grpo, ppo
+
+    return {"ppo": ppo.train, "dpo": dpo.train, "simpo": dpo.train, "grpo": grpo.train}[command]
+
+
+def input_overrides(method: Method, source: str, *, sft: str | Path, reward_model: str | Path | None = None,
+                    prompts: str | Path | None = None, pairs: str | Path | None = None,
+                    eval_pairs: str | Path | None = None, verifier: str | None = None,
+                    gold: str | None = None) -> dict[str, Any]:
+    """The config overrides that point ``method`` at the shared inputs: ``model.path`` = the SFT model
+    (the start and, where there is one, the reference); online methods the training prompts and the
+    reward ``source`` — the reward model, or the verifier (weight 1) — with the ``gold`` score, when
+    given, as a weight-0 reward function (logged every step, never trained on); offline methods the
+    preference pairs."""
+    out: dict[str, Any] = {"model.path": str(sft)}
+    if not method.online:
+        out["data.train_file"] = str(pairs)
+        out["data.eval_file"] = str(eval_pairs) if eval_pairs else None
+        return out
+    out["data.prompts"] = str(prompts)
+    logged = [gold] if gold else []
+    if source == REWARD_MODEL:
+        out.update({"model.reward_model": str(reward_model), "model.reward_functions": logged,
+                    "model.reward_function_weights": [0.0] * len(logged)})
+        if method.command == "ppo":
+            out["model.critic"] = "reward_model"
+    else:
+        out.update({"model.reward_model": None, "model.reward_functions": [verifier, *logged],
+                    "model.reward_function_weights": [1.0] + [0.0] * len(logged)})
+        if method.command == "ppo":
+            out["model.critic"] = "policy"  # no reward model to initialise it from
+    return out
+
+
+def responses_per_step(method: Method, cfg) -> int:
+    """Responses one step trains on: sampled (online: prompts × group size) or read (offline: two per pair)."""
+    if method.command == "ppo":
+        return cfg.rollout.batch_size
+    if method.command == "grpo":
+        return cfg.rollout.batch_size * cfg.rollout.group_size
+    return 2 * cfg.train.batch_size
+
+
+def budget_steps(method: Method, cfg, *, responses: int, pairs: int) -> tuple[int, str]:
+    """The step count that spends the budget, and the budget in words: online methods sample
+    ``responses`` responses each; offline methods train on ``pairs`` preference pairs each (so every
+    online method sees as many responses as every other, and every offline method as many pairs).
+    A budget smaller than one step is an error naming the fields."""
+    from proximal.config import ConfigError
+
+    if method.online:
+        per = responses_per_step(method, cfg)
+        steps, spent = responses // per, f"{responses} responses sampled"
+        field = ("rollout.batch_size" if method.command == "ppo" else "rollout.batch_size × rollout.group_size")
+        need = f"compare.responses = {responses} is less than one step of {method.label} ({field} = {per})"
+    else:
+        per = cfg.train.batch_size
+        steps, spent = pairs // per, f"{pairs} preference pairs"
+        need = f"compare.pairs = {pairs} is less than one step of {method.label} (train.batch_size = {per})"
+    if steps < 1:
+        raise ConfigError(need)
+    return steps, spent
+
+
+def final_policy(run_dir: str | Path) -> Path:
+    """The policy saved by a finished run of any method: ``run_dir/checkpoints/<latest>/policy``."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"{run_dir}: no checkpoints/latest; did the run finish?")
+    return root / pointer.read_text().strip() / "policy"
+
+
+def checkpoint_policies(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, policy directory)`` of every complete checkpoint of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = [(int(p.name.split("_")[1]), p / "policy") for p in root.glob("step_*")
+             if (p / "manifest.json").is_file() and (p / "policy").is_dir()]
+    return sorted(found)
