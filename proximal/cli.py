@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
     "dpo": ("proximal.trainers.dpo", "dpo_cli", "DPO on preference pairs: the policy against a frozen reference"),
     "simpo": ("proximal.trainers.dpo", "simpo_cli", "SimPO on preference pairs: one model, no reference"),
-    "demo": ("proximal.demo", "cli", "the whole of RLHF offline on a CPU: SFT -> RM -> PPO, with a report"),
+    "demo": ("proximal.demo", "cli", "the whole of RLHF offline on a CPU: SFT -> RM -> PPO (and DPO, SimPO, "
+                                     "GRPO, RLOO beside it), with a report"),
+    "compare": ("proximal.compare", "cli", "PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over seeds, "
+                                           "measured alike: compare.md"),
     "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models"),
 }
 

@@ -185,8 +185,9 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     return results
 
 
-def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
-    """``{stage: (config, equivalent command line)}``: each YAML file with paths, seed and ``plan`` filled in.
+def stage_configs(configs: Path, out: Path, seed: int, plan: Plan, only: tuple[str, ...] = STAGES) -> dict:
+    """``{stage: (config, equivalent command line)}``: each YAML file (of the stages in ``only``) with
+    paths, seed and ``plan`` filled in.
 
     All are loaded (and validated) together; ConfigError lists what is wrong.
     """
@@ -212,6 +213,8 @@ def stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
     }
     result, errors = {}, []
     for name, (command, cls, overrides) in stages.items():
+        if name not in only:
+            continue
         overrides = {k: str(v) if isinstance(v, Path) else v
                      for k, v in {**overrides, "output.dir": out / name, "train.seed": seed,
                                   **getattr(plan, name)}.items()}

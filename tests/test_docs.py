@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from proximal.compare import CompareConfig
 from proximal.config import describe
 from proximal.trainers.ppo import PPOConfig
 from proximal.trainers.reward import RMConfig
 from proximal.trainers.sft import SFTConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = {"sft": (SFTConfig, "sft.md"), "rm": (RMConfig, "rm.md"), "ppo": (PPOConfig, "ppo.md")}
+PAGES = {"sft": (SFTConfig, "sft.md"), "rm": (RMConfig, "rm.md"), "ppo": (PPOConfig, "ppo.md"),
+         "compare": (CompareConfig, "compare.md")}
 
 
 def render_default(value) -> str:

@@ -1,0 +1,501 @@
+"""``proximal compare``: PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over several seeds, measured alike.
+
+From one SFT checkpoint and one set of inputs, every listed method is trained with its own config
+(``<configs>/<method>.yaml``; by default the demo's, tuned for the built-in task) on a matched budget
+(:func:`proximal.methods.budget_steps`: online methods sample as many responses as each other,
+offline ones train on as many preference pairs), once per seed. Each run's checkpoints — evenly
+spaced along it — and its final policy are then evaluated the same way on held-out prompts
+(:func:`proximal.evaluation.evaluate_policy`, one sampling seed for all: common random numbers),
+and :mod:`proximal.compare_report` turns the run directories into ``compare.md``, ``compare.json``
+and plots.
+
+1. **inputs** — the config's ``data`` section; without ``data.sft_model``, the built-in digit-sorting
+   task: its data, SFT model and reward model are trained first, as ``proximal demo`` trains them;
+2. **runs** — method × reward source × seed, each in ``<out>/runs/<method>[@<source>]-seed<N>/``, a
+   normal run directory of its command. A run that fails is recorded with its error and the others
+   go on;
+3. **evaluation** — ``eval.json`` in each run directory: every evaluated checkpoint's held-out means,
+   and the final policy's responses;
+4. **report** — ``compare.md``, ``compare.json``, ``plots/``.
+
+Running the same command again continues a comparison that stopped: finished runs (those with an
+``eval.json``) are kept, the others are run again from the start. Under torchrun every process runs
+each training; evaluation and the report are rank 0's (the policy must fit one device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from proximal.config import ConfigError, option, section
+from proximal.methods import METHODS, PAIRS, REWARD_MODEL, VERIFIER, Method
+
+DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
+BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
+BUILTIN_VERIFIER = "proximal.tasks.digits:exact_sort"
+
+
+@dataclass
+class CompareSection:
+    methods: list[str] = option(help="Methods to train: ppo, dpo, simpo, grpo, rloo; 'name@source' sets an online "
+                                     "method's reward source, reward_model or verifier (default: ppo the reward "
+                                     "model; grpo and rloo the verifier when there is one). A method may be listed "
+                                     "with several sources.", default_factory=lambda: list(DEFAULT_METHODS))
+    seeds: int = option(3, "Runs per method, with train.seed = 0, 1, …")
+    responses: int = option(7680, "Budget of each online method (ppo, grpo, rloo): responses sampled; its step "
+                                  "count is this over the responses one step samples.")
+    pairs: int = option(16000, "Budget of each offline method (dpo, simpo): preference pairs trained on (4 passes "
+                               "over the built-in task's 4000); its step count is this over train.batch_size.")
+    evaluations: int = option(4, "Checkpoints evaluated along each run (evenly spaced; the last is the final "
+                                 "policy), for the stability columns.")
+    collapse_margin: float = option(0.05, "A run collapsed if its final held-out score is more than this below its "
+                                          "best evaluated one (the SFT model counts as the first).")
+    eval_samples_per_prompt: int = option(2, "Responses sampled per held-out prompt at each evaluation.")
+    max_new_tokens: int = option(12, "Response length of the held-out evaluation (the methods' configs set their own "
+                                     "for training).")
+    configs: str | None = option(None, "Directory holding <method>.yaml for each method (default: the packaged demo "
+                                       "configs, tuned for the built-in task). Its data paths, seed, steps and "
+                                       "output are set by compare.")
+
+    def problems(self) -> list[str]:
+        e = []
+        for spec in self.methods:
+            name, _, source = spec.partition("@")
+            if name not in METHODS:
+                e.append(f"compare.methods: {spec!r}: unknown method (known: {', '.join(METHODS)})")
+            elif source and source not in METHODS[name].sources:
+                allowed = ", ".join(METHODS[name].sources) if METHODS[name].online else "none (it trains on pairs)"
+                e.append(f"compare.methods: {spec!r}: {METHODS[name].label} cannot use reward source {source!r} "
+                         f"(it can use: {allowed})")
+        if len(set(self.methods)) != len(self.methods):
+            e.append("compare.methods lists a method twice")
+        for name in ("seeds", "responses", "pairs", "evaluations", "eval_samples_per_prompt", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
+        if not self.collapse_margin >= 0:
+            e.append(f"compare.collapse_margin = {self.collapse_margin} must be ≥ 0")
+        if self.configs is not None and not Path(self.configs).is_dir():
+            e.append(f"compare.configs: {self.configs!r} is not a directory")
+        return e
+
+
+@dataclass
+class CompareData:
+    sft_model: str | None = option(None, "The SFT checkpoint every method starts from (and the reference of KL). "
+                                         "Unset: the built-in digit-sorting task, trained first.")
+    reward_model: str | None = option(None, "The learned reward model r_ψ (the proxy score of every evaluation, and "
+                                            "the reward of methods with source reward_model).")
+    prompts: str | None = option(None, "Training prompts (JSONL) of the online methods.")
+    pairs: str | None = option(None, "Preference pairs (JSONL) of the offline methods: the pairs the reward model "
+                                     "was trained on.")
+    eval_pairs: str | None = option(None, "Held-out preference pairs: DPO's and SimPO's eval/accuracy (optional).")
+    eval_prompts: str | None = option(None, "Held-out prompts every policy is evaluated on.")
+    verifier: str | None = option(None, "A rule verifier 'module:function(prompts, completions) -> scores': the "
+                                        "reward of methods with source verifier, and a held-out column.")
+    gold: str | None = option(None, "The score we actually want, 'module:function' (where the task has one): "
+                                    "logged during online training with weight 0, never trained on; the main "
+                                    "held-out column and the one stability is measured on.")
+
+    def problems(self) -> list[str]:
+        if self.sft_model is None:
+            return []
+        e = [] if self.eval_prompts else ["data.eval_prompts is required (the held-out prompts)"]
+        for name in ("sft_model", "reward_model", "prompts", "pairs", "eval_pairs", "eval_prompts"):
+            value = getattr(self, name)
+            if value and not Path(value).exists():
+                e.append(f"data.{name}: {value!r} does not exist")
+        return e
+
+
+@dataclass
+class CompareOutput:
+    dir: str = option("compare_out", "Where compare.md, compare.json, plots/ and every run's directory (runs/) go.")
+    overwrite: bool = option(False, "Start afresh in an output.dir that holds a comparison with another config "
+                                    "(the same config continues it).")
+    progress: bool = option(True, "Each run's progress bar.")
+
+
+@dataclass
+class CompareConfig:
+    compare: CompareSection = section(CompareSection, "What is compared, on which budget, and how it is judged.")
+    data: CompareData = section(CompareData, "The shared inputs.")
+    output: CompareOutput = section(CompareOutput, "The output directory.")
+
+    def validate(self) -> list[str]:
+        e = self.compare.problems() + self.data.problems()
+        if self.data.sft_model is not None:
+            for spec in self.compare.methods:
+                name, _, source = spec.partition("@")
+                if name not in METHODS or (source and source not in METHODS[name].sources):
+                    continue  # already reported
+                method, source = resolve(spec, have_verifier=bool(self.data.verifier))
+                if source == REWARD_MODEL and not self.data.reward_model:
+                    e.append(f"compare.methods: {spec!r} learns from the reward model: set data.reward_model")
+                if source == VERIFIER and not self.data.verifier:
+                    e.append(f"compare.methods: {spec!r} learns from the verifier: set data.verifier")
+                if method.online and not self.data.prompts:
+                    e.append(f"compare.methods: {spec!r} samples responses: set data.prompts")
+                if not method.online and not self.data.pairs:
+                    e.append(f"compare.methods: {spec!r} trains on preference pairs: set data.pairs")
+        return sorted(set(e), key=e.index)
+
+
+def resolve(spec: str, *, have_verifier: bool) -> tuple[Method, str]:
+    """``"grpo@reward_model"`` → (GRPO, "reward_model"); a bare name gets the method's default source."""
+    name, _, source = spec.partition("@")
+    method = METHODS[name]
+    return method, source or method.default_source(have_verifier)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: Method
+    source: str
+    seed: int
+
+    @property
+    def group(self) -> str:
+        """The table row: the method, and its reward source when it has a choice."""
+        return self.method.name if self.source == PAIRS else f"{self.method.name}@{self.source}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}-seed{self.seed}"
+
+
+@dataclass
+class Inputs:
+    """The resolved shared inputs (paths as strings)."""
+    sft: str
+    reward_model: str | None
+    prompts: str | None
+    pairs: str | None
+    eval_pairs: str | None
+    eval_prompts: str
+    verifier: str | None
+    gold: str | None
+    scores: dict = field(default_factory=dict)  # held-out score functions by column name
+
+
+def plan(cfg: CompareConfig) -> list[RunSpec]:
+    """Every run, seed-major (seed 0 of every method first: an interrupted comparison has a full row)."""
+    have = bool(cfg.data.verifier) or cfg.data.sft_model is None
+    specs = [resolve(s, have_verifier=have) for s in cfg.compare.methods]
+    return [RunSpec(m, src, seed) for seed in range(cfg.compare.seeds) for m, src in specs]
+
+
+# ----------------------------------------------------------------------------------------------
+# The comparison
+# ----------------------------------------------------------------------------------------------
+
+def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> dict:
+    """Prepare the inputs, train and evaluate every run, write the report; return ``compare.json``'s contents."""
+    from proximal import compare_report
+    from proximal.train import dist
+
+    out = Path(cfg.output.dir)
+    main = dist.launched_rank() == 0
+    _take_output_dir(out, cfg, main)
+    configs = Path(cfg.compare.configs) if cfg.compare.configs else _default_configs()
+    runs = plan(cfg)
+    t_start = time.perf_counter()
+
+    echo(f"proximal compare: {len(runs)} runs ({', '.join(dict.fromkeys(r.group for r in runs))} × "
+         f"{cfg.compare.seeds} seeds) into {out}")
+    inputs = prepare_inputs(cfg, out, configs, echo=echo)
+    # Every run's config is built (and validated) before the first trains: a mistake in any is found now.
+    run_cfgs = {r.name: run_config(r, cfg, inputs, configs, out / "runs" / r.name) for r in runs}
+
+    for i, r in enumerate(runs, 1):
+        run_dir = out / "runs" / r.name
+        status_file = run_dir / "compare_run.json"
+        if _finished(run_dir):
+            echo(f"[{i}/{len(runs)}] {r.name}: finished earlier, kept")
+            continue
+        run_cfg, steps, budget = run_cfgs[r.name]
+        if main and run_dir.exists():  # an unfinished or failed attempt: start the run again from nothing
+            shutil.rmtree(run_dir)
+        dist.barrier()
+        echo(f"[{i}/{len(runs)}] {r.name}: {r.method.label} ({r.source.replace('_', ' ')}), {steps} steps = {budget}")
+        t0 = time.perf_counter()
+        status = {"name": r.name, "method": r.method.name, "group": r.group, "source": r.source, "seed": r.seed,
+                  "steps": steps, "budget": budget, **_step_shape(r.method, run_cfg), "status": "ok", "error": None}
+        try:
+            from proximal.methods import trainer
+
+            trainer(r.method.command)(run_cfg)
+            status["run_s"] = time.perf_counter() - t0
+            if main:
+                evaluate_run(run_dir, inputs, cfg.compare, sft_eval=_sft_evaluation(out, inputs, cfg.compare))
+            dist.barrier()
+            status["eval_s"] = time.perf_counter() - t0 - status["run_s"]
+            echo(f"      trained in {status['run_s']:.0f} s, evaluated in {status['eval_s']:.0f} s")
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed run is a row of the table, never a lost comparison
+            status.update(status="failed", error=_one_line(e), run_s=time.perf_counter() - t0)
+            if main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "error.txt").write_text("".join(traceback.format_exception(e)))
+            echo(f"      FAILED: {status['error']}")
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            status_file.write_text(json.dumps(status, indent=1) + "\n")
+        _release_memory()
+
+    result = {}
+    if main:
+        echo("report: reading every run directory")
+        result = compare_report.write_report(out, total_s=time.perf_counter() - t_start)
+        echo("\n" + compare_report.terminal_summary(result))
+    dist.barrier()
+    return result
+
+
+def prepare_inputs(cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]) -> Inputs:
+    """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
+    d = cfg.data
+    if d.sft_model is None:
+        base = train_builtin(out / "base", configs, echo=echo)
+        task = base / "task"
+        d = CompareData(sft_model=str(base / "sft"), reward_model=str(base / "rm"),
+                        prompts=str(task / "prompts_train.jsonl"), pairs=str(task / "prefs_train.jsonl"),
+                        eval_pairs=str(task / "prefs_eval.jsonl"), eval_prompts=str(task / "prompts_eval.jsonl"),
+                        verifier=BUILTIN_VERIFIER, gold=BUILTIN_GOLD)
+    scores = {**({"gold": d.gold} if d.gold else {}), **({"verifier": d.verifier} if d.verifier else {})}
+    return Inputs(sft=d.sft_model, reward_model=d.reward_model, prompts=d.prompts, pairs=d.pairs,
+                  eval_pairs=d.eval_pairs, eval_prompts=d.eval_prompts, verifier=d.verifier, gold=d.gold,
+                  scores=scores)
+
+
+def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
+    """The built-in task's data, SFT model and reward model, as ``proximal demo`` makes them (seed 0);
+    kept from an earlier comparison when complete."""
+    from proximal.demo import FULL, stage_configs
+    from proximal.tasks.digits import make_task_data
+    from proximal.trainers import reward, sft
+    from proximal.train import dist
+
+    done = base / "base.json"
+    if done.is_file():
+        echo(f"inputs: the built-in task, SFT and reward model from {base} (trained earlier)")
+        return base
+    echo(f"inputs: the built-in digit-sorting task; training its SFT and reward models into {base}")
+    t0 = time.perf_counter()
+    if dist.launched_rank() == 0:
+        make_task_data(base / "task", 0)
+    dist.barrier()
+    demo_configs = configs if all((configs / f"{n}.yaml").is_file() for n in ("sft", "rm")) else _default_configs()
+    stages = stage_configs(demo_configs, base, 0, FULL, only=("sft", "rm"))
+    for name, fn in (("sft", sft.train), ("rm", reward.train)):
+        stage_cfg, line = stages[name]
+        echo(f"      {name}: {line}")
+        fn(stage_cfg)
+    if dist.launched_rank() == 0:
+        done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
+    return base
+
+
+def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, run_dir: Path):
+    """``(config, steps, budget in words)`` of one run: ``<configs>/<method>.yaml`` with the shared
+    inputs, the seed, the budget's step count and a checkpoint every steps/evaluations steps."""
+    from proximal.config import load_config
+    from proximal.methods import budget_steps, config_class, input_overrides
+
+    path = configs / f"{r.method.name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"compare.configs: {path} not found (one <method>.yaml per method compared)")
+    cls = config_class(r.method.command)
+    overrides = {**input_overrides(r.method, r.source, sft=inputs.sft, reward_model=inputs.reward_model,
+                                   prompts=inputs.prompts, pairs=inputs.pairs, eval_pairs=inputs.eval_pairs,
+                                   verifier=inputs.verifier, gold=inputs.gold),
+                 "train.seed": r.seed, "output.dir": str(run_dir), "output.overwrite": True,
+                 "output.progress": cfg.output.progress}
+    try:
+        first = load_config(cls, path, overrides)
+        steps, budget = budget_steps(r.method, first, responses=cfg.compare.responses, pairs=cfg.compare.pairs)
+        every = -(-steps // cfg.compare.evaluations)  # ceil: at most `evaluations` checkpoints, the last at `steps`
+        run_cfg = load_config(cls, path, {**overrides, "train.steps": steps, "train.save_every": every,
+                                          "train.keep_checkpoints": steps // every + 1})
+        warmup = getattr(getattr(run_cfg, "optim", None), "warmup_steps", 0)
+        if warmup >= steps:  # the trainer would find it only when its turn comes
+            raise ConfigError(f"optim.warmup_steps = {warmup} must be less than the {steps} steps of the budget "
+                              f"({budget}); raise the budget or lower the warm-up in {path}")
+        return run_cfg, steps, budget
+    except ConfigError as e:
+        raise ConfigError(f"{r.name} ({path}): {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
+    """The SFT model's held-out evaluation (every curve's first point), computed once."""
+    path = out / "sft_eval.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from proximal.evaluation import evaluate_policy
+
+    ev = evaluate_policy(inputs.sft, reference=inputs.sft, prompts_file=inputs.eval_prompts,
+                         reward_model=inputs.reward_model, scores=inputs.scores,
+                         samples_per_prompt=c.eval_samples_per_prompt, max_new_tokens=c.max_new_tokens, seed=0)
+    path.write_text(json.dumps(ev) + "\n")
+    return ev
+
+
+def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: dict) -> dict:
+    """Evaluate every checkpoint of a finished run on the held-out prompts; write ``run_dir/eval.json``:
+    ``curve`` (step 0 = the SFT model, then each checkpoint: held-out means) and ``final`` (the last
+    checkpoint's evaluation with every response)."""
+    from proximal.evaluation import evaluate_policy
+    from proximal.methods import checkpoint_policies
+
+    curve = [{"step": 0, "policy": inputs.sft, "mean": sft_eval["mean"]}]
+    final = None
+    for step, policy in checkpoint_policies(run_dir):
+        ev = evaluate_policy(policy, reference=inputs.sft, prompts_file=inputs.eval_prompts,
+                             reward_model=inputs.reward_model, scores=inputs.scores,
+                             samples_per_prompt=c.eval_samples_per_prompt, max_new_tokens=c.max_new_tokens, seed=0)
+        curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
+        final = ev
+    if final is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
+    result = {"curve": curve, "final": final}
+    tmp = run_dir / "eval.json.tmp"
+    tmp.write_text(json.dumps(result) + "\n")
+    tmp.replace(run_dir / "eval.json")  # a run counts as finished only once this file is whole
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+def _step_shape(method: Method, run_cfg) -> dict:
+    """What the report needs to turn per-step metrics into totals: responses a step samples or reads,
+    and (PPO) mini-batches per epoch."""
+    from proximal.methods import responses_per_step
+
+    shape = {"responses_per_step": responses_per_step(method, run_cfg)}
+    if method.command == "ppo":
+        shape["mini_batches"] = run_cfg.rollout.batch_size // run_cfg.ppo.mini_batch_size
+    return shape
+
+
+def _default_configs() -> Path:
+    from proximal.demo import DEFAULT_CONFIGS
+
+    return DEFAULT_CONFIGS
+
+
+def _finished(run_dir: Path) -> bool:
+    status = run_dir / "compare_run.json"
+    return (run_dir / "eval.json").is_file() and status.is_file() and json.loads(status.read_text())["status"] == "ok"
+
+
+def _take_output_dir(out: Path, cfg: CompareConfig, main: bool) -> None:
+    """Write ``compare_config.yaml``; an ``output.dir`` holding a comparison with another config is
+    refused (or, with ``output.overwrite``, emptied); with the same config it is continued."""
+    from proximal.config import to_dict
+    from proximal.train import dist
+
+    saved = out / "compare_config.yaml"
+    mine = to_dict(cfg)
+    same = lambda d: {k: v for k, v in d.items() if k != "output"} == {k: v for k, v in mine.items() if k != "output"}
+    if saved.is_file() and not same(yaml.safe_load(saved.read_text()) or {}):
+        if not cfg.output.overwrite:
+            raise FileExistsError(f"output.dir {out} holds a comparison with another config ({saved}); use another "
+                                  "output.dir, or --output.overwrite true to replace it")
+        if main:
+            for p in ("runs", "base", "plots", "compare.md", "compare.json", "sft_eval.json"):
+                target = out / p
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    elif out.is_dir() and not saved.is_file() and any(out.iterdir()):
+        raise ConfigError(f"output.dir = {out} is not empty and holds no comparison (no compare_config.yaml); "
+                          "refusing to write into it")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(yaml.safe_dump(mine, sort_keys=False))
+    dist.barrier()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def _release_memory() -> None:
+    """Between runs: drop the last run's objects and hand glibc's kept heap back to the system, so the
+    next run's resident-set peak is its own."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+class _ReportedByRankZero(Exception):
+    pass
+
+
+def _quiet_user_errors(fn):
+    """On ranks other than 0: a config mistake is found by every rank alike, and rank 0 reports it."""
+    try:
+        return fn()
+    except (ConfigError, FileExistsError) as e:
+        raise _ReportedByRankZero() from e
+
+
+def cli(argv: list[str]) -> int:
+    from proximal.config import help_text, load_config, parse_overrides
+    from proximal.train import dist
+    from proximal.train.command import EXIT_TRAINING, EXIT_USER, run_reporting, say
+
+    parser = argparse.ArgumentParser(
+        prog="proximal compare", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="PPO, DPO, SimPO, GRPO and RLOO from one SFT model on matched budgets, over several seeds, "
+                    "evaluated alike on held-out prompts; writes compare.md, compare.json and plots. Without "
+                    "data.sft_model: the built-in digit-sorting task.",
+        epilog=help_text(CompareConfig))
+    parser.add_argument("--config", help="YAML file with the compare, data and output sections")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(CompareConfig, args.config, parse_overrides(rest))
+    except ConfigError as e:
+        if dist.launched_rank() == 0:
+            print(f"proximal compare: {e}", file=sys.stderr)
+        return EXIT_USER
+    main = dist.launched_rank() == 0
+    echo = print if main else (lambda line: None)  # under torchrun rank 0 speaks for the comparison
+    if main:
+        code, result = run_reporting("compare", lambda: run_compare(cfg, echo=echo))
+    else:
+        try:
+            code, result = run_reporting("compare", lambda: _quiet_user_errors(lambda: run_compare(cfg, echo=echo)))
+        except _ReportedByRankZero:
+            return EXIT_USER
+    failed = [f["name"] for row in (result or {}).get("table", []) for f in row["failed"]]
+    if code == 0 and failed:
+        say("compare", f"{len(failed)} of {len(result['runs'])} runs failed ({', '.join(failed)}); their errors are "
+                       f"in the table of {Path(cfg.output.dir) / 'compare.md'} and in each run's error.txt")
+        return EXIT_TRAINING
+    return code
