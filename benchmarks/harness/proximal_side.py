@@ -2,9 +2,7 @@
 
 The PPO config sets every field the issue pins (4 epochs, one mini-batch, lr 1e-5 for both models,
 T = R, temperature 1, CPU, the critic from the reward model) and leaves the rest at proximal's
-defaults; docs of each field: ``python -m proximal ppo --help``. The GRPO config is one small
-function, :func:`grpo_config`, because ``proximal grpo`` is being written as this harness is: adjust
-its field names there when it lands.
+defaults; docs of each field: ``python -m proximal ppo --help`` and ``python -m proximal grpo --help``.
 """
 
 from __future__ import annotations
@@ -41,15 +39,15 @@ def ppo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: P
 
 def grpo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path, beta: float,
                 loss: str) -> dict:
-    """``proximal grpo`` per issue 10: rollout.batch_size prompts a step, rollout.group_size completions
-    each, grpo.iterations passes, grpo.loss in grpo|dr_grpo|dapo. The names below are the issue's;
-    check them (and whether β is grpo.beta or kl.beta) when the command lands."""
+    """``proximal grpo``: rollout.batch_size prompts a step, rollout.group_size completions each, one
+    pass (grpo.iterations), grpo.loss in grpo|dr_grpo|dapo, β = grpo.beta; the whole batch in one
+    micro-batch, as TRL's per_device_train_batch_size = the batch does."""
     return {
         "model": {"path": model["policy"], "reward_functions": [GRPO_REWARD]},
         "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
         "rollout": {"batch_size": work.batch // work.group_size, "group_size": work.group_size,
                     "max_new_tokens": work.response_len, "temperature": 1.0},
-        "grpo": {"iterations": 1, "loss": loss, "beta": beta, "clip_eps": 0.2},
+        "grpo": {"iterations": 1, "loss": loss, "beta": beta, "clip_eps": 0.2, "micro_batch_size": work.batch},
         "optim": {"lr": 1.0e-5},
         "train": {"steps": steps, "save_every": 0, "seed": 0, "device": "cpu", "precision": work.precision},
         "output": {"dir": str(out_dir), "progress": False, "overwrite": True},

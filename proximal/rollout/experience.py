@@ -39,7 +39,8 @@ class Experience:
     rollout: Rollout
     scores: torch.Tensor                      # (B,) float32, 0 where not valid
     valid: torch.Tensor                       # (B,) bool
-    logprobs: torch.Tensor                    # (B, T) log π_old(y_t | s_t)
+    logprobs: torch.Tensor | None = None      # (B, T) log π_old(y_t | s_t); None: π_old is the policy about to
+                                              # take its one optimiser step on this batch (see compute_experience)
     ref_logprobs: torch.Tensor | None = None  # (B, T) log π_ref(y_t | s_t)
     values: torch.Tensor | None = None        # (B, T) V_old(s_t)
     advantages: torch.Tensor | None = None    # (B, T) per token, or (B,) per sequence
@@ -99,10 +100,16 @@ def critic_values(critic, r: Rollout) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_experience(rollout: Rollout, scores: torch.Tensor, valid: torch.Tensor, *, actor, reference=None,
-                       critic=None, temperature: float = 1.0, micro_batch_size: int = 8) -> Experience:
+                       critic=None, temperature: float = 1.0, micro_batch_size: int = 8,
+                       old_logprobs: bool = True) -> Experience:
     """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
-    or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients."""
-    logprobs = sequence_token_logprobs(actor, rollout, temperature, micro_batch_size)
+    or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients.
+
+    ``old_logprobs=False`` skips the π_old pass (``logprobs`` is None): right when the batch gets exactly
+    one optimiser step, for then π_old *is* the policy in the update's forward pass, whose own
+    log-probabilities, detached, serve as log π_old — ρ = 1 and ∇ρ = ∇log π, the same gradient, one
+    forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation)."""
+    logprobs = sequence_token_logprobs(actor, rollout, temperature, micro_batch_size) if old_logprobs else None
     ref = None
     if reference is not None:
         with reference.active() as ref_model:

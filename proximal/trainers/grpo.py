@@ -68,6 +68,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
                       world_size=run.world_size)
     G, mini = r.group_size, cfg.mini_batch_size
+    one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
     opt, sched = optimizer_and_scheduler(actor, cfg.optim,
                                          total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini))
     engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights)
@@ -89,10 +90,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                       tokenizer=tokenizer, seed=t.seed, device=run.device, group_size=G, **r.collect_kwargs())
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~got.valid).sum())))
 
-        # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it) and, with
-        # β > 0, log π_ref — no critic. Gathered: every rank holds the whole generation batch from here on.
+        # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it — not
+        # computed when the batch gets one optimiser step: π_old is then the policy in the update's own
+        # forward) and, with β > 0, log π_ref — no critic. Gathered: every rank holds the whole batch from here on.
         exp = gather(compute_experience(got.rollout, got.scores, got.valid, actor=actor, reference=models.reference,
-                                        temperature=r.temperature, micro_batch_size=g.micro_batch_size))
+                                        temperature=r.temperature, micro_batch_size=g.micro_batch_size,
+                                        old_logprobs=not one_step_per_batch))
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on below
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
@@ -203,7 +206,7 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
                 max_length: int, max_grad_norm: float, shuffle_seed: int) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
     (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
-    was sampled); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
+    was sampled, or — None, one optimiser step on the batch — the forward's own values, detached); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
     accumulate (:func:`proximal.train.batches.accumulate`).
 
     The loss is normalised by the aggregation's unit count over the whole mini-batch
@@ -239,7 +242,8 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
                 logits = response_logits(actor.module, m.rollout)                                # (b, T, V)
                 logprobs, token_ent = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask,
                                                            with_entropy=True)  # logged, not trained on
-                loss, st = grpo_policy_loss(logprobs, m.logprobs, m.ref_logprobs, m.advantages, mask,
+                old = m.logprobs if m.logprobs is not None else logprobs.detach()  # one step: π_old = π_θ
+                loss, st = grpo_policy_loss(logprobs, old, m.ref_logprobs, m.advantages, mask,
                                             clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta,
                                             aggregation=aggregation, max_response_length=max_length,
                                             normalizer=norm)
