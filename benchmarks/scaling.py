@@ -71,7 +71,7 @@ def plot(data: dict, path: Path) -> None:
                                label=f"{'proximal' if side == 'proximal' else 'TRL 1.12'} (median, min–max)")
             if len(xs) >= 2:
                 a, b = fit(xs, ys)
-                grid = [min(xs), max(xs)]
+                grid = [min(xs) + (max(xs) - min(xs)) * i / 64 for i in range(65)]  # a line is a curve on the log axis
                 ax.plot(grid, [a + b * x for x in grid], "--", color=line[0].get_color(), alpha=0.6,
                         label=f"fit {a:.2g} + {b:.2g}·x s")
         ax.set_xlabel(label)

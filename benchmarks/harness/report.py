@@ -81,18 +81,20 @@ def write(results_md: Path, data: dict, notes: str) -> None:
               "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
               "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
               "whole process, spawn to exit; peak RSS = the process's peak resident set.", "",
-              "| work | s/step proximal | s/step TRL | ratio | target | process s proximal | process s TRL | ratio "
-              "| peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| work | s/step proximal | s/step TRL | ratio | target | met | process s proximal | process s TRL | "
+              "ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, s in summary.items():
+        ratio = s["ratio_median_step_s"]
+        met = "—" if w not in TARGETS or ratio is None else ("yes" if ratio <= TARGETS[w] else "no")
         lines.append("| " + " | ".join([
-            w, _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(s["ratio_median_step_s"], 2),
-            f"≤ {TARGETS[w]}" if w in TARGETS else "—",
+            w, _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(ratio, 3),
+            f"≤ {TARGETS[w]}" if w in TARGETS else "—", met,
             _f(s["proximal_wall_s"]), _f(s["anchor_wall_s"]), _f(s["ratio_wall_s"], 2),
             _f(s["proximal_peak_rss_mib"], 4), _f(s["anchor_peak_rss_mib"], 4), _f(s["ratio_peak_rss_mib"], 2),
         ]) + " |")
     for w, why in meta.get("skipped", {}).items():
-        lines.append(f"| {w} | skipped: {why} |" + " |" * 9)
+        lines.append(f"| {w} | skipped: {why} |" + " |" * 10)
     lines += ["", "## Every run", "",
               "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
               "note |", "|---|---|---|---|---|---|---|---|---|"]
