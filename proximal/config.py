@@ -227,9 +227,20 @@ def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, 
         _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
     if hasattr(cfg, "validate"):  # fields that failed to load kept their (valid) defaults
         errors.extend(cfg.validate())
+    raise_if_invalid(errors)
+    return cfg
+
+
+def raise_if_invalid(errors: list[str]) -> None:
+    """One ConfigError listing every problem found (none: nothing happens)."""
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
-    return cfg
+
+
+def check_valid(cfg: Any) -> None:
+    """``cfg.validate()``'s problems as one ConfigError: what a trainer called with a config built in
+    code (not through :func:`load_config`) checks first."""
+    raise_if_invalid(cfg.validate())
 
 
 def to_dict(cfg: Any) -> dict:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from proximal.config import ConfigError, option, section
+from proximal.config import check_valid, option, section
 from proximal.core import DPO_LOSS_TYPES, dpo_loss, sequence_logprobs, simpo_loss, token_kl
 from proximal.core.ranges import problem
 from proximal.data.preferences import ON_TOO_LONG_PAIRS, collate_pairs, load_preference_pairs
@@ -198,9 +198,7 @@ PAIR_MEANS = ("loss", "accuracy", "reward_chosen", "reward_rejected", "reward_ma
 def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Train ``cfg.model.path`` on ``cfg.data.train_file`` with DPO or SimPO (by the config's type); return
     the run directory, which holds the trained policy."""
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    check_valid(cfg)
     t, d, m, obj = cfg.train, cfg.data, cfg.model, objective(cfg)
     precompute = obj.needs_reference and t.precompute_ref_logprobs
 

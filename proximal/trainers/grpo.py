@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from proximal.config import ConfigError
+from proximal.config import check_valid
 from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, logprobs_from_logits, masked_sum,
                            rloo_advantages, uniform_groups)
 from proximal.data.sampler import Sampler
@@ -54,9 +54,7 @@ __all__ = ["GRPOConfig", "train", "group_step_advantages", "grpo_update", "cli"]
 def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run GRPO (or RLOO, Dr. GRPO, DAPO) as configured; return the run directory. ``resume_dir``
     continues a saved run exactly."""
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    check_valid(cfg)
     t, mc, r, g = cfg.train, cfg.model, cfg.rollout, cfg.grpo
     run = open_run("grpo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from proximal.config import ConfigError
+from proximal.config import check_valid
 from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, aggregation_units,
                            masked_aggregate,
                            entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
@@ -53,9 +53,7 @@ __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
 
 def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run PPO as configured; return the run directory. ``resume_dir`` continues a saved run exactly."""
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    check_valid(cfg)
     t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
     run = open_run("ppo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
                    dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)

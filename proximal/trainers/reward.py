@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from proximal.config import ConfigError, option, section
+from proximal.config import check_valid, option, section
 from proximal.core import bradley_terry_loss
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.sampler import Sampler
@@ -90,9 +90,7 @@ def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
     """Train a reward model from ``cfg.model.path`` on ``cfg.data.train_file``; return the run directory."""
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    check_valid(cfg)
     t, d = cfg.train, cfg.data
 
     # 1. The run, the tokenizer and the data (data errors surface before the model loads).

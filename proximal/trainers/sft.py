@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from proximal.config import ConfigError, option, section
+from proximal.config import check_valid, option, section
 from proximal.core import sft_loss
 from proximal.data.sampler import Sampler
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, collate_sft, load_sft_examples
@@ -100,9 +100,7 @@ class SFTConfig:
 
 def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     """Fine-tune ``cfg.model.path`` on ``cfg.data.train_file``; return the run directory (the checkpoint)."""
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    check_valid(cfg)
     t, d = cfg.train, cfg.data
 
     # 1. The run, the tokenizer and the data (data errors surface before the model loads).
