@@ -38,8 +38,9 @@ from typing import Callable
 
 import yaml
 
-from proximal.config import ConfigError, option, section
-from proximal.methods import METHODS, PAIRS, REWARD_MODEL, VERIFIER, Method
+from proximal.config import ConfigError, help_text, load_config, option, parse_overrides, section, to_dict
+from proximal.methods import (METHODS, PAIRS, REWARD_MODEL, VERIFIER, Method, budget_steps, checkpoint_policies,
+                              config_class, input_overrides, responses_per_step, trainer)
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
 BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
@@ -230,10 +231,9 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
         echo(f"[{i}/{len(runs)}] {r.name}: {r.method.label} ({r.source.replace('_', ' ')}), {steps} steps = {budget}")
         t0 = time.perf_counter()
         status = {"name": r.name, "method": r.method.name, "group": r.group, "source": r.source, "seed": r.seed,
-                  "steps": steps, "budget": budget, **_step_shape(r.method, run_cfg), "status": "ok", "error": None}
+                  "steps": steps, "budget": budget, "responses_per_step": responses_per_step(r.method, run_cfg),
+                  "status": "ok", "error": None}
         try:
-            from proximal.methods import trainer
-
             trainer(r.method.command)(run_cfg)
             status["run_s"] = time.perf_counter() - t0
             if main:
@@ -310,8 +310,6 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
 def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, run_dir: Path):
     """``(config, steps, budget in words)`` of one run: ``<configs>/<method>.yaml`` with the shared
     inputs, the seed, the budget's step count and a checkpoint every steps/evaluations steps."""
-    from proximal.config import load_config
-    from proximal.methods import budget_steps, config_class, input_overrides
 
     path = configs / f"{r.method.name}.yaml"
     if not path.is_file():
@@ -360,7 +358,6 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
     ``curve`` (step 0 = the SFT model, then each checkpoint: held-out means) and ``final`` (the last
     checkpoint's evaluation with every response)."""
     from proximal.evaluation import evaluate_policy
-    from proximal.methods import checkpoint_policies
 
     curve = [{"step": 0, "policy": inputs.sft, "mean": sft_eval["mean"]}]
     final = None
@@ -383,17 +380,6 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
-def _step_shape(method: Method, run_cfg) -> dict:
-    """What the report needs to turn per-step metrics into totals: responses a step samples or reads,
-    and (PPO) mini-batches per epoch."""
-    from proximal.methods import responses_per_step
-
-    shape = {"responses_per_step": responses_per_step(method, run_cfg)}
-    if method.command == "ppo":
-        shape["mini_batches"] = run_cfg.rollout.batch_size // run_cfg.ppo.mini_batch_size
-    return shape
-
-
 def _default_configs() -> Path:
     from proximal.demo import DEFAULT_CONFIGS
 
@@ -408,7 +394,6 @@ def _finished(run_dir: Path) -> bool:
 def _take_output_dir(out: Path, cfg: CompareConfig, main: bool) -> None:
     """Write ``compare_config.yaml``; an ``output.dir`` holding a comparison with another config is
     refused (or, with ``output.overwrite``, emptied); with the same config it is continued."""
-    from proximal.config import to_dict
     from proximal.train import dist
 
     saved = out / "compare_config.yaml"
@@ -466,7 +451,6 @@ def _quiet_user_errors(fn):
 
 
 def cli(argv: list[str]) -> int:
-    from proximal.config import help_text, load_config, parse_overrides
     from proximal.train import dist
     from proximal.train.command import EXIT_TRAINING, EXIT_USER, run_reporting, say
 

@@ -17,8 +17,8 @@ What each column measures (also in ``docs/compare.md``):
 * **wall time** — training only (``time/wall_s`` of the last step: from the first step's start);
 * **tokens generated** — online methods: Σ over steps of the mean response length × the responses
   sampled that step; offline methods generate none;
-* **optimiser steps** — PPO: epochs run × mini-batches per epoch, each step; GRPO/RLOO: the
-  optimiser steps the step logged; DPO/SimPO: one per step;
+* **optimiser steps** — online methods: Σ of ``policy/optimizer_steps`` (PPO: epochs run ×
+  mini-batches); DPO/SimPO: one per step;
 * **held-out** — the final policy's means over the held-out prompts (``eval.json``);
 * **stability** — over seeds: the spread (sample std) of the final held-out score; the fraction of
   runs that collapsed (final more than ``collapse_margin`` below the best of its evaluated
@@ -88,7 +88,8 @@ def collect_run(run_dir: Path, *, collapse_margin: float, stability_score: str) 
         per = status.get("responses_per_step") or 0
         online = METHODS[r["method"]].online if r["method"] in METHODS else False
         r["tokens_generated"] = round(sum(m.get("response/length_mean", 0.0) * per for m in rows)) if online else 0
-        r["optimizer_steps"] = _optimizer_steps(rows, status)
+        # online methods log their optimiser steps; an offline step is one
+        r["optimizer_steps"] = int(sum(m.get("policy/optimizer_steps", 1) for m in rows))
     ev = _json(run_dir / "eval.json")
     if ev is not None:
         r["held_out"] = {k: ev["final"]["mean"][k] for k, _ in HELD_OUT if k in ev["final"]["mean"]}
@@ -103,14 +104,6 @@ def collect_run(run_dir: Path, *, collapse_margin: float, stability_score: str) 
     elif r["status"] == "ok":
         r.update(status="failed", error="no eval.json: the run's evaluation never finished")
     return r
-
-
-def _optimizer_steps(rows: list[dict], status: dict) -> int:
-    if status.get("method") == "ppo":
-        return int(sum(m["policy/epochs_run"] for m in rows) * status.get("mini_batches", 1))
-    if "policy/optimizer_steps" in rows[0]:
-        return int(sum(m["policy/optimizer_steps"] for m in rows))
-    return len(rows)
 
 
 # ----------------------------------------------------------------------------------------------

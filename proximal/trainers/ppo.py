@@ -226,6 +226,7 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
             break
     stats = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in history.items()}
     stats["policy/epochs_run"] = epochs_run
+    stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))  # mini-batches with rows to train on
     stats["policy/early_stopped"] = float(stopped)
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs
