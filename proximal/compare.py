@@ -174,6 +174,11 @@ class RunSpec:
     def name(self) -> str:
         return f"{self.group}-seed{self.seed}"
 
+    @property
+    def record(self) -> dict:
+        return {"name": self.name, "group": self.group, "method": self.method.name, "source": self.source,
+                "seed": self.seed}
+
 
 @dataclass
 class Inputs:
@@ -210,6 +215,8 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     _take_output_dir(out, cfg, main)
     configs = Path(cfg.compare.configs) if cfg.compare.configs else _default_configs()
     runs = plan(cfg)
+    if main:  # what the report reads: every planned run, started or not, in order
+        (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
     t_start = time.perf_counter()
 
     echo(f"proximal compare: {len(runs)} runs ({', '.join(dict.fromkeys(r.group for r in runs))} × "
@@ -230,8 +237,7 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
         dist.barrier()
         echo(f"[{i}/{len(runs)}] {r.name}: {r.method.label} ({r.source.replace('_', ' ')}), {steps} steps = {budget}")
         t0 = time.perf_counter()
-        status = {"name": r.name, "method": r.method.name, "group": r.group, "source": r.source, "seed": r.seed,
-                  "steps": steps, "budget": budget, "responses_per_step": responses_per_step(r.method, run_cfg),
+        status = {**r.record, "steps": steps, "budget": budget, "responses_per_step": responses_per_step(r.method, run_cfg),
                   "status": "ok", "error": None}
         try:
             trainer(r.method.command)(run_cfg)
@@ -404,7 +410,7 @@ def _take_output_dir(out: Path, cfg: CompareConfig, main: bool) -> None:
             raise FileExistsError(f"output.dir {out} holds a comparison with another config ({saved}); use another "
                                   "output.dir, or --output.overwrite true to replace it")
         if main:
-            for p in ("runs", "base", "plots", "compare.md", "compare.json", "sft_eval.json"):
+            for p in ("runs", "base", "plots", "compare.md", "compare.json", "sft_eval.json", "plan.json"):
                 target = out / p
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     elif out.is_dir() and not saved.is_file() and any(out.iterdir()):

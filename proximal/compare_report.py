@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from proximal.methods import METHODS, PAIRS, VERIFIER
+from proximal.methods import METHODS, PAIRS, REWARD_MODEL
 
 HELD_OUT = (("gold", "gold ↑"), ("verifier", "verifier ↑"), ("proxy", "proxy (RM)"), ("kl", "KL to SFT"),
             ("length", "length"))
@@ -68,12 +68,12 @@ def _json(path: Path) -> dict | None:
 # One run
 # ----------------------------------------------------------------------------------------------
 
-def collect_run(run_dir: Path, *, collapse_margin: float, stability_score: str) -> dict:
-    """One run's numbers, read from its directory (see the module docstring for each)."""
-    status = _json(run_dir / "compare_run.json") or {"name": run_dir.name, "status": "failed",
+def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_score: str) -> dict:
+    """One run's numbers, read from its directory (see the module docstring for each); ``spec`` is its
+    entry of ``plan.json`` (name, group, method, source, seed)."""
+    status = _json(run_dir / "compare_run.json") or {"status": "failed",
                                                      "error": "no compare_run.json: the run never finished"}
-    r = {k: status.get(k) for k in ("name", "method", "group", "source", "seed", "steps", "budget", "status",
-                                    "error")}
+    r = {**spec, **{k: status.get(k) for k in ("steps", "budget", "status", "error")}}
     models = _json(run_dir / "models.json") or {}
     r["models"] = sorted(models)
     r["models_resident"] = len(models) if models else None
@@ -86,7 +86,7 @@ def collect_run(run_dir: Path, *, collapse_margin: float, stability_score: str) 
         r["peak_bytes"] = max(later or every) if every else None
         r["wall_s"] = rows[-1]["time/wall_s"]
         per = status.get("responses_per_step") or 0
-        online = METHODS[r["method"]].online if r["method"] in METHODS else False
+        online = METHODS[r["method"]].online
         r["tokens_generated"] = round(sum(m.get("response/length_mean", 0.0) * per for m in rows)) if online else 0
         # online methods log their optimiser steps; an offline step is one
         r["optimizer_steps"] = int(sum(m.get("policy/optimizer_steps", 1) for m in rows))
@@ -142,41 +142,42 @@ def summarise(runs: list[dict]) -> list[dict]:
     return table
 
 
+def stated_models(method: str, source: str) -> int:
+    """The stated model count for a run's reward source: the table states PPO with a learned reward
+    model and GRPO with a verifier, so PPO on a verifier holds one model fewer and GRPO or RLOO on
+    the reward model one more."""
+    n = CLAIMS[method]["models_n"]
+    if method == "ppo":
+        return n if source == REWARD_MODEL else n - 1
+    return n + (source == REWARD_MODEL)
+
+
 def claims_notes(table: list[dict], score: str) -> dict[str, str]:
     """Per method: where the measurement agrees or disagrees with the commonly stated cells."""
-    notes: dict[str, str] = {}
     spread = {row["group"]: row[score][1] for row in table if row[score][1] is not None}
-    collapse = {row["group"]: row["collapse_frac"] for row in table if row["collapse_frac"] is not None}
+    ppo_spreads = [v for g, v in spread.items() if g.partition("@")[0] == "ppo"]
+    notes: dict[str, str] = {}
     for row in table:
-        claim = CLAIMS.get(row["method"])
-        if claim is None or row["models_resident"][0] is None:
+        group, claim, n = row["group"], CLAIMS.get(row["method"]), row["models_resident"][0]
+        if claim is None or n is None:
             continue
-        said = []
-        n = row["models_resident"][0]
-        expected = claim["models_n"] + (1 if row["source"] == "reward_model" and row["method"] != "ppo" else 0)
-        if row["method"] == "ppo" and row["source"] == VERIFIER:
-            expected = 3  # no reward model to hold: the verifier scores, the critic starts from the policy
-        if round(n) == expected:
-            said.append(f"models: agrees ({n:.0f} resident)")
-        else:
-            said.append(f"models: disagrees ({n:.0f} resident, {expected} stated for this reward source; see "
-                        "the models column)")
-        others = [g for g in spread if g != row["group"]]
-        if row["group"] in spread and others:
-            mine, rest = spread[row["group"]], [spread[g] for g in others]
+        expected = stated_models(row["method"], row["source"])
+        said = [f"models: agrees ({n:.0f} resident)" if round(n) == expected else
+                f"models: disagrees ({n:.0f} resident, {expected} stated for this reward source; see the models column)"]
+        mine, rest = spread.get(group), [v for g, v in spread.items() if g != group]
+        stability = None
+        if mine is not None and rest:
             rank = "the largest" if mine > max(rest) else "the smallest" if mine < min(rest) else "between the others'"
             said.append(f"spread over seeds {mine:.3f}: {rank}")
-        if row["group"] in collapse:
-            said.append(f"collapsed {collapse[row['group']]:.0%} of runs")
-        stated = claim["stability"]
-        if stated.startswith("moderate") and row["group"] in spread and others:
-            said.append("stability: agrees (least stable here)" if spread[row["group"]] >= max(rest)
-                        else "stability: disagrees (another method varied more over seeds)")
-        elif stated == "high" and row["group"] in spread and "ppo" in " ".join(spread):
-            ppo = [spread[g] for g in spread if g.startswith("ppo")]
-            said.append("stability: agrees (steadier than PPO)" if spread[row["group"]] <= min(ppo)
-                        else "stability: disagrees (varied more over seeds than PPO)")
-        notes[row["group"]] = "; ".join(said)
+            if claim["stability"].startswith("moderate"):
+                stability = ("stability: agrees (least stable here)" if mine >= max(rest)
+                             else "stability: disagrees (another method varied more over seeds)")
+            elif claim["stability"] == "high" and ppo_spreads:
+                stability = ("stability: agrees (steadier than PPO)" if mine <= min(ppo_spreads)
+                             else "stability: disagrees (varied more over seeds than PPO)")
+        if row["collapse_frac"] is not None:
+            said.append(f"collapsed {row['collapse_frac']:.0%} of runs")
+        notes[group] = "; ".join(said + ([stability] if stability else []))
     return notes
 
 
@@ -282,12 +283,13 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
         plt.close(fig)
         written.append(f"plots/{name}.png")
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    labelled = set()  # one legend entry per method, not per seed
     for r in ok:
         pts = [(s, v) for s, v in r.get("curve", []) if v is not None]
         steps = max(r.get("steps") or 1, 1)
         ax.plot([s / steps for s, _ in pts], [v for _, v in pts], color=colors[r["group"]], alpha=0.8,
-                marker="o", ms=3, label=r["group"] if r["seed"] == min(x["seed"] for x in ok if x["group"] ==
-                                                                         r["group"]) else None)
+                marker="o", ms=3, label=None if r["group"] in labelled else r["group"])
+        labelled.add(r["group"])
     ax.set_xlabel("fraction of the budget spent")
     ax.set_ylabel(f"held-out {score}")
     ax.legend(fontsize=8)
@@ -305,34 +307,14 @@ def collect(out: str | Path) -> tuple[dict, list[dict]]:
     margin = float(cfg.get("compare", {}).get("collapse_margin", 0.05))
     sft = (_json(out / "sft_eval.json") or {}).get("mean", {})
     score = "gold" if "gold" in sft or not sft else ("verifier" if "verifier" in sft else "proxy")
-    order = _run_order(out, cfg)
-    runs = [collect_run(out / "runs" / name, collapse_margin=margin, stability_score=score) for name in order]
-    for r, name in zip(runs, order):  # a run that never wrote its status still has a row
-        if r["group"] is None:
-            r["group"], _, seed = name.rpartition("-seed")
-            r["method"] = r["group"].partition("@")[0]
-            r["seed"] = int(seed) if seed.isdigit() else None
+    plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else []
+    runs = [collect_run(out / "runs" / spec["name"], spec, collapse_margin=margin, stability_score=score)
+            for spec in plan]  # every planned run has a row, also one that never started
     table = summarise(runs)
     result = {"config": cfg, "collapse_margin": margin, "stability_score": score, "sft": sft, "table": table,
               "runs": runs}
     result["notes"] = claims_notes(table, score)
     return result, runs
-
-
-def _run_order(out: Path, cfg: dict) -> list[str]:
-    """The runs the config plans, in its order, and any others found in ``runs/``."""
-    from proximal.compare import RunSpec, resolve
-
-    names = []
-    c = cfg.get("compare", {})
-    have = bool(cfg.get("data", {}).get("verifier")) or cfg.get("data", {}).get("sft_model") is None
-    for seed in range(int(c.get("seeds", 0))):
-        for spec in c.get("methods", []):
-            if spec.partition("@")[0] in METHODS:
-                m, src = resolve(spec, have_verifier=have)
-                names.append(RunSpec(m, src, seed).name)
-    found = sorted(p.name for p in (out / "runs").iterdir() if p.is_dir()) if (out / "runs").is_dir() else []
-    return names + [n for n in found if n not in names]
 
 
 def render_markdown(result: dict, plots: list[str], total_s: float | None) -> str:

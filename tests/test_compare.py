@@ -221,7 +221,7 @@ RESIDENT = [  # (method, overrides, models resident)
 @pytest.mark.parametrize("method, overrides, expected", RESIDENT,
                          ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for m, o, _ in RESIDENT])
 def test_resident_models_are_counted_on_the_live_modules(inputs, tmp_path, monkeypatch, method, overrides, expected):
-    from proximal.compare import CompareConfig, CompareData, CompareSection, Inputs, RunSpec, run_config
+    from proximal.compare import CompareConfig, CompareData, CompareOutput, CompareSection, Inputs, RunSpec, run_config
     from proximal.compare_report import collect_run
     from proximal.methods import METHODS, trainer
     from proximal.train.run import Run
@@ -232,16 +232,16 @@ def test_resident_models_are_counted_on_the_live_modules(inputs, tmp_path, monke
                                                configs=str(inputs["configs"])),
                         data=CompareData(sft_model=str(inputs["policy"]), reward_model=str(inputs["rm"]),
                                          prompts=str(inputs["prompts"]), pairs=str(inputs["pairs"]),
-                                         eval_prompts=str(inputs["eval_prompts"])))
+                                         eval_prompts=str(inputs["eval_prompts"])),
+                        output=CompareOutput(progress=False))
     shared = Inputs(sft=str(inputs["policy"]), reward_model=str(inputs["rm"]), prompts=str(inputs["prompts"]),
                     pairs=str(inputs["pairs"]), eval_pairs=None, eval_prompts=str(inputs["eval_prompts"]),
                     verifier="ppo_support:frac_a", gold=None)
     run_dir = tmp_path / "run"
     run_cfg, _, _ = run_config(RunSpec(METHODS[method], source, 0), cfg, shared, inputs["configs"], run_dir)
-    from proximal.config import load_config, to_dict
-
-    run_cfg = load_config(type(run_cfg), None, {**_flat(to_dict(run_cfg)), **overrides,
-                                                "output.progress": False})
+    for key, value in overrides.items():  # the trainer validates the result
+        section_name, name = key.split(".")
+        setattr(getattr(run_cfg, section_name), name, value)
 
     gc.collect()
     before = weakref.WeakSet(o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module))
@@ -260,18 +260,9 @@ def test_resident_models_are_counted_on_the_live_modules(inputs, tmp_path, monke
     models = json.loads((run_dir / "models.json").read_text())
     assert count == expected == len(models), (count, sorted(models))
     assert nbytes_live == sum(m["bytes"] for m in models.values())
-    record = collect_run(run_dir, collapse_margin=0.05, stability_score="gold")
+    record = collect_run(run_dir, RunSpec(METHODS[method], source, 0).record, collapse_margin=0.05,
+                         stability_score="gold")
     assert record["models_resident"] == expected and record["param_bytes"] == nbytes_live
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_mean_and_spread_are_the_sample_statistics():
