@@ -12,20 +12,8 @@ from hypothesis import strategies as st
 
 from proximal.core import gae, last_valid_index, shape_rewards, whiten
 
-NAN, INF = math.nan, math.inf
-F64 = torch.float64
+from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
 
-
-def t(x):
-    return torch.tensor(x, dtype=F64)
-
-
-def b(x):
-    return torch.tensor(x, dtype=torch.bool)
-
-
-def close(got, want, tol=1e-12):
-    torch.testing.assert_close(got, t(want), rtol=0, atol=tol)
 
 
 # ------------------------------------------------------------------------------ shape_rewards

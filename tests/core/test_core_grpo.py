@@ -12,21 +12,9 @@ import torch
 from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, masked_aggregate, rloo_advantages,
                            uniform_groups)
 
-NAN, INF = math.nan, math.inf
-F64 = torch.float64
+from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
+
 EPS = 1e-4
-
-
-def t(x):
-    return torch.tensor(x, dtype=F64)
-
-
-def b(x):
-    return torch.tensor(x, dtype=torch.bool)
-
-
-def close(got, want, tol=1e-12):
-    torch.testing.assert_close(got, t(want), rtol=0, atol=tol)
 
 
 # ---------------------------------------------------------------------------------- advantages

@@ -19,16 +19,7 @@ from proximal.core import (
     value_loss,
 )
 
-NAN, INF = math.nan, math.inf
-F64 = torch.float64
-
-
-def t(x, **kw):
-    return torch.tensor(x, dtype=F64, **kw)
-
-
-def b(x):
-    return torch.tensor(x, dtype=torch.bool)
+from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
 
 
 # ------------------------------------------------------------------------------- policy loss

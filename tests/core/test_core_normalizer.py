@@ -11,11 +11,8 @@ from proximal.core import (aggregation_units, bradley_terry_loss, masked_aggrega
                            sft_loss, value_loss)
 from proximal.core.ranges import RANGES, check, problem
 
-F64 = torch.float64
+from f64 import F64, b  # tests/core/f64.py
 
-
-def b(x):
-    return torch.tensor(x, dtype=torch.bool)
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]], dtype=F64)

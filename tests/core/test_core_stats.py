@@ -2,7 +2,6 @@
 empty-mask error, loss aggregation, and global statistics through a simulated all-reduce."""
 
 import ast
-import math
 import pathlib
 
 import pytest
@@ -12,16 +11,8 @@ from hypothesis import strategies as st
 
 from proximal.core import masked_aggregate, masked_mean, masked_mean_var, masked_sum, masked_var
 
-NAN, INF = math.nan, math.inf
-F64 = torch.float64
+from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
 
-
-def t(x):
-    return torch.tensor(x, dtype=F64)
-
-
-def b(x):
-    return torch.tensor(x, dtype=torch.bool)
 
 
 X = t([[1.0, 2.0, NAN], [4.0, INF, 6.0]])

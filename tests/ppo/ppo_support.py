@@ -96,15 +96,21 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def ppo_main(config: dict | None, *args: str, config_path: Path | None = None) -> int:
-    """``proximal ppo --config FILE ARGS...`` through :func:`proximal.cli.main`; returns the exit code."""
+def command_main(command: str, config: dict | None, *args: str, config_path: Path | None = None) -> int:
+    """``proximal COMMAND --config FILE ARGS...`` through :func:`proximal.cli.main` (``config`` written
+    beside its output dir, or to ``config_path``); returns the exit code."""
     from proximal.cli import main
 
-    argv = ["ppo"]
+    argv = [command]
     if config is not None:
         config_path = config_path or Path(config["output"]["dir"]).with_suffix(".yaml")
         argv += ["--config", str(write_yaml(config_path, config))]
     return main(argv + list(args))
+
+
+def ppo_main(config: dict | None, *args: str, config_path: Path | None = None) -> int:
+    """``proximal ppo --config FILE ARGS...``; returns the exit code."""
+    return command_main("ppo", config, *args, config_path=config_path)
 
 
 def read_jsonl(path: Path) -> list[dict]:

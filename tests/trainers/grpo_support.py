@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ppo_support import read_jsonl, write_yaml  # noqa: F401  (re-exported for the GRPO tests)
+from ppo_support import command_main, read_jsonl, write_yaml  # noqa: F401  (read_jsonl, write_yaml re-exported)
 
 # Every per-step metric issue 10 asks for, under the names trainers/grpo.py logs them.
 REQUIRED_METRICS = (
@@ -40,14 +40,8 @@ def grpo_config(policy: Path | str, prompts: Path | str, run_dir: Path | str, **
 
 
 def grpo_main(config: dict | None, *args: str, config_path: Path | None = None) -> int:
-    """``proximal grpo --config FILE ARGS...`` through :func:`proximal.cli.main`; returns the exit code."""
-    from proximal.cli import main
-
-    argv = ["grpo"]
-    if config is not None:
-        config_path = config_path or Path(config["output"]["dir"]).with_suffix(".yaml")
-        argv += ["--config", str(write_yaml(config_path, config))]
-    return main(argv + list(args))
+    """``proximal grpo --config FILE ARGS...``; returns the exit code."""
+    return command_main("grpo", config, *args, config_path=config_path)
 
 
 def train_config(config: dict, yaml_path: Path):
