@@ -29,7 +29,6 @@ What each column measures (also in ``docs/compare.md``):
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -354,14 +353,10 @@ def write_report(out: str | Path, *, total_s: float | None = None) -> dict:
     plots = plot(result, runs, out)
     result["total_s"] = total_s
     tmp = out / "compare.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1, default=_nan_safe) + "\n")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
     tmp.replace(out / "compare.json")
     (out / "compare.md").write_text(render_markdown(result, plots, total_s))
     return result
-
-
-def _nan_safe(v):
-    return None if isinstance(v, float) and math.isnan(v) else str(v)
 
 
 def terminal_summary(result: dict) -> str:
