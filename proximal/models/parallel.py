@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from proximal.models.kernels import use_onednn_linears
 from proximal.models.loading import freeze, score_head, unwrap
 
 
@@ -111,6 +112,8 @@ def prepare_trained(model: torch.nn.Module, *, device: torch.device, precision: 
     """Move, optionally checkpoint, and (several processes) shard a model that will be trained."""
     model.to(device)
     choose_attention(model, device, torch.float32 if precision == "32-true" else torch.bfloat16)
+    if device.type == "cpu":
+        use_onednn_linears(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if world_size > 1:
@@ -126,6 +129,8 @@ def prepare_frozen(model: torch.nn.Module, *, device: torch.device, world_size: 
     freeze(model)
     model.to(device)
     choose_attention(model, device, next(model.parameters()).dtype)
+    if device.type == "cpu":
+        use_onednn_linears(model)
     if world_size > 1 and sharding == "shard":
         shard(model, trained=False)
     return model

@@ -1,0 +1,142 @@
+"""proximal.models.kernels: float32 CPU linears through oneDNN, checked against float64 products.
+
+The expected values are float64 matrix products of the same inputs (not the library's own float32
+path), and the tolerance is float32's: a wrong transpose, a dropped bias or a gradient of the wrong
+orientation is off by O(1). Each test also counts the oneDNN calls, so a silent fall-back to
+``F.linear`` cannot pass for the fast path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from proximal.models import kernels
+
+pytestmark = pytest.mark.skipif(kernels._OP is None, reason="this torch has no oneDNN linear")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The number of oneDNN products run, by wrapping the operator the module calls."""
+    n = [0]
+    op = kernels._OP
+
+    def counted(*args):
+        n[0] += 1
+        return op(*args)
+
+    monkeypatch.setattr(kernels, "_OP", counted)
+    monkeypatch.delenv("PROXIMAL_CPU_MATMUL", raising=False)
+    return n
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6):
+    """float32 results against float64 ones: error within ``rel`` of the largest magnitude."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), (err, want.abs().max().item())
+
+
+# (leading shape, K, N): the first has M·N ≤ (M + N)·K (∂W copies ∂yᵀ), the second the opposite
+# (∂W = (xᵀ·∂y)ᵀ), the third a 3-d input of 16 × 64 tokens like a transformer block's.
+SHAPES = [((512,), 1024, 256), ((1024,), 256, 1024), ((16, 64), 256, 768)]
+
+
+@pytest.mark.parametrize("lead,K,N", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_and_gradients_match_float64(calls, lead, K, N, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, K, generator=g, requires_grad=True)
+    w = torch.randn(N, K, generator=g, requires_grad=True)
+    b = torch.randn(N, generator=g, requires_grad=True) if bias else None
+    gy = torch.randn(*lead, N, generator=g)
+
+    y = kernels.linear(x, w, b)
+    y.backward(gy)
+    assert calls[0] == 3  # the forward product and both products of backward
+
+    x64, w64, gy64 = x.detach().double(), w.detach().double(), gy.double()
+    want = x64 @ w64.T + (b.detach().double() if bias else 0)
+    _close(y.detach(), want)
+    _close(x.grad, gy64 @ w64)
+    _close(w.grad, gy64.reshape(-1, N).T @ x64.reshape(-1, K))
+    if bias:
+        _close(b.grad, gy64.reshape(-1, N).sum(0))
+
+
+def test_only_the_gradients_asked_for(calls):
+    """A frozen weight (the reference, the reward model) gets no ∂W product; a leaf input none for ∂x."""
+    x = torch.randn(512, 512, requires_grad=True)
+    w = torch.randn(512, 512)
+    kernels.linear(x, w).sum().backward()
+    assert calls[0] == 2 and x.grad is not None
+    calls[0] = 0
+    x = torch.randn(512, 512)
+    w = torch.randn(512, 512, requires_grad=True)
+    kernels.linear(x, w).sum().backward()
+    assert calls[0] == 2 and w.grad is not None
+
+
+def test_no_grad_and_non_contiguous_input(calls):
+    base = torch.randn(1024, 512)
+    x = base.t()  # (512, 1024), a transposed view
+    w = torch.randn(256, 1024)
+    with torch.no_grad():
+        y = kernels.linear(x, w)
+    assert calls[0] == 1 and y.grad_fn is None
+    _close(y, x.double() @ w.double().T)
+
+
+def test_falls_back_where_onednn_does_not_pay_or_apply(calls, monkeypatch):
+    small = torch.randn(4, 64), torch.randn(64, 64)  # 16k multiply-adds
+    assert torch.equal(kernels.linear(*small), torch.nn.functional.linear(*small))
+    big = torch.randn(512, 512), torch.randn(512, 512)
+    kernels.linear(big[0].double(), big[1].double())  # float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast must see F.linear to cast it
+        assert kernels.linear(*big).dtype == torch.bfloat16
+    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
+    kernels.linear(*big)
+    assert calls[0] == 0
+
+
+def _llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_a_patched_model_trains_like_the_plain_one(calls):
+    """Loss and every parameter's gradient of a Llama with its linears routed through oneDNN agree with
+    the same model computed in float64 (the float32 BLAS model is checked against the same reference,
+    so the tolerance is float32's own); the state dict is unchanged."""
+    fast, ref = _llama(), _llama()
+    keys = list(fast.state_dict())
+    assert kernels.use_onednn_linears(fast) == 2 * 7 + 1  # q k v o gate up down per layer, lm_head
+    assert kernels.use_onednn_linears(fast) == 15  # idempotent
+    assert list(fast.state_dict()) == keys
+    ref.double()
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(1))
+    loss = fast(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert calls[0] == 3 * 15
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
+    for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+        scale = q.grad.abs().max().item()
+        assert (p.grad.double() - q.grad).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_lora_base_layers_are_routed(calls):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_llama(), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"]))
+    n = kernels.use_onednn_linears(model)
+    assert n == 15 + 2 * 2  # the base linears, and each adapter's A and B (which stay small: F.linear)
+    ids = torch.randint(0, 512, (8, 64))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls[0] > 0
+    assert all(p.grad is not None for n_, p in model.named_parameters() if p.requires_grad)
