@@ -96,9 +96,15 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
-        # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients).
-        exp = compute_experience(rollout, scores, valid, actor=actor, reference=models.reference, critic=critic,
-                                 temperature=r.temperature, micro_batch_size=p.micro_batch_size)
+        # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients). When the first
+        # epoch's forward passes see exactly this batch (one process, one mini-batch, one micro-batch), those
+        # passes run now, with gradients, and their detached outputs are log π_old and V_old.
+        first = first_pass(rollout, actor, critic, r.temperature) if reuses_first_pass(p, r.batch_size) else None
+        exp = compute_experience(rollout, scores, valid, actor=actor, reference=models.reference,
+                                 critic=critic if first is None else None, temperature=r.temperature,
+                                 micro_batch_size=p.micro_batch_size, old_logprobs=first is None)
+        if first is not None:
+            exp = exp.replace(logprobs=first.old_logprobs, values=first.old_values)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
@@ -116,7 +122,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             update = ppo_update(gather(exp), actor=Trained(actor, actor_opt, actor_sched),
                                 critic=Trained(critic, critic_opt, critic_sched), hp=p, temperature=r.temperature,
                                 max_length=r.max_new_tokens, max_grad_norm=cfg.optim.max_grad_norm,
-                                shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer)
+                                shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer, first=first)
         engine.after_update()
         t_train = time.perf_counter() - t1
 
@@ -167,9 +173,39 @@ class PTXData:
     max_length: int
 
 
+@dataclass
+class FirstPass:
+    """The first epoch's forward passes over the whole batch, run before the experience is complete:
+    ``logits`` (B, T, V) and ``values`` (B, T) carry their graphs into the first optimiser steps; their
+    detached log-probabilities and values are log π_old and V_old (0 after each row's end)."""
+
+    logits: torch.Tensor
+    values: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+
+
+def reuses_first_pass(hp: PPOLossConfig, batch_size: int) -> bool:
+    """Whether the first epoch's forward passes can be the experience's: one process, and the batch is one
+    mini-batch of one micro-batch, so that epoch's only forward of each model sees exactly the rollout."""
+    return (hp.reuse_first_pass and hp.epochs >= 1 and dist.world_size() == 1
+            and hp.mini_batch_size >= batch_size and hp.micro_batch_size >= batch_size)
+
+
+def first_pass(rollout, actor, critic, temperature: float) -> FirstPass:
+    """π_θ's response logits and V_φ's values with gradients; log π_old and V_old are their detached values,
+    computed exactly as :func:`proximal.rollout.experience.compute_experience` computes them."""
+    mask = rollout.response_mask
+    logits = response_logits(actor, rollout)
+    values = critic_values(critic, rollout)
+    with torch.no_grad():
+        old_logprobs = logprobs_from_logits(logits.detach(), rollout.response_ids, temperature, mask=mask)
+    return FirstPass(logits, values, old_logprobs, torch.where(mask, values.detach(), 0.0))
+
+
 def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossConfig, temperature: float,
                max_length: int, max_grad_norm: float, shuffle_seed: int, ptx: PTXData | None = None,
-               tokenizer=None) -> dict:
+               tokenizer=None, first: FirstPass | None = None) -> dict:
     """``hp.epochs`` passes over shuffled mini-batches of the **whole** batch ``exp`` (every rank holds
     it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th part of each mini-batch,
     in micro-batches whose gradients accumulate — first the actor's, then its step, then the critic's
@@ -180,6 +216,11 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
     gradients over ranks: the accumulated gradient is exactly that of the mini-batch's loss, whatever
     the micro-batch size and the number of processes. The ``target_kl`` early stop is decided on the
     global approximate KL, so every rank stops at the same mini-batch.
+
+    With ``first`` (:func:`reuses_first_pass`), the first epoch's one mini-batch is the whole batch in
+    rollout order — a mini-batch's loss does not depend on the order of its rows — and its forward
+    passes are ``first``'s; the shuffle generator still draws that epoch's order, so every later epoch
+    sees the rows in the same order as without it.
 
     Returns ``{"stats": {...}, "tokens": int}``: mean losses and statistics over the optimiser steps,
     and the tokens this update passed through the models (all ranks).
@@ -202,10 +243,14 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
                 continue
             norm = units / W
             micro = [exp.select(idx) for idx in mini[rank * per_rank:(rank + 1) * per_rank].split(hp.micro_batch_size)]
+            given = first is not None and _epoch == 0
+            if given:
+                micro = [exp]
             lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
 
             # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
-            row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length)
+            row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length,
+                             given=[first.logits] if given else None)
             if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
                 (hp.ptx_coef * loss).backward()
@@ -213,7 +258,8 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
             row["grad_norm/actor"] = clip_and_step(actor.module, actor.optimizer, actor.scheduler, max_grad_norm,
                                                    what="actor")
             # The critic: c1·L^VF, then one optimiser step.
-            row.update(critic_pass(micro, critic.module, hp, norm=norm, max_length=max_length))
+            row.update(critic_pass(micro, critic.module, hp, norm=norm, max_length=max_length,
+                                   given=[first.values] if given else None))
             row["grad_norm/critic"] = clip_and_step(critic.module, critic.optimizer, critic.scheduler, max_grad_norm,
                                                     what="critic")
             tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
@@ -234,15 +280,16 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
 
 
 def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float, temperature: float,
-               max_length: int) -> dict[str, float]:
+               max_length: int, given: list[torch.Tensor] | None = None) -> dict[str, float]:
     """Back-propagate the actor's loss over this rank's micro-batches of a mini-batch; its global stats
-    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W)."""
+    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W). ``given``: each
+    micro-batch's response logits, already computed with gradients (:class:`FirstPass`)."""
     device = micro[0].rollout.response_ids.device
     acc = torch.zeros(6, dtype=torch.float64, device=device)  # clipfrac·n, k3·n, k1·n, n, loss, entropy
     ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
-    for m in micro:
+    for i, m in enumerate(micro):
         mask, n = m.mask, m.mask.sum().double()
-        logits = response_logits(actor, m.rollout)                                              # (b, T, V)
+        logits = response_logits(actor, m.rollout) if given is None else given[i]              # (b, T, V)
         if hp.entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
             logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
             entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
@@ -265,13 +312,15 @@ def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float
             "policy/entropy": float(acc[5]) / W, "policy/ratio_max": float(ratio_max)}
 
 
-def critic_pass(micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int) -> dict[str, float]:
-    """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch; its global stats."""
+def critic_pass(micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int,
+                given: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch; its global stats. ``given``:
+    each micro-batch's values, already computed with gradients (:class:`FirstPass`)."""
     device = micro[0].rollout.response_ids.device
     acc = torch.zeros(3, dtype=torch.float64, device=device)  # clipfrac·n, n, loss
-    for m in micro:
+    for i, m in enumerate(micro):
         mask, n = m.mask, m.mask.sum().double()
-        values = critic_values(critic, m.rollout)
+        values = critic_values(critic, m.rollout) if given is None else given[i]
         vf_loss, vf = value_loss(values, m.values, m.returns, mask, hp.value_clip_eps, aggregation=hp.aggregation,
                                  max_length=max_length, normalizer=norm)
         (hp.vf_coef * vf_loss).backward()
