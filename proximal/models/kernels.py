@@ -25,6 +25,7 @@ Parameters, state dicts and checkpoints are untouched: only the modules' ``forwa
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import partial
 
@@ -109,7 +110,46 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
+    packed = module.__dict__.get("_proximal_packed")
+    if (packed is not None and not torch.is_grad_enabled() and x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")):
+        return _OP(x, packed, module.bias, "none", [], "")
     return linear(x, module.weight, module.bias)
+
+
+#: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
+MAX_PACKED_BYTES = 2 << 30
+
+
+@contextlib.contextmanager
+def packed_weights(model: torch.nn.Module, rows: int):
+    """While entered, and only for passes without gradients (decoding), each linear routed by
+    :func:`use_onednn_linears` multiplies by a copy of its weight reordered once into oneDNN's
+    blocked layout, instead of oneDNN reordering the plain weight at every call — at a decode step's
+    few rows that reordering is a large part of the product (measured, 16 rows · 256 → 1024: 43.5 µs
+    against 33 µs; 48 decode steps of the tiny benchmark work: 0.159 → 0.128 s). ``rows`` is the
+    expected number of rows, oneDNN's hint for the layout. The weights must not change inside.
+
+    Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
+    oneDNN, ``PROXIMAL_CPU_MATMUL=blas`` is set, or the weights exceed :data:`MAX_PACKED_BYTES`
+    (the copy is held for the duration)."""
+    modules = []
+    if _OP is not None and os.environ.get("PROXIMAL_CPU_MATMUL", "onednn") != "blas":
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if (isinstance(m.__dict__.get("forward"), partial) and type(w) in (Tensor, torch.nn.Parameter)
+                    and w.dtype == torch.float32 and w.device.type == "cpu"):
+                modules.append(m)
+    if sum(m.weight.numel() * 4 for m in modules) > MAX_PACKED_BYTES:
+        modules = []
+    try:
+        with torch.no_grad():
+            for m in modules:
+                m._proximal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
+        yield len(modules)
+    finally:
+        for m in modules:
+            m.__dict__.pop("_proximal_packed", None)
 
 
 def use_onednn_linears(model: torch.nn.Module) -> int:

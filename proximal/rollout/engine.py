@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from proximal.models.heads import position_ids_from_mask
+from proximal.models.kernels import packed_weights
 from proximal.models.loading import accepts_logits_to_keep, cache_argument
 from proximal.models.parallel import autocast, gathered, is_sharded
 from proximal.train import dist
@@ -124,7 +125,8 @@ class HFEngine:
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         model = self.model
         sharded_steps = not self.gather_weights and is_sharded(model)
-        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model):
+        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model), \
+                packed_weights(model, rows=B):
             mask = prompt_mask.long()
             out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                         use_cache=True, **extra)

@@ -140,3 +140,43 @@ def test_lora_base_layers_are_routed(calls):
     model(input_ids=ids, labels=ids).loss.backward()
     assert calls[0] > 0
     assert all(p.grad is not None for n_, p in model.named_parameters() if p.requires_grad)
+
+
+def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
+    """Inside ``packed_weights`` a no-grad forward multiplies by the pre-reordered weight (the same
+    products, float64-checked); a forward with gradients still trains the live weight; on leaving, the
+    copies are gone."""
+    model = _llama()
+    kernels.use_onednn_linears(model)
+    ids = torch.randint(0, 512, (16, 8), generator=torch.Generator().manual_seed(2))
+    ref = _llama().double()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    with kernels.packed_weights(model, rows=16) as n:
+        assert n == 15
+        assert all("_proximal_packed" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        _close(got, want, rel=1e-5)
+        loss = model(input_ids=ids, labels=ids).loss  # with gradients: the plain weights
+        loss.backward()
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    assert not any("_proximal_packed" in m.__dict__ for m in model.modules())
+    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
+    with kernels.packed_weights(model, rows=16) as n:
+        assert n == 0
+
+
+def test_generation_with_packed_weights_samples_the_same_tokens(monkeypatch):
+    import contextlib
+
+    from proximal.rollout import engine
+
+    model = _llama()
+    kernels.use_onednn_linears(model)
+    ids = torch.randint(4, 512, (16, 12), generator=torch.Generator().manual_seed(3))
+    params = engine.SamplingParams(max_new_tokens=24, stop_token_ids=(1,))
+    packed = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    monkeypatch.setattr(engine, "packed_weights", lambda model, rows: contextlib.nullcontext())
+    plain = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    assert packed.shape == (16, 24) and torch.equal(packed, plain)
