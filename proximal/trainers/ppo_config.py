@@ -65,10 +65,9 @@ class PPOLossConfig:
     target_kl: float | None = option(None, "Stop the epochs early when the approximate KL (k3) to the rollout "
                                            "policy passes this; null = never.")
     reuse_first_pass: bool = option(True, "When the whole batch is one mini-batch and one micro-batch on one "
-                                          "process, take log π_old and V_old from the first epoch's own forward "
-                                          "passes (detached) instead of two extra ones: the same numbers, two "
-                                          "forwards fewer a step; the actor's and the critic's activations are "
-                                          "then held together until the first backward. false: separate passes.")
+                                          "process, take log π_old from the first epoch's own actor forward "
+                                          "(detached) instead of a separate pass: the same numbers, one actor "
+                                          "forward fewer a step. false: a separate pass.")
 
 
 @dataclass

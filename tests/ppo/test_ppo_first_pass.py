@@ -1,8 +1,8 @@
-"""``ppo.reuse_first_pass``: log π_old and V_old from the first epoch's own forward passes.
+"""``ppo.reuse_first_pass``: log π_old from the first epoch's own actor forward.
 
-When the batch is one mini-batch of one micro-batch on one process, the first epoch's forward of the
-actor and of the critic see exactly the rollout, so their detached outputs are log π_old and V_old
-and two experience passes are skipped. These tests check that it is the same run (metrics and
+When the batch is one mini-batch of one micro-batch on one process, the first epoch's actor forward
+sees exactly the rollout, so its detached log-probabilities are log π_old and the experience's actor
+pass is skipped. These tests check that it is the same run (metrics and
 weights against the run with separate passes), that the passes really are skipped (forwards
 counted), that the first epoch's ratio is then exactly 1, and that it stays off where the first
 epoch's forwards see other rows.
@@ -55,7 +55,7 @@ def _run(config, monkeypatch):
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
-def test_the_same_run_with_two_forwards_fewer(assets, tmp_path, monkeypatch, entropy_coef):
+def test_the_same_run_with_one_forward_fewer(assets, tmp_path, monkeypatch, entropy_coef):
     runs = {}
     for reuse in (False, True):
         with monkeypatch.context() as mp:
@@ -66,9 +66,9 @@ def test_the_same_run_with_two_forwards_fewer(assets, tmp_path, monkeypatch, ent
     # separate passes: π_old, π_ref and V_old in the experience, one forward of each model per epoch
     assert separate == {"update_actor": steps * epochs, "update_critic": steps * epochs,
                         "experience_logits": 2 * steps, "experience_critic": steps}
-    # reused: the experience runs π_ref only; the first epoch's forwards are the first pass's
+    # reused: the experience runs π_ref and V_old only; the first epoch's actor forward is the first pass's
     assert reused == {"update_actor": steps * epochs, "update_critic": steps * epochs,
-                      "experience_logits": steps}
+                      "experience_logits": steps, "experience_critic": steps}
 
     a, b = read_jsonl(sep_dir / "metrics.jsonl"), read_jsonl(reuse_dir / "metrics.jsonl")
     assert len(a) == len(b) == steps
@@ -92,7 +92,7 @@ def test_first_epoch_ratio_is_exactly_one(assets, tmp_path, monkeypatch):
     came from: no clipping and an approximate KL of exactly 0, at every step."""
     cfg = _config(assets, tmp_path / "run", reuse=True, ppo={"epochs": 1})
     counts = _run(cfg, monkeypatch)
-    assert "experience_critic" not in counts
+    assert counts["experience_logits"] == 3  # π_ref only
     for row in read_jsonl(tmp_path / "run" / "metrics.jsonl"):
         assert row["policy/approx_kl"] == 0.0 and row["policy/approx_kl_k1"] == 0.0
         assert row["policy/clipfrac"] == 0.0 and row["policy/ratio_max"] == 1.0
