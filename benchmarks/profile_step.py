@@ -67,6 +67,11 @@ def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: 
             times[name] = times.get(name, 0.0) + time.perf_counter() - t
 
     orig_collect, orig_exp, orig_update = ppo.collect, ppo.compute_experience, ppo.ppo_update
+    orig_first = ppo.first_pass
+
+    def first_pass(*a, **kw):  # the first epoch's actor forward, which is log π_old: part of the experience
+        with phase("experience"):
+            return orig_first(*a, **kw)
 
     def collect(step, **kw):
         state["step"] = step
@@ -96,6 +101,7 @@ def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: 
         return out
 
     ppo.collect, ppo.compute_experience, ppo.ppo_update = collect, compute_experience, ppo_update
+    ppo.first_pass = first_pass
     with tempfile.TemporaryDirectory() as tmp:
         cfg_dict = proximal_side.ppo_config(work, model=assets["model"], prompts=assets["prompts"], steps=target,
                                             out_dir=Path(tmp) / "run")
