@@ -131,10 +131,11 @@ def packed_weights(model: torch.nn.Module, rows: int):
     expected number of rows, oneDNN's hint for the layout. The weights must not change inside.
 
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
-    oneDNN, ``PROXIMAL_CPU_MATMUL=blas`` is set, or the weights exceed :data:`MAX_PACKED_BYTES`
-    (the copy is held for the duration)."""
+    oneDNN, ``PROXIMAL_CPU_MATMUL=blas`` is set, autocast is on, or the weights exceed
+    :data:`MAX_PACKED_BYTES` (the copy is held for the duration)."""
     modules = []
-    if _OP is not None and os.environ.get("PROXIMAL_CPU_MATMUL", "onednn") != "blas":
+    if (_OP is not None and os.environ.get("PROXIMAL_CPU_MATMUL", "onednn") != "blas"
+            and not torch.is_autocast_enabled("cpu")):  # under autocast the products run in bfloat16
         for m in model.modules():
             w = getattr(m, "weight", None)
             if (isinstance(m.__dict__.get("forward"), partial) and type(w) in (Tensor, torch.nn.Parameter)

@@ -180,3 +180,12 @@ def test_generation_with_packed_weights_samples_the_same_tokens(monkeypatch):
     monkeypatch.setattr(engine, "packed_weights", lambda model, rows: contextlib.nullcontext())
     plain = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
     assert packed.shape == (16, 24) and torch.equal(packed, plain)
+
+
+def test_nothing_is_packed_under_autocast():
+    """bf16-mixed decodes under autocast, where every product runs in bfloat16: a float32 copy of the
+    weights would only cost memory."""
+    model = _llama()
+    kernels.use_onednn_linears(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_weights(model, rows=16) as n:
+        assert n == 0
