@@ -18,7 +18,10 @@ when all of these hold, and is ``torch.nn.functional.linear`` otherwise:
 - the product is big enough for oneDNN to pay: below about 2²¹ multiply-adds (one row of a decode
   step, LoRA's rank-r factors) its per-call set-up costs more than MKL's (measured: a 1 × 256 ·
   256 × 1024 product takes 28 µs in oneDNN, 22 µs in MKL);
-- ``PROXIMAL_CPU_MATMUL`` is not ``blas`` (the switch back to torch's own path, read at each call).
+- it is switched on: by default on x86-64 CPUs with AVX-512 that are not Intel's (where MKL's AVX2
+  path is what was measured to lose half the speed; on Intel CPUs MKL runs AVX-512 itself, and on
+  ARM — Apple's laptops — torch's BLAS is the platform's own), or with ``PROXIMAL_CPU_MATMUL=onednn``
+  anywhere; ``PROXIMAL_CPU_MATMUL=blas`` switches it off (read at each call).
 
 Parameters, state dicts and checkpoints are untouched: only the modules' ``forward`` changes.
 """
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import re
 from functools import partial
 
 import torch
@@ -49,6 +54,36 @@ def _onednn_op():
 _OP = _onednn_op()
 
 
+def default_on(machine: str, cpuinfo: str) -> bool:
+    """Whether oneDNN is the default for float32 products on this CPU: x86-64, AVX-512 (``avx512f``)
+    and a vendor other than Intel, from ``platform.machine()`` and ``/proc/cpuinfo``'s text."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return False
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.M)
+    flags = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    return (vendor is not None and vendor.group(1) != "GenuineIntel"
+            and flags is not None and "avx512f" in flags.group(1).split())
+
+
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:  # not Linux: only PROXIMAL_CPU_MATMUL=onednn turns it on
+        return ""
+
+
+_DEFAULT_ON = default_on(platform.machine(), _read_cpuinfo())
+
+
+def enabled() -> bool:
+    """``PROXIMAL_CPU_MATMUL``: ``onednn`` on, ``blas`` off, unset the CPU's default (:func:`default_on`)."""
+    choice = os.environ.get("PROXIMAL_CPU_MATMUL")
+    if choice is None or choice == "":
+        return _DEFAULT_ON
+    return choice.lower() != "blas"
+
+
 def _mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x · weightᵀ (+ bias) by oneDNN; x is (..., K), weight (N, K), possibly strided."""
     return _OP(x, weight, bias, "none", [], "")
@@ -61,7 +96,7 @@ def _applies(x: Tensor, weight: Tensor) -> bool:
         return False
     if x.numel() * weight.shape[0] < MIN_MACS:  # (M·K)·N multiply-adds
         return False
-    return os.environ.get("PROXIMAL_CPU_MATMUL", "onednn") != "blas"
+    return enabled()
 
 
 def _weight_grad(gy: Tensor, x: Tensor) -> Tensor:
@@ -131,11 +166,10 @@ def packed_weights(model: torch.nn.Module, rows: int):
     expected number of rows, oneDNN's hint for the layout. The weights must not change inside.
 
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
-    oneDNN, ``PROXIMAL_CPU_MATMUL=blas`` is set, autocast is on, or the weights exceed
+    oneDNN, it is switched off (:func:`enabled`), autocast is on, or the weights exceed
     :data:`MAX_PACKED_BYTES` (the copy is held for the duration)."""
     modules = []
-    if (_OP is not None and os.environ.get("PROXIMAL_CPU_MATMUL", "onednn") != "blas"
-            and not torch.is_autocast_enabled("cpu")):  # under autocast the products run in bfloat16
+    if _OP is not None and enabled() and not torch.is_autocast_enabled("cpu"):  # under autocast the products run in bfloat16
         for m in model.modules():
             w = getattr(m, "weight", None)
             if (isinstance(m.__dict__.get("forward"), partial) and type(w) in (Tensor, torch.nn.Parameter)

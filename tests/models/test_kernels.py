@@ -28,7 +28,7 @@ def calls(monkeypatch):
         return op(*args)
 
     monkeypatch.setattr(kernels, "_OP", counted)
-    monkeypatch.delenv("PROXIMAL_CPU_MATMUL", raising=False)
+    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")  # on whatever CPU runs the tests
     return n
 
 
@@ -189,3 +189,31 @@ def test_nothing_is_packed_under_autocast():
     kernels.use_onednn_linears(model)
     with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_weights(model, rows=16) as n:
         assert n == 0
+
+
+AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+AMD_AVX2 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n"
+INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f\n"
+
+
+@pytest.mark.parametrize("machine,cpuinfo,on", [
+    ("x86_64", AMD, True),            # what was measured: MKL takes its AVX2 path there
+    ("x86_64", AMD_AVX2, False),      # no AVX-512: nothing measured to gain
+    ("x86_64", INTEL, False),         # MKL runs AVX-512 on Intel's own CPUs
+    ("arm64", "", False),             # Apple silicon: torch's BLAS is Accelerate
+    ("aarch64", AMD, False),
+    ("x86_64", "", False),            # no /proc/cpuinfo (not Linux): off unless asked for
+])
+def test_where_onednn_is_the_default(machine, cpuinfo, on):
+    assert kernels.default_on(machine, cpuinfo) is on
+
+
+def test_the_switch_overrides_the_default(monkeypatch):
+    for default in (False, True):
+        monkeypatch.setattr(kernels, "_DEFAULT_ON", default)
+        monkeypatch.delenv("PROXIMAL_CPU_MATMUL", raising=False)
+        assert kernels.enabled() is default
+        monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")
+        assert kernels.enabled()
+        monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
+        assert not kernels.enabled()
