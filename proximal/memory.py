@@ -474,7 +474,8 @@ def plan(setup: Setup) -> Plan:
     W under FSDP; the optimizer state moves to CPU memory under offload.
     Phases (one at a time, each on top of static):
         rollout        actor KV cache for B sequences of s tokens (``rollout_bytes``)
-        scoring        the largest no-grad forward of the four models on a micro-batch
+        scoring        the largest no-grad forward of the four models on a micro-batch (on one device with
+                       micro-batch = batch, plus the actor's activations: ``ppo.reuse_first_pass``)
         actor update   actor gradients + activations of one micro-batch (gradients of earlier
                        micro-batches are held while the next one runs: gradient accumulation)
         critic update  the same for the critic
@@ -534,6 +535,13 @@ def plan(setup: Setup) -> Plan:
         phases["rollout"] = rollout_bytes(arch, setup) + gather
         phases["scoring"] = max(x.activations for x in (reference, reward)) + gather
         phases["scoring"] = max(phases["scoring"], forward_only_bytes(setup.critic.arch, setup, "score") + gather)
+        if W == 1 and setup.micro_batch >= setup.batch:
+            # ppo.reuse_first_pass (the default) with one micro-batch of the whole batch: the first epoch's
+            # actor forward runs before the experience, so its activations are held while the others score
+            # (counted whatever ppo.mini_batch_size is: an upper bound when the pass is not shared).
+            phases["scoring"] += actor.activations
+            notes.append("scoring holds the actor's activations (ppo.reuse_first_pass with micro-batch = batch "
+                         "on one device)")
         phases["actor update"] = actor.gradients + actor.activations + gather
         phases["critic update"] = critic.gradients + critic.activations + gather
     else:

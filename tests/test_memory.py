@@ -209,6 +209,24 @@ def test_activation_and_kv_formulas_by_hand():
     assert memory.rollout_bytes(a, long) == full + full // 6 + 8 * 100 * 8
 
 
+def test_scoring_holds_the_actors_activations_when_the_first_pass_is_shared():
+    """ppo.reuse_first_pass: on one device with one micro-batch of the whole batch, the actor's first-epoch
+    forward (with its activations) runs before the scoring forwards; otherwise scoring is forwards only."""
+    a = _tiny_llama_arch()
+    s = Setup(actor=ModelSpec.of(a, "lm"), critic=ModelSpec.of(a, "score"), reward=ModelSpec.of(a, "score"),
+              dtype="float32", batch=4, micro_batch=4, prompt_len=10, response_len=6)
+    forwards = max(memory.forward_only_bytes(a, s, "lm"), memory.forward_only_bytes(a, s, "score"))
+    shared = plan(s)
+    assert shared.phases["scoring"] == forwards + memory.training_activation_bytes(a, s, "lm")
+    assert shared.phases["scoring"] == forwards + shared.rows["actor"].activations
+    assert plan(replace(s, micro_batch=2)).phases["scoring"] == max(
+        memory.forward_only_bytes(a, replace(s, micro_batch=2), k) for k in ("lm", "score"))
+    sharded = plan(replace(s, strategy="fsdp", gpus=2))  # two processes: the update's rows differ, no sharing
+    assert sharded.phases["scoring"] < sharded.rows["actor"].activations + forwards
+    assert any("reuse_first_pass" in n for n in shared.notes)
+    assert not any("reuse_first_pass" in n for n in sharded.notes + plan(replace(s, micro_batch=2)).notes)
+
+
 # ---- the CLI -------------------------------------------------------------------------------------
 
 def test_cli_70b_prints_the_budget_table_and_verdict(capsys):
