@@ -204,7 +204,8 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
                 max_length: int, max_grad_norm: float, shuffle_seed: int) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
     (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
-    was sampled, or — None, one optimiser step on the batch — the forward's own values, detached); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
+    was sampled; None when the batch gets one optimiser step: then the forward's own log-probabilities,
+    detached); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
     accumulate (:func:`proximal.train.batches.accumulate`).
 
     The loss is normalised by the aggregation's unit count over the whole mini-batch

@@ -179,14 +179,21 @@ class FirstPass:
     (B, T, V) carry their graph into the first optimiser step; their detached log-probabilities are
     log π_old (0 after each row's end)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     old_logprobs: torch.Tensor
+
+    def take_logits(self) -> torch.Tensor:
+        """The logits, handed over once: after the first epoch neither the update nor the training loop
+        holds the (B, T, V) block (on the wide-vocab work 262 MB, alive through the later epochs and
+        into the next step otherwise)."""
+        logits, self.logits = self.logits, None
+        return logits
 
 
 def reuses_first_pass(hp: PPOLossConfig, batch_size: int) -> bool:
     """Whether the first epoch's actor forward can be the experience's: one process, and the batch is one
     mini-batch of one micro-batch, so that epoch's only actor forward sees exactly the rollout."""
-    return (hp.reuse_first_pass and hp.epochs >= 1 and dist.world_size() == 1
+    return (hp.reuse_first_pass and dist.world_size() == 1
             and hp.mini_batch_size >= batch_size and hp.micro_batch_size >= batch_size)
 
 
@@ -234,7 +241,7 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
     history: dict[str, list[float]] = {}
     tokens = 0
     stopped, epochs_run = False, 0
-    for _epoch in range(hp.epochs):
+    for epoch in range(hp.epochs):
         epochs_run += 1
         order = torch.randperm(B, generator=g).to(device)
         for start in range(0, B, mb):
@@ -243,15 +250,17 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
             if units == 0:  # every row of this mini-batch was masked out: the same on every rank
                 continue
             norm = units / W
-            micro = [exp.select(idx) for idx in mini[rank * per_rank:(rank + 1) * per_rank].split(hp.micro_batch_size)]
-            given = first is not None and _epoch == 0
-            if given:
-                micro = [exp]
+            if first is not None and epoch == 0:  # one mini-batch of one micro-batch: the rollout itself
+                micro, given = [exp], [first.take_logits()]
+            else:
+                own = mini[rank * per_rank:(rank + 1) * per_rank]
+                micro, given = [exp.select(idx) for idx in own.split(hp.micro_batch_size)], None
             lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
 
             # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
             row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length,
-                             given=[first.logits] if given else None)
+                             given_logits=given)
+            given = None
             if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
                 (hp.ptx_coef * loss).backward()
@@ -280,16 +289,16 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
 
 
 def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float, temperature: float,
-               max_length: int, given: list[torch.Tensor] | None = None) -> dict[str, float]:
+               max_length: int, given_logits: list[torch.Tensor] | None = None) -> dict[str, float]:
     """Back-propagate the actor's loss over this rank's micro-batches of a mini-batch; its global stats
-    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W). ``given``: each
-    micro-batch's response logits, already computed with gradients (:class:`FirstPass`)."""
+    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W). ``given_logits``:
+    each micro-batch's response logits, already computed with gradients (:class:`FirstPass`)."""
     device = micro[0].rollout.response_ids.device
     acc = torch.zeros(6, dtype=torch.float64, device=device)  # clipfrac·n, k3·n, k1·n, n, loss, entropy
     ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
     for i, m in enumerate(micro):
         mask, n = m.mask, m.mask.sum().double()
-        logits = response_logits(actor, m.rollout) if given is None else given[i]              # (b, T, V)
+        logits = response_logits(actor, m.rollout) if given_logits is None else given_logits[i]  # (b, T, V)
         if hp.entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
             logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
             entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
