@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from proximal.logging import read_metrics
 from proximal.methods import METHODS, PAIRS, REWARD_MODEL
 
 HELD_OUT = (("gold", "gold ↑"), ("verifier", "verifier ↑"), ("proxy", "proxy (RM)"), ("kl", "KL to SFT"),
@@ -55,10 +56,6 @@ CLAIMS = {
 }
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -77,7 +74,8 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
     r["models"] = sorted(models)
     r["models_resident"] = len(models) if models else None
     r["param_bytes"] = sum(m["bytes"] for m in models.values()) if models else None
-    rows = [m for m in _jsonl(run_dir / "metrics.jsonl") if "time/step_s" in m]
+    metrics = run_dir / "metrics.jsonl"
+    rows = [m for m in read_metrics(metrics) if "time/step_s" in m] if metrics.is_file() else []
     r["steps_run"] = len(rows)
     if rows:
         later = [m["memory/peak_bytes"] for m in rows if m["step"] >= 2 and "memory/peak_bytes" in m]

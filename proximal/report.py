@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from proximal.logging import read_metrics
+
 GOLD = "score/proximal.tasks.digits:gold_score"
 PROXY = "score/reward_model"
 RUN_LABELS = {"ppo": "PPO", "ppo_overopt": "PPO over-optimised"}
@@ -24,10 +26,6 @@ TABLE_COLUMNS = (("gold", "gold score ↑"), ("proxy", "proxy reward (RM)"), ("k
                  ("length", "length (tokens)"), ("eos", "EOS rate"))
 #: Columns read from each run's own files: the models it held (models.json) and its stage's wall time.
 RUN_COLUMNS = ("models held", "stage time (s)")
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -64,11 +62,11 @@ def collect(out_dir: str | Path) -> dict:
     task = json.loads((out / "task" / "task.json").read_text())
     demo = json.loads((out / "demo.json").read_text())
     evaluation = json.loads((out / "eval.json").read_text())
-    sft_rows = [r for r in _jsonl(out / "sft" / "metrics.jsonl") if "eval/loss" in r]
-    rm_rows = [r for r in _jsonl(out / "rm" / "metrics.jsonl") if "eval/accuracy" in r]
+    sft_rows = [r for r in read_metrics(out / "sft" / "metrics.jsonl") if "eval/loss" in r]
+    rm_rows = [r for r in read_metrics(out / "rm" / "metrics.jsonl") if "eval/accuracy" in r]
     runs = {}
     for name in ("ppo", "ppo_overopt"):
-        rows = _jsonl(out / name / "metrics.jsonl")
+        rows = read_metrics(out / name / "metrics.jsonl")
         cfg = yaml.safe_load((out / name / "config.yaml").read_text())
         runs[name] = {
             "label": f"{RUN_LABELS[name]}, {_beta_label(cfg)}", "config": f"configs/demo/{name}.yaml",
