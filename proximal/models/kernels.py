@@ -146,9 +146,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
-    packed = module.__dict__.get("_proximal_packed")
-    if (packed is not None and not torch.is_grad_enabled() and x.dtype == torch.float32
+    rows = module.__dict__.get("_proximal_pack_rows")
+    if (rows is not None and not torch.is_grad_enabled() and x.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")):
+        packed = module.__dict__.get("_proximal_packed")
+        if packed is None:  # the first call inside packed_weights reorders the weight, once
+            packed = module._proximal_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
         return _OP(x, packed, module.bias, "none", [], "")
     return linear(x, module.weight, module.bias)
 
@@ -163,12 +166,14 @@ def packed_weights(model: torch.nn.Module, rows: int):
     :func:`use_onednn_linears` multiplies by a copy of its weight reordered once into oneDNN's
     blocked layout, instead of oneDNN reordering the plain weight at every call — at a decode step's
     few rows that reordering is a large part of the product (measured, 16 rows · 256 → 1024: 43.5 µs
-    against 33 µs; 48 decode steps of the tiny benchmark work: 0.176 → 0.146 s). ``rows`` is the
-    expected number of rows, oneDNN's hint for the layout. The weights must not change inside.
+    against 33 µs; 48 decode steps of the tiny benchmark work: 0.176 → 0.146 s). A weight is
+    reordered at its first such call inside (a linear never called costs nothing); :func:`fused_packed`
+    reorders several side by side. ``rows`` is the expected number of rows, oneDNN's hint for the
+    layout. The weights must not change inside. Yields the number of linears taking part.
 
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
     oneDNN, it is switched off (:func:`enabled`), autocast is on, or the weights exceed
-    :data:`MAX_PACKED_BYTES` (the copy is held for the duration)."""
+    :data:`MAX_PACKED_BYTES` (the copies are held for the duration)."""
     modules = []
     if _OP is not None and enabled() and not torch.is_autocast_enabled("cpu"):  # autocast: bfloat16 products
         for m in model.modules():
@@ -179,13 +184,35 @@ def packed_weights(model: torch.nn.Module, rows: int):
     if sum(m.weight.numel() * 4 for m in modules) > MAX_PACKED_BYTES:
         modules = []
     try:
-        with torch.no_grad():
-            for m in modules:
-                m._proximal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
+        for m in modules:
+            m._proximal_pack_rows = int(rows)
         yield len(modules)
     finally:
         for m in modules:
+            m.__dict__.pop("_proximal_pack_rows", None)
             m.__dict__.pop("_proximal_packed", None)
+
+
+def fused_packed(modules: list[torch.nn.Module]) -> tuple[Tensor, Tensor | None] | None:
+    """One reordered weight for linears that read the same input (a layer's query, key and value
+    projections): ``(W, b)`` with W the rows of their weights stacked and reordered like
+    :func:`packed_weights`' (b their biases stacked, or None), for :func:`packed_linear` — one oneDNN
+    call instead of several, each of whose outputs is a slice of its output. None unless every
+    module takes part in an entered :func:`packed_weights` (so on CPU in float32, inside its memory
+    bound) and they all have a bias or none has; the weights must not change while it is used."""
+    if not modules or any("_proximal_pack_rows" not in m.__dict__ for m in modules):
+        return None
+    if len({m.weight.shape[1] for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
+        return None
+    with torch.no_grad():
+        w = torch.cat([m.weight.detach() for m in modules])
+        b = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+        return torch.ops.mkldnn._reorder_linear_weight(w, modules[0]._proximal_pack_rows), b
+
+
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x · Wᵀ (+ b) for a weight from :func:`fused_packed` (no gradients)."""
+    return _OP(x, weight, bias, "none", [], "")
 
 
 def use_onednn_linears(model: torch.nn.Module) -> int:

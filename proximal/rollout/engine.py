@@ -3,7 +3,9 @@
 Every online method (PPO, GRPO, RLOO) and the evaluations call :meth:`RolloutEngine.generate`
 with left-padded prompts, one seed per row and :class:`SamplingParams`, and get token ids back;
 nothing else in the algorithm knows how. :class:`HFEngine` decodes with the Hugging Face model's
-own forward and KV cache. A serving engine (vLLM, SGLang) fits behind the same two methods: it
+KV cache: the prompt through the model's own forward, then each token through the model's forward
+or, for the Llama family, :class:`~proximal.rollout.decode.LeanDecoder` (the same modules with
+less per-token work around them; the same tokens). A serving engine (vLLM, SGLang) fits behind the same two methods: it
 generates from its own copy of the weights and refreshes that copy in :meth:`after_update`.
 
 **Sampling does not depend on how the batch is laid out.** Row b draws its tokens with its own
@@ -29,6 +31,7 @@ from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
 from proximal.models.loading import accepts_logits_to_keep, cache_argument
 from proximal.models.parallel import autocast, gathered, is_sharded
+from proximal.rollout.decode import LeanDecoder, unsupported
 from proximal.train import dist
 
 
@@ -106,10 +109,12 @@ class HFEngine:
     log-probabilities the losses recompute.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, *, gather_weights: bool = True):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, *, gather_weights: bool = True,
+                 lean_decode: bool = True):
         self.model = model
         self.pad_token_id = pad_token_id
         self.gather_weights = gather_weights
+        self.lean_decode = lean_decode
         self._keep_last = accepts_logits_to_keep(model)
         self._cache_kw = cache_argument(model)
 
@@ -125,8 +130,7 @@ class HFEngine:
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         model = self.model
         sharded_steps = not self.gather_weights and is_sharded(model)
-        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model), \
-                packed_weights(model, rows=B):
+        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model):
             mask = prompt_mask.long()
             out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                         use_cache=True, **extra)
@@ -134,20 +138,37 @@ class HFEngine:
             position = mask.sum(1, keepdim=True)  # (B, 1): the next token's position counts real tokens only
             done = torch.zeros(B, dtype=torch.bool, device=device)
             tokens = []
-            for t in range(params.max_new_tokens):
-                token = categorical_sample(logits, generators, params)
-                token = torch.where(done, self.pad_token_id, token)
-                tokens.append(token)
-                done = done | torch.isin(token, stop)
-                finished = not dist.any_rank(not bool(done.all()), device) if sharded_steps else bool(done.all())
-                if t + 1 == params.max_new_tokens or finished:
-                    break
-                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                            use_cache=True, **{self._cache_kw: cache}, **extra)
-                cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
-                position = position + 1
+            # The prompt's pass has many rows (oneDNN's per-call reordering costs little there); the decode
+            # steps have B rows each and multiply by weights reordered once (packed_weights).
+            with packed_weights(model, rows=B):
+                # Weights gathered block by block need the model's own forward (its FSDP hooks) at every step.
+                lean = (LeanDecoder.start(model, cache, mask, params.max_new_tokens)
+                        if self.lean_reason() is None and not sharded_steps else None)
+                if lean is not None:
+                    cache = out = None  # its keys and values were copied into the decoder's buffers
+                for t in range(params.max_new_tokens):
+                    token = categorical_sample(logits, generators, params)
+                    token = torch.where(done, self.pad_token_id, token)
+                    tokens.append(token)
+                    done = done | torch.isin(token, stop)
+                    finished = (not dist.any_rank(not bool(done.all()), device) if sharded_steps
+                                else bool(done.all()))
+                    if t + 1 == params.max_new_tokens or finished:
+                        break
+                    if lean is not None:
+                        logits = lean.step(token, position)
+                    else:
+                        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                                    use_cache=True, **{self._cache_kw: cache}, **extra)
+                        cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
+                    position = position + 1
         return torch.stack(tokens, dim=1)
+
+    def lean_reason(self) -> str | None:
+        """Why the decode steps use the model's own forward instead of
+        :class:`~proximal.rollout.decode.LeanDecoder` (a sentence), or None when they don't."""
+        return "rollout.lean_decode is false" if not self.lean_decode else unsupported(self.model)
 
     def after_update(self) -> None:
         """Nothing to do: this engine decodes with the live (just updated) model."""

@@ -285,6 +285,11 @@ class RolloutSection:
                                         "false keeps them sharded and gathers block by block at every decode step "
                                         "(for a policy too large for one device; slower, and the processes decode "
                                         "in step until all of them are done).")
+    lean_decode: bool = option(True, "Decode Llama, Mistral, Qwen2 and Qwen3 policies with proximal's lean step "
+                                     "(the model's own modules, the keys and values in preallocated buffers, no "
+                                     "per-token mask building: the same tokens, a quarter less time a token on a "
+                                     "small model); false uses the model's own forward at every token. Other "
+                                     "architectures always use their own forward.")
 
     def problems(self, name: str = "rollout") -> list[str]:
         from proximal.core.ranges import problem

@@ -69,7 +69,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
     opt, sched = optimizer_and_scheduler(actor, cfg.optim,
                                          total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini))
-    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights)
+    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode)
     trained = {"actor": (actor, opt)}
     stateful = {"actor_scheduler": sched, "sampler": sampler}
     start, counters = run.restore(trained, stateful)

@@ -75,7 +75,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     critic_opt, critic_sched = optimizer_and_scheduler(critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps)
     kl_ctl = kl_controller(cfg.kl.controller, beta=cfg.kl.beta, target=cfg.kl.target, k_beta=cfg.kl.k_beta,
                            horizon=cfg.kl.horizon)
-    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights)
+    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode)
     trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
     stateful = {"actor_scheduler": actor_sched, "critic_scheduler": critic_sched, "kl_controller": kl_ctl,
                 "sampler": sampler, "ptx_sampler": ptx.sampler if ptx else None}

@@ -36,10 +36,21 @@ def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: 
     stops = (tok.eos_token_id,) + ((ids(tok, "a")[0], ids(tok, "b")[0], ids(tok, " ")[0])
                                    if rank == force_stop_on_rank else ())
     params = SamplingParams(max_new_tokens=24, stop_token_ids=stops, temperature=1.0)
+    from proximal.rollout import decode
+
+    lean_steps = [0]
+    step = decode.LeanDecoder.step
+
+    def counted(self, *a):
+        lean_steps[0] += 1
+        return step(self, *a)
+
+    decode.LeanDecoder.step = counted  # this process only (run_ranks starts fresh ones)
     engine = HFEngine(actor, tok.pad_token_id, gather_weights=gather_weights)
     out = engine.generate(prompt_ids, mask, [row_seed(0, 1, i) for i in rows], params)
     # Each row up to and including its first stop token (the engine pads after it).
-    return [row[:next((k + 1 for k, t in enumerate(row) if t in stops), len(row))] for row in out.tolist()]
+    rows = [row[:next((k + 1 for k, t in enumerate(row) if t in stops), len(row))] for row in out.tolist()]
+    return rows, lean_steps[0]
 
 
 @pytest.mark.parametrize("gather_weights", [True, False])
@@ -47,7 +58,11 @@ def test_generation_under_sharding_matches_the_unsharded_model(assets, gather_we
     """Gathered once (ranks stop on their own) or block by block (ranks decode in step until all are done)."""
     policy = str(assets.policy("llama"))
     sharded = run_ranks(2, _generate, policy, 1, gather_weights, timeout_s=120, collective_timeout_s=30)
-    alone = [run_ranks(1, _generate, policy, None)[0]]
+    sharded, lean_steps = [rows for rows, _ in sharded], [n for _, n in sharded]
+    alone = [run_ranks(1, _generate, policy, None)[0][0]]
+    # Gathered weights decode the lean way (rollout/decode.py); block-by-block gathering needs the
+    # model's own forward, whose FSDP hooks gather each block.
+    assert all(n > 0 for n in lean_steps) if gather_weights else lean_steps == [0, 0], lean_steps
     longest = [max(map(len, rows)) for rows in sharded]
     assert longest[1] < longest[0] == 24, f"rank 1 should have stopped earlier: {longest}"
     # The same row seeds give the same tokens; rank 1's rows are prefixes cut by its extra stop tokens.

@@ -152,9 +152,9 @@ def test_lora_base_layers_are_routed(calls):
 
 
 def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
-    """Inside ``packed_weights`` a no-grad forward multiplies by the pre-reordered weight (the same
-    products, float64-checked); a forward with gradients still trains the live weight; on leaving, the
-    copies are gone."""
+    """Inside ``packed_weights`` a no-grad forward multiplies by the weight reordered at its first call
+    (the same products, float64-checked); a forward with gradients still trains the live weight; on
+    leaving, the copies are gone."""
     model = _llama()
     kernels.use_onednn_linears(model)
     ids = torch.randint(0, 512, (16, 8), generator=torch.Generator().manual_seed(2))
@@ -163,10 +163,15 @@ def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
         want = ref(input_ids=ids).logits
     with kernels.packed_weights(model, rows=16) as n:
         assert n == 15
-        assert all("_proximal_packed" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+        assert not any("_proximal_packed" in m.__dict__ for m in model.modules())  # nothing reordered yet
         with torch.no_grad():
             got = model(input_ids=ids).logits
+        assert all("_proximal_packed" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
         _close(got, want, rel=1e-5)
+        packed = model.lm_head._proximal_packed
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert model.lm_head._proximal_packed is packed  # reordered once, not at every call
         loss = model(input_ids=ids, labels=ids).loss  # with gradients: the plain weights
         loss.backward()
         assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
@@ -174,6 +179,28 @@ def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
     monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
     with kernels.packed_weights(model, rows=16) as n:
         assert n == 0
+
+
+def test_fused_packed_is_the_stacked_products(calls):
+    """One product for several linears of the same input: its columns are each linear's output
+    (float64-checked, biases included), in one oneDNN call; only inside ``packed_weights``, and
+    not for linears of different inputs or with and without bias."""
+    g = torch.Generator().manual_seed(5)
+    mods = [torch.nn.Linear(64, n, bias=True) for n in (96, 32, 32)]
+    kernels.use_onednn_linears(torch.nn.Sequential(*mods))
+    x = torch.randn(16, 64, generator=g)
+    assert kernels.fused_packed(mods) is None  # not inside packed_weights
+    with kernels.packed_weights(torch.nn.Sequential(*mods), rows=16):
+        w, b = kernels.fused_packed(mods)
+        before = calls[0]
+        y = kernels.packed_linear(x, w, b)
+        assert calls[0] == before + 1
+        assert kernels.fused_packed([mods[0], torch.nn.Linear(32, 8)]) is None
+        nobias = torch.nn.Linear(64, 8, bias=False)
+        with kernels.packed_weights(nobias, rows=16):
+            assert kernels.fused_packed([mods[0], nobias]) is None
+    want = torch.cat([x.double() @ m.weight.double().t() + m.bias.double() for m in mods], 1)
+    _close(y, want)
 
 
 def test_generation_with_packed_weights_samples_the_same_tokens(monkeypatch):

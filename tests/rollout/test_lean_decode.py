@@ -1,0 +1,241 @@
+"""proximal.rollout.decode: the lean decode step computes the model's own next-token logits.
+
+The reference is not the lean step's own arithmetic but the model's: a full forward of the whole
+sequence (no cache at all), and the Hugging Face cached decode the engine otherwise runs. Each
+architecture it accepts is checked with left padding, grouped-query attention and, for Qwen2,
+projection biases, both with the float32 oneDNN products (q/k/v and gate/up fused into one
+product each) and with torch's own. A model it does not accept must fall back, with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from proximal.models import kernels
+from proximal.models.heads import position_ids_from_mask
+from proximal.rollout import decode
+from proximal.rollout.engine import HFEngine, SamplingParams
+
+V = 97
+
+
+def _model(arch: str, tmp_path, **extra) -> torch.nn.Module:
+    """A tiny randomly initialised causal LM, saved and loaded back through ``from_pretrained``."""
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+              bos_token_id=2, tie_word_embeddings=False)
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
+    with torch.no_grad():  # larger weights than the initialiser's, so the logits are far from uniform
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / arch)
+    return AutoModelForCausalLM.from_pretrained(tmp_path / arch).eval()
+
+
+def _prompts(B: int = 6, P: int = 7, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    for b, pad in enumerate([0, 3, 1, 0, 5, 2][:B]):  # left padding of different lengths
+        mask[b, :pad] = 0
+        ids[b, :pad] = 0
+    return ids, mask
+
+
+def _lean_logits(model, ids, mask, continuation):
+    """The lean decoder's logits after each token of ``continuation`` (B, T), teacher-forced. (B, T, V)."""
+    with torch.no_grad(), kernels.packed_weights(model, rows=ids.shape[0]):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, continuation.shape[1] + 1)
+        assert lean is not None
+        fused = [w is not None for w in lean.qkv + lean.gate_up]
+        position = mask.sum(1, keepdim=True)
+        got = []
+        for t in range(continuation.shape[1]):
+            got.append(lean.step(continuation[:, t], position))
+            position = position + 1
+    return torch.stack(got, 1), fused
+
+
+def _full_logits(model, ids, mask, continuation):
+    """Logits of one forward over prompt + continuation, no cache: the model's own answer. (B, T, V)."""
+    full_ids = torch.cat([ids, continuation], 1)
+    full_mask = torch.cat([mask, torch.ones_like(continuation)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask,
+                       position_ids=position_ids_from_mask(full_mask)).logits
+    P = ids.shape[1]
+    return logits[:, P:]
+
+
+ARCHS = [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 4}),
+         ("llama", {"attention_bias": True, "mlp_bias": True})]
+
+
+@pytest.mark.parametrize("matmul", ["onednn", "blas"])
+@pytest.mark.parametrize("arch,extra", ARCHS, ids=[f"{a}-{'-'.join(e) or 'gqa'}" for a, e in ARCHS])
+def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, monkeypatch):
+    if matmul == "onednn" and kernels._OP is None:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", matmul)
+    model = _model(arch, tmp_path, **extra)
+    kernels.use_onednn_linears(model)
+    assert decode.unsupported(model) is None
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 9), generator=torch.Generator().manual_seed(2))
+    got, fused = _lean_logits(model, ids, mask, continuation)
+    want = _full_logits(model, ids, mask, continuation)
+    assert want.abs().max() > 1.0  # logits of a size where a wrong rotation or mask would show
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert all(fused) == (matmul == "onednn") and any(fused) == (matmul == "onednn")
+
+
+def test_a_wrong_position_or_a_missed_pad_is_seen(tmp_path):
+    """The check above can fail: a shifted rotary position or padding the mask attends to changes the
+    logits by far more than its tolerance."""
+    model = _model("llama", tmp_path)
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 4), generator=torch.Generator().manual_seed(2))
+    want = _full_logits(model, ids, mask, continuation)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 5)
+        shifted = lean.step(continuation[:, 0], mask.sum(1, keepdim=True) + 1)
+        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 5)
+        lean.mask[:] = True  # attend to the pads too
+        unmasked = lean.step(continuation[:, 0], mask.sum(1, keepdim=True))
+    assert (shifted - want[:, 0]).abs().max() > 1e-2
+    assert (unmasked[1] - want[1, 0]).abs().max() > 1e-2  # row 1 has 3 pads
+    torch.testing.assert_close(unmasked[0], want[0, 0], rtol=0, atol=2e-5)  # row 0 has none
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_engine_samples_the_same_tokens_either_way(arch, tmp_path, monkeypatch):
+    """Sampling with the lean step and with the model's own forward: the same tokens for every row, at
+    a temperature with top-p and a stop token, and the lean step ran at every token but the first."""
+    model = _model(arch, tmp_path)
+    kernels.use_onednn_linears(model)
+    steps = [0]
+    step = decode.LeanDecoder.step
+
+    def counted(self, *a):
+        steps[0] += 1
+        return step(self, *a)
+
+    monkeypatch.setattr(decode.LeanDecoder, "step", counted)
+    ids, mask = _prompts()
+    ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)  # 24 rows, each with its own seed
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=(1, 5), temperature=0.8, top_p=0.95)
+    lean = HFEngine(model, 0).generate(ids, mask, list(range(24)), params)
+    assert steps[0] == lean.shape[1] - 1
+    plain = HFEngine(model, 0, lean_decode=False).generate(ids, mask, list(range(24)), params)
+    assert steps[0] == lean.shape[1] - 1  # the model's own forward this time
+    assert lean.shape == plain.shape and torch.equal(lean, plain)
+
+
+def test_the_hf_cached_decode_agrees_too(tmp_path):
+    """Against the engine's other path step by step: the model's forward with its DynamicCache."""
+    model = _model("qwen2", tmp_path)
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    got, _ = _lean_logits(model, ids, mask, continuation)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                    cache=cache, use_cache=True)
+        m, pos, want = mask, mask.sum(1, keepdim=True), []
+        for t in range(continuation.shape[1]):
+            m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
+            out = model(input_ids=continuation[:, t:t + 1], attention_mask=m, position_ids=pos,
+                        cache=out.past_key_values, use_cache=True)
+            want.append(out.logits[:, -1])
+            pos = pos + 1
+    torch.testing.assert_close(got, torch.stack(want, 1), rtol=0, atol=2e-5)
+
+
+def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
+    """A LoRA actor (peft's layers in place of the projections: no fused products, the adapters
+    applied) and a model whose layers are wrapped for activation checkpointing decode the lean way."""
+    from proximal.models.parallel import apply_activation_checkpointing
+    from proximal.models.policy import lora_config, with_adapters
+
+    model = _model("llama", tmp_path)
+    lora = with_adapters(model, lora_config("CAUSAL_LM", r=4, alpha=8, target_modules=["all-linear"])).eval()
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the output (lora_B starts at zero)
+    kernels.use_onednn_linears(lora)
+    assert decode.unsupported(lora) is None
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 5), generator=torch.Generator().manual_seed(4))
+    got, fused = _lean_logits(lora, ids, mask, continuation)
+    assert not any(fused)
+    want = _full_logits(lora, ids, mask, continuation)
+    with lora.disable_adapter():
+        base = _full_logits(lora, ids, mask, continuation)
+    assert (want - base).abs().max() > 1e-1  # the adapters matter
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+    wrapped = _model("llama", tmp_path)
+    apply_activation_checkpointing(wrapped)
+    assert decode.unsupported(wrapped) is None
+    got, _ = _lean_logits(wrapped, ids, mask, continuation)
+    torch.testing.assert_close(got, _full_logits(wrapped, ids, mask, continuation), rtol=0, atol=2e-5)
+
+
+def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=V, n_embd=32, n_layer=1,
+                                                                 n_head=2, n_positions=64))
+    assert "GPT2LMHeadModel is not one of" in decode.unsupported(gpt2)
+    assert HFEngine(gpt2, 0).lean_reason() == decode.unsupported(gpt2)
+
+    eager = _model("llama", tmp_path)
+    eager.config._attn_implementation = "eager"
+    assert "attention implementation 'eager'" in decode.unsupported(eager)
+
+    sliding = _model("mistral", tmp_path, sliding_window=4)  # narrower than a 7-token prompt: it acts
+    assert decode.unsupported(sliding) is None
+    ids, mask = _prompts()
+    with torch.no_grad():
+        out = sliding(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+    assert decode.LeanDecoder.start(sliding, out.past_key_values, mask, 4) is None
+
+    dropout = _model("llama", tmp_path, attention_dropout=0.1)
+    assert decode.unsupported(dropout) is None  # eval mode: no dropout acts
+    assert decode.unsupported(dropout.train()) == "attention dropout in train mode"
+
+    class Custom(type(eager)):  # a user's subclass may change forward: not taken
+        pass
+
+    eager.__class__ = Custom
+    assert "Custom is not one of" in decode.unsupported(eager)
+
+    llama = _model("llama", tmp_path)
+    assert HFEngine(llama, 0, lean_decode=False).lean_reason() == "rollout.lean_decode is false"
+    assert HFEngine(llama, 0).lean_reason() is None
+
+    # The sliding-window model still samples (its own forward at every token).
+    out = HFEngine(sliding, 0).generate(ids, mask, list(range(6)), SamplingParams(max_new_tokens=5,
+                                                                                  stop_token_ids=(1,)))
+    assert out.shape[0] == 6 and 1 <= out.shape[1] <= 5
+
+
+def test_a_cache_of_another_shape_is_declined(tmp_path):
+    model = _model("llama", tmp_path)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+    assert decode.LeanDecoder.start(model, object(), mask, 4) is None
+    assert decode.LeanDecoder.start(model, out.past_key_values, mask[:, 1:], 4) is None  # P differs
+    lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 1)
+    with torch.no_grad():
+        lean.step(ids[:, 0], mask.sum(1, keepdim=True))
+        with pytest.raises(RuntimeError, match="more tokens than"):
+            lean.step(ids[:, 0], mask.sum(1, keepdim=True) + 1)
