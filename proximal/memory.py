@@ -454,16 +454,19 @@ def rollout_bytes(arch: Architecture, setup: Setup) -> int:
 
     The larger of the prefill — cache of the P prompt tokens + one layer's working set over them,
     B * P * (2 * L * kv * b + (2h + 3I) * b) — and the last decoding step: the full cache
-    B * s * 2 * L * kv * b, plus one layer's K or V twice while transformers' ``DynamicCache`` grows
-    it by concatenation (1/(2L) of the cache), plus float32 logits and probabilities of the last
-    token, B * V * 8.
+    B * s * 2 * L * kv * b, plus the larger of one layer's K or V twice while transformers'
+    ``DynamicCache`` grows it by concatenation (1/(2L) of the cache) and one layer of the prompt's
+    cache while the lean decoder moves it into its full-length buffers (1/L of the prompt's cache,
+    :meth:`proximal.rollout.decode.LeanDecoder.start`), plus float32 logits and probabilities of the
+    last token, B * V * 8.
     """
     b = dtype_bytes(setup.dtype)
     B, P, s = setup.rollout_batch_per_gpu, setup.prompt_len, setup.prompt_len + setup.response_len
     kv = arch.kv_bytes_per_token(b)
     prefill = B * P * (kv + arch.forward_working_bytes_per_token(b))
     full = B * s * kv
-    decode = full + full // (2 * arch.num_layers) + B * arch.vocab_size * 2 * LOGIT_BYTES
+    growing = max(full // (2 * arch.num_layers), B * P * kv // arch.num_layers)
+    decode = full + growing + B * arch.vocab_size * 2 * LOGIT_BYTES
     return max(prefill, decode)
 
 

@@ -199,14 +199,25 @@ def test_activation_and_kv_formulas_by_hand():
     # FSDP over 4 GPUs splits the rollout batch: 2 sequences' KV cache per GPU
     assert plan(replace(s, strategy="fsdp", gpus=4)).rows["actor"].kv_cache == 2 * 16 * 2 * 3 * 32 * 4
     # rollout: the larger of the prefill (prompt cache + one layer's working set, (2h + 3I) * 4 per token)
-    # and the last decoding step (full cache + 1/(2L) of it while it grows + last-token logits and probs)
+    # and the last decoding step (full cache + the larger of 1/(2L) of it while it grows and 1/L of the
+    # prompt's cache while the lean decoder copies it + last-token logits and probs)
     full = 8 * 16 * 2 * 3 * 32 * 4
     prefill = 8 * 10 * (2 * 3 * 32 * 4 + (2 * 64 + 3 * 256) * 4)
-    decode = full + full // 6 + 8 * 100 * 8
+    decode = full + 8 * 10 * 2 * 3 * 32 * 4 // 3 + 8 * 100 * 8
     assert memory.rollout_bytes(a, s) == max(prefill, decode) == prefill
     long = replace(s, prompt_len=2, response_len=62)  # s = 64: now the last decoding step dominates
     full = 8 * 64 * 2 * 3 * 32 * 4
     assert memory.rollout_bytes(a, long) == full + full // 6 + 8 * 100 * 8
+    # A model whose KV cache outweighs a layer's working set (8 layers, narrow MLP), the prompt over
+    # half the sequence: the lean decoder's copy of one prompt layer (1/L of B·P tokens) is the larger
+    # extra, not the growing layer (1/(2L) of B·s).
+    kv_heavy = replace(a, num_layers=8, num_kv_heads=a.num_heads, intermediate_size=64)
+    per_token = 2 * 8 * 64 * 4
+    wide_prompt = replace(s, actor=ModelSpec.of(kv_heavy, "lm"), prompt_len=10, response_len=6)
+    decode = 8 * 16 * per_token + 8 * 10 * per_token // 8 + 8 * 100 * 8
+    prefill = 8 * 10 * (per_token + (2 * 64 + 3 * 64) * 4)
+    assert 8 * 10 * per_token // 8 > 8 * 16 * per_token // 16 and decode > prefill
+    assert memory.rollout_bytes(kv_heavy, wide_prompt) == decode
 
 
 def test_scoring_holds_the_actors_activations_when_the_first_pass_is_shared():

@@ -115,7 +115,8 @@ class LeanDecoder:
     def start(cls, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, new_tokens: int) -> "LeanDecoder | None":
         """A decoder continuing from ``cache``, or None if the cache is not the expected one (per
         layer ``keys`` and ``values`` of shape (B, H_kv, P, D)) or a sliding attention window is
-        narrower than the P + ``new_tokens`` positions (a wider one never acts, so it is full attention)."""
+        narrower than the P + ``new_tokens`` positions (a wider one never acts, so it is full attention).
+        ``cache`` is emptied when a decoder is returned (its tensors moved into the decoder's buffers)."""
         layers = getattr(cache, "layers", None)
         B, P = prompt_mask.shape
         base = _base(model)
@@ -124,18 +125,20 @@ class LeanDecoder:
             return None
         if layers is None or len(layers) != len(_layers(base)):
             return None
-        keys, values = [], []
         for layer in layers:
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4
                     and k.shape[0] == B and k.shape[2] == P and v.shape[:3] == k.shape[:3]):
                 return None
-            kb = k.new_empty(B, k.shape[1], P + new_tokens, k.shape[3])
-            vb = v.new_empty(B, v.shape[1], P + new_tokens, v.shape[3])
-            kb[:, :, :P] = k
-            vb[:, :, :P] = v
-            keys.append(kb)
-            values.append(vb)
+        # Layer by layer, the prompt's keys and values move into buffers for all P + T positions and
+        # leave the prompt's cache (the caller's, emptied here), so the two are never held in full together.
+        keys, values = [], []
+        for layer in layers:
+            for src, dst in ((layer.keys, keys), (layer.values, values)):
+                buf = src.new_empty(B, src.shape[1], P + new_tokens, src.shape[3])
+                buf[:, :, :P] = src
+                dst.append(buf)
+            layer.keys = layer.values = None
         mask = torch.ones(B, P + new_tokens, dtype=torch.bool, device=prompt_mask.device)
         mask[:, :P] = prompt_mask.bool()
         return cls(model, keys, values, mask, P)

@@ -234,7 +234,13 @@ def test_a_cache_of_another_shape_is_declined(tmp_path):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
     assert decode.LeanDecoder.start(model, object(), mask, 4) is None
     assert decode.LeanDecoder.start(model, out.past_key_values, mask[:, 1:], 4) is None  # P differs
+    prompt_keys = [layer.keys.clone() for layer in out.past_key_values.layers]
+    assert all(layer.keys is not None for layer in out.past_key_values.layers)  # a declined cache is intact
     lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 1)
+    # The prompt's keys moved into the buffers (P of P + 1 positions); the prompt's cache let them go.
+    assert all(layer.keys is None and layer.values is None for layer in out.past_key_values.layers)
+    for kept, buf in zip(prompt_keys, lean.keys):
+        assert buf.shape[2] == ids.shape[1] + 1 and torch.equal(buf[:, :, :ids.shape[1]], kept)
     with torch.no_grad():
         lean.step(ids[:, 0], mask.sum(1, keepdim=True))
         with pytest.raises(RuntimeError, match="more tokens than"):
