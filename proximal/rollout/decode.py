@@ -9,8 +9,8 @@ argument checks. :class:`LeanDecoder` keeps the arithmetic and drops that work:
 
 - the same modules do the computing: the model's embedding, its norms, its projections (LoRA
   layers and :mod:`proximal.models.kernels`' routing included), its MLPs, its rotary embedding and
-  its ``apply_rotary_pos_emb``, its output layer; attention is ``scaled_dot_product_attention``,
-  as in the model's own "sdpa" implementation;
+  its ``apply_rotary_pos_emb``, its attention function ("sdpa" or "eager", the one its config
+  names), its output layer;
 - the keys and values live in one buffer per layer, sized for the whole response and written in
   place, starting from the cache of the prompt's forward (which the model's own forward computes);
 - the attention mask is the rows' padding mask, a view of one (B, P + T) tensor.
@@ -21,9 +21,8 @@ benchmark's 48-token decode costs about a quarter less (``benchmarks/README.md``
 
 :func:`unsupported` says why a model is not taken (then the model's own forward decodes): another
 architecture (its forward may do things this one does not — Gemma scales its embeddings, GPT-2
-has absolute positions), an attention implementation other than "sdpa" (on CPUs in bfloat16
-proximal chooses "eager", :func:`proximal.models.parallel.choose_attention`) or attention dropout
-in train mode; and :meth:`LeanDecoder.start` declines a sliding attention window narrower than
+has absolute positions), an attention implementation other than "sdpa" and "eager" (flash
+attention takes its masks in another form) or attention dropout in train mode; and :meth:`LeanDecoder.start` declines a sliding attention window narrower than
 the prompt and response together, or a prompt cache in another format.
 """
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from proximal.models import kernels
 
@@ -40,6 +38,12 @@ from proximal.models import kernels
 #: embedding, then per layer ``h += attention(norm(h))`` and ``h += mlp(norm(h))``, a final norm
 #: and the output layer.
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+#: The attention implementations the lean step calls (the model's own attention function for each, from
+#: its modeling module's ``ALL_ATTENTION_FUNCTIONS``), and the form of the padding mask each takes:
+#: True = attend for "sdpa"; for "eager" 0 or the dtype's lowest value, added to the scores.
+MASKS = {"sdpa": "bool", "eager": "additive"}
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -72,8 +76,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"{type(base).__name__} is not one of {', '.join(SUPPORTED)}"
     config = base.config
     impl = getattr(config, "_attn_implementation", None)
-    if impl != "sdpa":
-        return f"attention implementation {impl!r} (only 'sdpa')"
+    if impl not in MASKS:
+        return f"attention implementation {impl!r} (only {', '.join(map(repr, MASKS))})"
     for layer in _layers(base):
         if layer.self_attn.training and getattr(config, "attention_dropout", 0.0):
             return "attention dropout in train mode"
@@ -102,8 +106,11 @@ class LeanDecoder:
         self.base, self.inner, self.layers = base, base.model, _layers(base)
         module = sys.modules[type(self.layers[0].self_attn).__module__]
         self.rotate = module.apply_rotary_pos_emb  # the model's own rotary arithmetic
+        impl = base.config._attn_implementation    # and its own attention function
+        self.attend = module.ALL_ATTENTION_FUNCTIONS.get_interface(impl, module.eager_attention_forward)
         self.keys, self.values = keys, values      # per layer (B, H_kv, P + T, D)
         self.mask = mask                           # (B, P + T) bool, True = attend
+        self.additive, self._bias = MASKS[impl] == "additive", None
         self.length = length                       # filled positions
         # On CPU in float32, inside kernels.packed_weights: one product for a layer's q, k, v projections
         # and one for its gate and up projections (their outputs are slices of it); else None.
@@ -152,6 +159,11 @@ class LeanDecoder:
         h = self.inner.embed_tokens(tokens[:, None])                  # (B, 1, C)
         cos, sin = self.inner.rotary_emb(h, positions)
         mask = self.mask[:, None, None, :n]                            # (B, 1, 1, n)
+        if self.additive:  # as the model's eager mask: 0 where attended, the lowest value of h's dtype elsewhere
+            if self._bias is None:
+                self._bias = torch.zeros(self.mask.shape, dtype=h.dtype, device=h.device).masked_fill_(
+                    ~self.mask, torch.finfo(h.dtype).min)
+            mask = self._bias[:, None, None, :n]
         for layer, kb, vb, qkv, gate_up in zip(self.layers, self.keys, self.values, self.qkv, self.gate_up):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -166,9 +178,8 @@ class LeanDecoder:
             q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             kb[:, :, n - 1:n] = k
             vb[:, :, n - 1:n] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, kb[:, :, :n], vb[:, :, :n], attn_mask=mask, scale=a.scaling,
-                                               enable_gqa=kb.shape[1] != q.shape[1])
-            h = h + a.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
+            o, _ = self.attend(a, q, kb[:, :, :n], vb[:, :, :n], mask, dropout=0.0, scaling=a.scaling)
+            h = h + a.o_proj(o.reshape(B, 1, -1))                     # o: (B, 1, H, D)
             x = layer.post_attention_layernorm(h)
             mlp = layer.mlp
             if gate_up is not None:  # the model's MLP, down(act(gate(x)) · up(x)), with gate and up in one product

@@ -21,8 +21,9 @@ from proximal.rollout.engine import HFEngine, SamplingParams
 V = 97
 
 
-def _model(arch: str, tmp_path, **extra) -> torch.nn.Module:
-    """A tiny randomly initialised causal LM, saved and loaded back through ``from_pretrained``."""
+def _model(arch: str, tmp_path, attn: str | None = None, **extra) -> torch.nn.Module:
+    """A tiny randomly initialised causal LM, saved and loaded back through ``from_pretrained``
+    (with the attention implementation ``attn``, else transformers' default, "sdpa")."""
     kw = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
               bos_token_id=2, tie_word_embeddings=False)
@@ -35,7 +36,8 @@ def _model(arch: str, tmp_path, **extra) -> torch.nn.Module:
         for p in model.parameters():
             p.mul_(3.0) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(tmp_path / arch)
-    return AutoModelForCausalLM.from_pretrained(tmp_path / arch).eval()
+    kw = {"attn_implementation": attn} if attn else {}
+    return AutoModelForCausalLM.from_pretrained(tmp_path / arch, **kw).eval()
 
 
 def _prompts(B: int = 6, P: int = 7, seed: int = 1):
@@ -75,11 +77,12 @@ def _full_logits(model, ids, mask, continuation):
 
 
 ARCHS = [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 4}),
-         ("llama", {"attention_bias": True, "mlp_bias": True})]
+         ("llama", {"attention_bias": True, "mlp_bias": True}), ("llama", {"attn": "eager"}),
+         ("qwen3", {"attn": "eager"})]
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "blas"])
-@pytest.mark.parametrize("arch,extra", ARCHS, ids=[f"{a}-{'-'.join(e) or 'gqa'}" for a, e in ARCHS])
+@pytest.mark.parametrize("arch,extra", ARCHS, ids=[f"{a}-{'-'.join(map(str, e.values())) if 'attn' in e else '-'.join(e) or 'gqa'}" for a, e in ARCHS])
 def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, monkeypatch):
     if matmul == "onednn" and kernels._OP is None:
         pytest.skip("this torch has no oneDNN linear")
@@ -104,10 +107,13 @@ def test_a_wrong_position_or_a_missed_pad_is_seen(tmp_path):
     continuation = torch.randint(3, V, (ids.shape[0], 4), generator=torch.Generator().manual_seed(2))
     want = _full_logits(model, ids, mask, continuation)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
-        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 5)
+        def prompt_cache():  # each decoder empties the cache it starts from
+            return model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                         use_cache=True).past_key_values
+
+        lean = decode.LeanDecoder.start(model, prompt_cache(), mask, 5)
         shifted = lean.step(continuation[:, 0], mask.sum(1, keepdim=True) + 1)
-        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 5)
+        lean = decode.LeanDecoder.start(model, prompt_cache(), mask, 5)
         lean.mask[:] = True  # attend to the pads too
         unmasked = lean.step(continuation[:, 0], mask.sum(1, keepdim=True))
     assert (shifted - want[:, 0]).abs().max() > 1e-2
@@ -137,6 +143,26 @@ def test_the_engine_samples_the_same_tokens_either_way(arch, tmp_path, monkeypat
     plain = HFEngine(model, 0, lean_decode=False).generate(ids, mask, list(range(24)), params)
     assert steps[0] == lean.shape[1] - 1  # the model's own forward this time
     assert lean.shape == plain.shape and torch.equal(lean, plain)
+
+
+def test_under_autocast_the_tokens_are_the_models_own(tmp_path, monkeypatch):
+    """bf16-mixed decodes under bfloat16 autocast with eager attention (models/parallel.py): the
+    lean step calls the same functions in the same dtypes, so it samples the same tokens."""
+    steps = [0]
+    step = decode.LeanDecoder.step
+    monkeypatch.setattr(decode.LeanDecoder, "step", lambda self, *a: (steps.__setitem__(0, steps[0] + 1),
+                                                                        step(self, *a))[1])
+    model = _model("llama", tmp_path, attn="eager")
+    model._proximal_autocast = torch.bfloat16  # what prepare_trained sets for bf16-mixed
+    ids, mask = _prompts()
+    ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(1,), temperature=1.0)
+    engine = HFEngine(model, 0)
+    assert engine.lean_reason() is None
+    lean = engine.generate(ids, mask, list(range(24)), params)
+    assert steps[0] == lean.shape[1] - 1 > 0
+    plain = HFEngine(model, 0, lean_decode=False).generate(ids, mask, list(range(24)), params)
+    assert torch.equal(lean, plain)
 
 
 def test_the_hf_cached_decode_agrees_too(tmp_path):
@@ -197,8 +223,8 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
     assert HFEngine(gpt2, 0).lean_reason() == decode.unsupported(gpt2)
 
     eager = _model("llama", tmp_path)
-    eager.config._attn_implementation = "eager"
-    assert "attention implementation 'eager'" in decode.unsupported(eager)
+    eager.config._attn_implementation = "flash_attention_2"  # its masks have another form
+    assert "attention implementation 'flash_attention_2'" in decode.unsupported(eager)
 
     sliding = _model("mistral", tmp_path, sliding_window=4)  # narrower than a 7-token prompt: it acts
     assert decode.unsupported(sliding) is None
