@@ -33,6 +33,7 @@ import sys
 import torch
 
 from proximal.models import kernels
+from proximal.models.loading import unwrap  # the transformers model under peft's wrapper
 
 #: The causal-LM classes whose forward is, at a decode step, exactly :meth:`LeanDecoder.step`: the
 #: embedding, then per layer ``h += attention(norm(h))`` and ``h += mlp(norm(h))``, a final norm
@@ -44,12 +45,6 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 #: its modeling module's ``ALL_ATTENTION_FUNCTIONS``), and the form of the padding mask each takes:
 #: True = attend for "sdpa"; for "eager" 0 or the dtype's lowest value, added to the scores.
 MASKS = {"sdpa": "bool", "eager": "additive"}
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (LoRA layers stay in place inside it)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
 
 
 def _architecture(model: torch.nn.Module) -> str | None:
@@ -70,7 +65,7 @@ def _layers(base: torch.nn.Module) -> list[torch.nn.Module]:
 
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why :class:`LeanDecoder` cannot decode ``model`` (a sentence), or None when it can."""
-    base = _base(model)
+    base = unwrap(model)
     name = _architecture(base)
     if name is None:
         return f"{type(base).__name__} is not one of {', '.join(SUPPORTED)}"
@@ -102,20 +97,30 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
                  mask: torch.Tensor, length: int):
-        base = _base(model)
+        base = unwrap(model)
         self.base, self.inner, self.layers = base, base.model, _layers(base)
         module = sys.modules[type(self.layers[0].self_attn).__module__]
         self.rotate = module.apply_rotary_pos_emb  # the model's own rotary arithmetic
         impl = base.config._attn_implementation    # and its own attention function
         self.attend = module.ALL_ATTENTION_FUNCTIONS.get_interface(impl, module.eager_attention_forward)
         self.keys, self.values = keys, values      # per layer (B, H_kv, P + T, D)
-        self.mask = mask                           # (B, P + T) bool, True = attend
-        self.additive, self._bias = MASKS[impl] == "additive", None
         self.length = length                       # filled positions
+        # The padding mask (B, P + T), True = attend, in the form the attention function takes, (B, 1, 1, P + T):
+        # for "eager" as the model's own eager mask, 0 or the lowest value of the hidden states' dtype, added.
+        self.attn_mask = mask[:, None, None, :]
+        if MASKS[impl] == "additive":
+            dtype = self.inner.embed_tokens.weight.dtype  # the hidden states' dtype (no autocast on embeddings)
+            self.attn_mask = torch.zeros(self.attn_mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~self.attn_mask, torch.finfo(dtype).min)
         # On CPU in float32, inside kernels.packed_weights: one product for a layer's q, k, v projections
-        # and one for its gate and up projections (their outputs are slices of it); else None.
-        self.qkv = [kernels.fused_packed([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                    for layer in self.layers]
+        # (with each one's number of heads, to split its output) and one for its gate and up projections;
+        # else None.
+        self.qkv = []
+        for layer in self.layers:
+            a = layer.self_attn
+            fused = kernels.fused_packed([a.q_proj, a.k_proj, a.v_proj])
+            heads = [p.out_features // a.head_dim for p in (a.q_proj, a.k_proj, a.v_proj)]
+            self.qkv.append(None if fused is None else (*fused, heads))
         self.gate_up = [kernels.fused_packed([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
 
     @classmethod
@@ -126,7 +131,7 @@ class LeanDecoder:
         ``cache`` is emptied when a decoder is returned (its tensors moved into the decoder's buffers)."""
         layers = getattr(cache, "layers", None)
         B, P = prompt_mask.shape
-        base = _base(model)
+        base = unwrap(model)
         window = _window(base)
         if window is not None and P + new_tokens > window:  # a window narrower than the sequence acts
             return None
@@ -153,23 +158,19 @@ class LeanDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of the next token after feeding ``tokens`` (B,) at ``positions`` (B, 1)."""
         n = self.length + 1
-        if n > self.mask.shape[1]:
-            raise RuntimeError(f"LeanDecoder: more tokens than the {self.mask.shape[1]} positions it was started for")
+        capacity = self.attn_mask.shape[-1]
+        if n > capacity:
+            raise RuntimeError(f"LeanDecoder: more tokens than the {capacity} positions it was started for")
         B = tokens.shape[0]
         h = self.inner.embed_tokens(tokens[:, None])                  # (B, 1, C)
         cos, sin = self.inner.rotary_emb(h, positions)
-        mask = self.mask[:, None, None, :n]                            # (B, 1, 1, n)
-        if self.additive:  # as the model's eager mask: 0 where attended, the lowest value of h's dtype elsewhere
-            if self._bias is None:
-                self._bias = torch.zeros(self.mask.shape, dtype=h.dtype, device=h.device).masked_fill_(
-                    ~self.mask, torch.finfo(h.dtype).min)
-            mask = self._bias[:, None, None, :n]
+        mask = self.attn_mask[..., :n]                                 # (B, 1, 1, n)
         for layer, kb, vb, qkv, gate_up in zip(self.layers, self.keys, self.values, self.qkv, self.gate_up):
             a = layer.self_attn
             x = layer.input_layernorm(h)
             if qkv is not None:
-                heads = (a.q_proj.out_features // a.head_dim, kb.shape[1], vb.shape[1])
-                q, k, v = kernels.packed_linear(x, *qkv).view(B, 1, -1, a.head_dim).split(heads, dim=2)
+                weight, bias, heads = qkv
+                q, k, v = kernels.packed_linear(x, weight, bias).view(B, 1, -1, a.head_dim).split(heads, dim=2)
             else:
                 shape = (B, 1, -1, a.head_dim)
                 q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)

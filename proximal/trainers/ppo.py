@@ -260,7 +260,7 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
             # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
             row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length,
                              given_logits=given)
-            given = None
+            given = None  # the first pass's (B, T, V) logits are not held through the critic's pass
             if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
                 (hp.ptx_coef * loss).backward()
