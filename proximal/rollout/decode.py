@@ -144,10 +144,15 @@ class LeanDecoder:
                 return None
         # Layer by layer, the prompt's keys and values move into buffers for all P + T positions and
         # leave the prompt's cache (the caller's, emptied here), so the two are never held in full together.
+        # Under autocast the buffers hold its dtype: both attention functions ("eager"'s matmuls, "sdpa")
+        # are autocast operators, which cast the whole cache to it at every step otherwise — once per
+        # position instead, the same rounding.
+        device = layers[0].keys.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         keys, values = [], []
         for layer in layers:
             for src, dst in ((layer.keys, keys), (layer.values, values)):
-                buf = src.new_empty(B, src.shape[1], P + new_tokens, src.shape[3])
+                buf = src.new_empty(B, src.shape[1], P + new_tokens, src.shape[3], dtype=dtype or src.dtype)
                 buf[:, :, :P] = src
                 dst.append(buf)
             layer.keys = layer.values = None

@@ -218,13 +218,46 @@ def test_generation_with_packed_weights_samples_the_same_tokens(monkeypatch):
     assert packed.shape == (16, 24) and torch.equal(packed, plain)
 
 
-def test_nothing_is_packed_under_autocast():
-    """bf16-mixed decodes under autocast, where every product runs in bfloat16: a float32 copy of the
-    weights would only cost memory."""
+def test_under_autocast_the_packed_copies_are_bfloat16(calls):
+    """bf16-mixed decodes under bfloat16 autocast: the copies are bfloat16 (half the bytes), and a
+    packed product — one linear's or a stacked one's — is bit for bit what autocast's own F.linear
+    gives (it casts the input, weight and bias to bfloat16 and multiplies those), in one oneDNN call.
+    A float32 call after autocast is left is not served by a bfloat16 copy."""
     model = _llama()
     kernels.use_onednn_linears(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_weights(model, rows=16) as n:
-        assert n == 0
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(16, 1, 256, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [torch.nn.functional.linear(x, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        with kernels.packed_weights(model, rows=16) as n:
+            assert n == sum(type(m) is torch.nn.Linear for m in model.modules())
+            before = calls[0]
+            got = attn.q_proj(x)
+            assert calls[0] == before + 1 and attn.q_proj._proximal_packed[0].dtype == torch.bfloat16
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want[0])
+            w, b = kernels.fused_packed([attn.q_proj, attn.k_proj, attn.v_proj])
+            assert w.dtype == torch.bfloat16 and b is None
+            assert torch.equal(kernels.packed_linear(x, w, b), torch.cat(want, dim=-1))
+            with torch.autocast("cpu", enabled=False):
+                plain = attn.q_proj(x)
+            assert plain.dtype == torch.float32
+            _close(plain[:, 0], x[:, 0].double() @ attn.q_proj.weight.double().t())
+
+
+def test_generation_under_autocast_with_packed_weights_samples_the_same_tokens(monkeypatch):
+    import contextlib
+
+    from proximal.rollout import engine
+
+    model = _llama()
+    kernels.use_onednn_linears(model)
+    model._proximal_autocast = torch.bfloat16  # what prepare_trained sets for bf16-mixed
+    ids = torch.randint(4, 512, (16, 12), generator=torch.Generator().manual_seed(3))
+    params = engine.SamplingParams(max_new_tokens=24, stop_token_ids=(1,))
+    packed = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    monkeypatch.setattr(engine, "packed_weights", lambda model, rows: contextlib.nullcontext())
+    plain = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    assert packed.shape == (16, 24) and torch.equal(packed, plain)
 
 
 AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"

@@ -189,6 +189,36 @@ def test_the_hf_cached_decode_agrees_too(tmp_path):
     torch.testing.assert_close(got, torch.stack(want, 1), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decodes(attn, tmp_path, monkeypatch):
+    """Under bfloat16 autocast (bf16-mixed) the key and value buffers hold bfloat16 — the attention
+    would cast the cache to it anyway — and the products are the packed bfloat16 copies: the logits
+    are still those of the model's own cached decode under autocast, whose cache stays float32."""
+    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")
+    model = _model("llama", tmp_path, attn=attn)
+    kernels.use_onednn_linears(model)
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, fused = _lean_logits(model, ids, mask, continuation)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 2)
+        assert {b.dtype for b in lean.keys + lean.values} == {torch.bfloat16}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        assert out.past_key_values.layers[0].keys.dtype == torch.float32  # the model's own cache
+        m, pos, want = mask, mask.sum(1, keepdim=True), []
+        for t in range(continuation.shape[1]):
+            m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
+            out = model(input_ids=continuation[:, t:t + 1], attention_mask=m, position_ids=pos,
+                        cache=out.past_key_values, use_cache=True)
+            want.append(out.logits[:, -1])
+            pos = pos + 1
+    assert fused == [True] * len(fused)
+    want = torch.stack(want, 1)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
+
+
 def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     """A LoRA actor (peft's layers in place of the projections: no fused products, the adapters
     applied) and a model whose layers are wrapped for activation checkpointing decode the lean way."""
