@@ -2,6 +2,7 @@
 
     python benchmarks/compare_trl.py                          # every work, 3 rounds, 10 steps a run
     python benchmarks/compare_trl.py --works tiny,wide --rounds 5
+    python benchmarks/compare_trl.py --more-rounds tiny=7,tiny-bf16=7,grpo=7   # the short works more often
     python benchmarks/compare_trl.py --smoke --works mini     # CI: 1 step, proximal only, no anchor install
 
 Run it with proximal's Python (``.venv/bin/python``); it imports this tree's ``proximal``. In order it
@@ -109,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--works", default=",".join(DEFAULT_WORKS),
                     help=f"comma-separated, from: {', '.join(WORKS)} (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="A B pairs per work (at least 3 for a result; default 3)")
+    ap.add_argument("--more-rounds", default="",
+                    help="WORK=N,…: these works get N rounds instead (N ≥ --rounds; the short works' steps "
+                         "are the noisiest, and their rounds cost little). Rounds stay interleaved: round k runs "
+                         "every work that has a k-th round")
     ap.add_argument("--steps", type=int, default=10, help="training steps a run (default 10: medians of 2–10)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch threads in every process (default: the machine's %(default)s cores)")
@@ -130,12 +135,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown work(s) {', '.join(unknown)}; choose from {', '.join(WORKS)}")
     if a.smoke:
-        a.steps, a.rounds = 1, 1
+        a.steps, a.rounds, a.more_rounds = 1, 1, ""
     if a.rounds < 1 or a.steps < 1 or a.threads < 1:
         ap.error("--rounds, --steps and --threads must be ≥ 1")
+    a.rounds_of = {w: a.rounds for w in a.works}
+    for item in filter(None, (x.strip() for x in a.more_rounds.split(","))):
+        name, _, n = item.partition("=")
+        if name not in a.rounds_of or not n.isdigit() or int(n) < a.rounds:
+            ap.error(f"--more-rounds {item!r}: expected WORK=N with WORK one of --works ({', '.join(a.works)}) "
+                     f"and N ≥ --rounds ({a.rounds})")
+        a.rounds_of[name] = int(n)
     if a.results is None:
         a.results = (a.workdir / "results-smoke.md") if a.smoke else (BENCH / "results.md")
     return a
+
+
+def schedule(works: list[str], rounds_of: dict[str, int]) -> list[tuple[int, str]]:
+    """(round, work) in running order: round by round, each work that has that round, in ``works``' order."""
+    last = max((rounds_of[w] for w in works), default=0)
+    return [(k, w) for k in range(1, last + 1) for w in works if k <= rounds_of[w]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,35 +190,36 @@ def main(argv: list[str] | None = None) -> int:
             pythons[name] = anchors.ensure(anchors.ANCHORS[name], log=log)
             anchor_versions[name] = anchors.versions(pythons[name])
 
-    # 3. Alternate: for each round, for each work, proximal then the anchor.
+    # 3. Alternate: for each round, for each work that has that round, proximal then the anchor.
     runs = []
-    for k in range(1, a.rounds + 1):
-        for w in works:
-            sides = ["proximal"] if a.smoke else ["proximal", "trl"]
-            for side in sides:
-                scratch = a.workdir / "runs" / f"{w.name}-r{k}-{side}"
-                scratch.mkdir(parents=True, exist_ok=True)
-                if side == "proximal":
-                    r = run_proximal(w, assets[w.name], steps=a.steps, threads=a.threads, scratch=scratch,
-                                     timeout_s=a.timeout, keep_run=a.keep_runs)
-                else:
-                    py = pythons["trl-ppo" if w.method == "ppo" else "trl-grpo"]
-                    r = run_trl(w, assets[w.name], py, steps=a.steps, threads=a.threads, scratch=scratch,
-                                timeout_s=a.timeout)
-                r["round"] = k
-                runs.append(r)
-                busy = r.get("cpu_busy_before", 0.0)
-                warn = f"  [warn: {busy:.2f} CPUs busy before it — {BUSY_NOTE}]" if busy > report.BUSY_WARN else ""
-                status = f"FAILED ({r['error'][:300]})" if r.get("error") else (
-                    f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB")
-                log(f"[run] round {k} {w.name:10s} {side:8s} {status}{warn}")
+    by_name = {w.name: w for w in works}
+    for k, name in schedule([w.name for w in works], a.rounds_of):
+        w = by_name[name]
+        sides = ["proximal"] if a.smoke else ["proximal", "trl"]
+        for side in sides:
+            scratch = a.workdir / "runs" / f"{w.name}-r{k}-{side}"
+            scratch.mkdir(parents=True, exist_ok=True)
+            if side == "proximal":
+                r = run_proximal(w, assets[w.name], steps=a.steps, threads=a.threads, scratch=scratch,
+                                 timeout_s=a.timeout, keep_run=a.keep_runs)
+            else:
+                py = pythons["trl-ppo" if w.method == "ppo" else "trl-grpo"]
+                r = run_trl(w, assets[w.name], py, steps=a.steps, threads=a.threads, scratch=scratch,
+                            timeout_s=a.timeout)
+            r["round"] = k
+            runs.append(r)
+            busy = r.get("cpu_busy_before", 0.0)
+            warn = f"  [warn: {busy:.2f} CPUs busy before it — {BUSY_NOTE}]" if busy > report.BUSY_WARN else ""
+            status = f"FAILED ({r['error'][:300]})" if r.get("error") else (
+                f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB")
+            log(f"[run] round {k} {w.name:10s} {side:8s} {status}{warn}")
 
     # 4. Report.
     summary = report.summarize(runs, [w.name for w in works])
     data = {"meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "command": shlex.join([Path(sys.executable).name, "benchmarks/compare_trl.py"]
                                            + list(sys.argv[1:] if argv is None else argv)),
-                     "rounds": a.rounds, "steps": a.steps, "threads": a.threads, "smoke": a.smoke,
+                     "rounds": a.rounds, "rounds_of": a.rounds_of, "steps": a.steps, "threads": a.threads, "smoke": a.smoke,
                      "bf16_precision": a.bf16_precision, "machine": machine(), "proximal": _versions_here(),
                      "anchors": anchor_versions, "skipped": skipped,
                      "works": {w.name: {**w.__dict__, "model": assets[w.name]["model"]} for w in works}},

@@ -50,6 +50,22 @@ def test_ratios_are_per_round_pairs_and_failed_runs_drop_their_pair():
     assert s["failed_runs"] == 1
 
 
+def test_more_rounds_for_some_works_keep_the_rounds_interleaved():
+    import compare_trl
+
+    a = compare_trl.parse_args(["--works", "tiny,wide,grpo", "--rounds", "3", "--more-rounds", "tiny=5,grpo=4"])
+    assert a.rounds_of == {"tiny": 5, "wide": 3, "grpo": 4}
+    order = compare_trl.schedule(a.works, a.rounds_of)
+    assert order[:3] == [(1, "tiny"), (1, "wide"), (1, "grpo")]
+    assert order[9:] == [(4, "tiny"), (4, "grpo"), (5, "tiny")]
+    assert sorted(order) == sorted({(k, w) for w, n in a.rounds_of.items() for k in range(1, n + 1)})
+    for bad in ("tiny=2", "wide-bf16=5", "tiny", "tiny=x"):  # fewer than --rounds, not a chosen work, no N
+        with pytest.raises(SystemExit):
+            compare_trl.parse_args(["--works", "tiny,wide", "--more-rounds", bad])
+    assert report._rounds({"rounds": 3, "rounds_of": a.rounds_of}) == "3 rounds (grpo: 4; tiny: 5)"
+    assert report._rounds({"rounds": 3, "rounds_of": {"tiny": 3}}) == "3 rounds"
+
+
 def test_benchmark_policy_cannot_sample_a_special_token_and_prompts_round_trip(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

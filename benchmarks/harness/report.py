@@ -50,6 +50,16 @@ def _f(x, nd=3) -> str:
     return str(x)
 
 
+def _rounds(meta: dict) -> str:
+    """"3 rounds", or "3 rounds (tiny, grpo: 7)" where some works had more."""
+    more: dict[int, list[str]] = {}
+    for w, n in meta.get("rounds_of", {}).items():
+        if n != meta["rounds"]:
+            more.setdefault(n, []).append(w)
+    extra = "; ".join(f"{', '.join(ws)}: {n}" for n, ws in sorted(more.items()))
+    return f"{meta['rounds']} rounds" + (f" ({extra})" if extra else "")
+
+
 def write(results_md: Path, data: dict, notes: str) -> None:
     """``results_md`` and, beside it, the same stem ``.json`` with every number."""
     meta, summary, runs = data["meta"], data["summary"], data["runs"]
@@ -59,7 +69,7 @@ def write(results_md: Path, data: dict, notes: str) -> None:
     lines = [
         "# proximal against TRL, head to head",
         "",
-        f"Measured {meta['date']} with `{meta['command']}` ({meta['rounds']} rounds, {meta['steps']} steps a run, "
+        f"Measured {meta['date']} with `{meta['command']}` ({_rounds(meta)}, {meta['steps']} steps a run, "
         f"{meta['threads']} torch threads a process; every run a fresh process; proximal and the anchor alternate "
         "A B A B within each work).",
         "",
@@ -81,20 +91,21 @@ def write(results_md: Path, data: dict, notes: str) -> None:
               "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
               "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
               "whole process, spawn to exit; peak RSS = the process's peak resident set.", "",
-              "| work | s/step proximal | s/step TRL | ratio | target | met | process s proximal | process s TRL | "
-              "ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| work | rounds | s/step proximal | s/step TRL | ratio | per-round ratios | target | met | "
+              "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, s in summary.items():
         ratio = s["ratio_median_step_s"]
         met = "—" if w not in TARGETS or ratio is None else ("yes" if ratio <= TARGETS[w] else "no")
         lines.append("| " + " | ".join([
-            w, _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(ratio, 3),
+            w, str(s["rounds"]), _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(ratio, 3),
+            " ".join(f"{x:.3f}" for x in s["ratio_median_step_s_all"]) or "—",
             f"≤ {TARGETS[w]}" if w in TARGETS else "—", met,
             _f(s["proximal_wall_s"]), _f(s["anchor_wall_s"]), _f(s["ratio_wall_s"], 2),
             _f(s["proximal_peak_rss_mib"], 4), _f(s["anchor_peak_rss_mib"], 4), _f(s["ratio_peak_rss_mib"], 2),
         ]) + " |")
     for w, why in meta.get("skipped", {}).items():
-        lines.append(f"| {w} | skipped: {why} |" + " |" * 10)
+        lines.append(f"| {w} | skipped: {why} |" + " |" * 12)
     lines += ["", "## Every run", "",
               "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
               "note |", "|---|---|---|---|---|---|---|---|---|"]
