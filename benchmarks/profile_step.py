@@ -43,7 +43,6 @@ from harness.works import WORKS, with_precision, write_models, write_prompts  # 
 
 def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None,
                      by_shape: bool = False) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import proximal.trainers.ppo as ppo

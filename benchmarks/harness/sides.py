@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from harness import proximal_side
