@@ -203,13 +203,17 @@ def test_fused_packed_is_the_stacked_products(calls):
     _close(y, want)
 
 
-def test_generation_with_packed_weights_samples_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("bf16_mixed", [False, True])
+def test_generation_with_packed_weights_samples_the_same_tokens(bf16_mixed, monkeypatch):
+    """Float32 copies, or bfloat16 ones under bf16-mixed's autocast: the same tokens as unpacked."""
     import contextlib
 
     from proximal.rollout import engine
 
     model = _llama()
     kernels.use_onednn_linears(model)
+    if bf16_mixed:
+        model._proximal_autocast = torch.bfloat16  # what prepare_trained sets for bf16-mixed
     ids = torch.randint(4, 512, (16, 12), generator=torch.Generator().manual_seed(3))
     params = engine.SamplingParams(max_new_tokens=24, stop_token_ids=(1,))
     packed = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
@@ -242,22 +246,6 @@ def test_under_autocast_the_packed_copies_are_bfloat16(calls):
                 plain = attn.q_proj(x)
             assert plain.dtype == torch.float32
             _close(plain[:, 0], x[:, 0].double() @ attn.q_proj.weight.double().t())
-
-
-def test_generation_under_autocast_with_packed_weights_samples_the_same_tokens(monkeypatch):
-    import contextlib
-
-    from proximal.rollout import engine
-
-    model = _llama()
-    kernels.use_onednn_linears(model)
-    model._proximal_autocast = torch.bfloat16  # what prepare_trained sets for bf16-mixed
-    ids = torch.randint(4, 512, (16, 12), generator=torch.Generator().manual_seed(3))
-    params = engine.SamplingParams(max_new_tokens=24, stop_token_ids=(1,))
-    packed = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
-    monkeypatch.setattr(engine, "packed_weights", lambda model, rows: contextlib.nullcontext())
-    plain = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
-    assert packed.shape == (16, 24) and torch.equal(packed, plain)
 
 
 AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"

@@ -169,16 +169,12 @@ def test_under_autocast_the_tokens_are_the_models_own(tmp_path, lean_steps):
     assert torch.equal(lean, plain)
 
 
-def test_the_hf_cached_decode_agrees_too(tmp_path):
-    """Against the engine's other path step by step: the model's forward with its DynamicCache."""
-    model = _model("qwen2", tmp_path)
-    ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
-    got, _ = _lean_logits(model, ids, mask, continuation)
+def _cached_logits(model, ids, mask, continuation):
+    """The model's own decode with its DynamicCache after each token of ``continuation``, teacher-forced.
+    (B, T, V)."""
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    cache=cache, use_cache=True)
+                    cache=DynamicCache(config=model.config), use_cache=True)
         m, pos, want = mask, mask.sum(1, keepdim=True), []
         for t in range(continuation.shape[1]):
             m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
@@ -186,7 +182,16 @@ def test_the_hf_cached_decode_agrees_too(tmp_path):
                         cache=out.past_key_values, use_cache=True)
             want.append(out.logits[:, -1])
             pos = pos + 1
-    torch.testing.assert_close(got, torch.stack(want, 1), rtol=0, atol=2e-5)
+    return torch.stack(want, 1)
+
+
+def test_the_hf_cached_decode_agrees_too(tmp_path):
+    """Against the engine's other path step by step: the model's forward with its DynamicCache."""
+    model = _model("qwen2", tmp_path)
+    ids, mask = _prompts()
+    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    got, _ = _lean_logits(model, ids, mask, continuation)
+    torch.testing.assert_close(got, _cached_logits(model, ids, mask, continuation), rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -201,20 +206,12 @@ def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decod
     continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got, fused = _lean_logits(model, ids, mask, continuation)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
-        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 2)
-        assert {b.dtype for b in lean.keys + lean.values} == {torch.bfloat16}
+        want = _cached_logits(model, ids, mask, continuation)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
         assert out.past_key_values.layers[0].keys.dtype == torch.float32  # the model's own cache
-        m, pos, want = mask, mask.sum(1, keepdim=True), []
-        for t in range(continuation.shape[1]):
-            m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
-            out = model(input_ids=continuation[:, t:t + 1], attention_mask=m, position_ids=pos,
-                        cache=out.past_key_values, use_cache=True)
-            want.append(out.logits[:, -1])
-            pos = pos + 1
+        lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 2)
+        assert {b.dtype for b in lean.keys + lean.values} == {torch.bfloat16}
     assert fused == [True] * len(fused)
-    want = torch.stack(want, 1)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
 
