@@ -156,9 +156,9 @@ def _forward(module: torch.nn.Module, x: Tensor) -> Tensor:
     return linear(x, module.weight, module.bias)
 
 
-def _autocast_dtype() -> torch.dtype | None:
-    """The dtype CPU autocast casts products to, or None when it is off."""
-    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+def autocast_dtype(device_type: str = "cpu") -> torch.dtype | None:
+    """The dtype autocast on ``device_type`` casts products to, or None when it is off there."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _packs(dtype: torch.dtype, x: Tensor) -> bool:
@@ -166,20 +166,16 @@ def _packs(dtype: torch.dtype, x: Tensor) -> bool:
     serve float32 inputs without autocast; bfloat16 copies serve calls under bfloat16 autocast, which
     would cast the input, weight and bias to bfloat16 and multiply those."""
     if dtype == torch.float32:
-        return x.dtype == torch.float32 and _autocast_dtype() is None
-    return _autocast_dtype() == dtype and x.dtype in (torch.float32, dtype)
+        return x.dtype == torch.float32 and autocast_dtype() is None
+    return autocast_dtype() == dtype and x.dtype in (torch.float32, dtype)
 
 
 def _pack(weights: list[Tensor], biases: list[Tensor | None], dtype: torch.dtype, rows: int):
     """(W, b): the weights stacked, cast to ``dtype`` and reordered for oneDNN at ``rows`` rows; the
     biases stacked and cast too, or None."""
     with torch.no_grad():
-        w = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-        w = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
-        b = None
-        if biases[0] is not None:
-            b = (torch.cat([b.detach() for b in biases]) if len(biases) > 1 else biases[0].detach()).to(dtype)
-        return w, b
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).to(dtype), rows)
+        return w, None if biases[0] is None else torch.cat(biases).to(dtype)
 
 
 #: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
@@ -207,7 +203,7 @@ def packed_weights(model: torch.nn.Module, rows: int):
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
     oneDNN, it is switched off (:func:`enabled`), autocast is to another dtype, or the copies would
     exceed :data:`MAX_PACKED_BYTES` (they are held for the duration)."""
-    dtype = _autocast_dtype() or torch.float32
+    dtype = autocast_dtype() or torch.float32
     modules = []
     if _OP is not None and enabled() and dtype in (torch.float32, torch.bfloat16):
         for m in model.modules():

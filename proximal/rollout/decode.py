@@ -16,7 +16,8 @@ argument checks. :class:`LeanDecoder` keeps the arithmetic and drops that work:
 - the attention mask is the rows' padding mask, a view of one (B, P + T) tensor.
 
 So the logits are the model's own up to float round-off of a different summation order (the test
-suite holds both paths to the same tokens and to logits within 1e-5), and a step of the tiny
+suite holds both paths to the same tokens and to logits within 2e-5; under bfloat16 autocast the
+logits are bit for bit those of the model's own cached decode), and a step of the tiny
 benchmark's 48-token decode costs about a quarter less (``benchmarks/README.md``).
 
 :func:`unsupported` says why a model is not taken (then the model's own forward decodes): another
@@ -73,9 +74,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
     impl = getattr(config, "_attn_implementation", None)
     if impl not in MASKS:
         return f"attention implementation {impl!r} (only {', '.join(map(repr, MASKS))})"
-    for layer in _layers(base):
-        if layer.self_attn.training and getattr(config, "attention_dropout", 0.0):
-            return "attention dropout in train mode"
+    if getattr(config, "attention_dropout", 0.0) and any(layer.self_attn.training for layer in _layers(base)):
+        return "attention dropout in train mode"
     return None
 
 
@@ -112,9 +112,9 @@ class LeanDecoder:
             dtype = self.inner.embed_tokens.weight.dtype  # the hidden states' dtype (no autocast on embeddings)
             self.attn_mask = torch.zeros(self.attn_mask.shape, dtype=dtype, device=mask.device).masked_fill_(
                 ~self.attn_mask, torch.finfo(dtype).min)
-        # On CPU in float32, inside kernels.packed_weights: one product for a layer's q, k, v projections
-        # (with each one's number of heads, to split its output) and one for its gate and up projections;
-        # else None.
+        # On CPU inside kernels.packed_weights (float32, or bfloat16 under autocast): one product for a
+        # layer's q, k, v projections (with each one's number of heads, to split its output) and one for
+        # its gate and up projections; else None.
         self.qkv = []
         for layer in self.layers:
             a = layer.self_attn
@@ -147,8 +147,7 @@ class LeanDecoder:
         # Under autocast the buffers hold its dtype: both attention functions ("eager"'s matmuls, "sdpa")
         # are autocast operators, which cast the whole cache to it at every step otherwise — once per
         # position instead, the same rounding.
-        device = layers[0].keys.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = kernels.autocast_dtype(layers[0].keys.device.type)
         keys, values = [], []
         for layer in layers:
             for src, dst in ((layer.keys, keys), (layer.values, values)):
