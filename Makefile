@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test compare install clean
+.PHONY: demo test lint format compare install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ compare: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff's lint and format check (CI runs it before the tests); `make format` rewrites in place.
+LINTED := proximal tests benchmarks
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

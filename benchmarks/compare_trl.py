@@ -94,41 +94,88 @@ def _versions_here() -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "proximal"],
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "proximal"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         commit += "+dirty" if dirty else ""
     except OSError:
         commit = "?"
-    return {"commit": commit or "?", "torch": torch.__version__, "transformers": transformers.__version__}
+    return {
+        "commit": commit or "?",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--works", default=",".join(DEFAULT_WORKS),
-                    help=f"comma-separated, from: {', '.join(WORKS)} (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="A B pairs per work (at least 3 for a result; default 3)")
-    ap.add_argument("--more-rounds", default="",
-                    help="WORK=N,…: these works get N rounds instead (N ≥ --rounds; the short works' steps "
-                         "are the noisiest, and their rounds cost little). Rounds stay interleaved: round k runs "
-                         "every work that has a k-th round")
-    ap.add_argument("--steps", type=int, default=10, help="training steps a run (default 10: medians of 2–10)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="torch threads in every process (default: the machine's %(default)s cores)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI mode: 1 step, 1 round, proximal only, no anchor install; not a measurement")
-    ap.add_argument("--bf16-precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"),
-                    help="proximal's train.precision for the *-bf16 works (default %(default)s, the same "
-                         "arithmetic as autocast with float32 master weights)")
-    ap.add_argument("--workdir", type=Path, default=BENCH / ".work",
-                    help="models, prompts, run logs (default benchmarks/.work, git-ignored)")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="results markdown; the JSON goes beside it (default benchmarks/results.md, "
-                         "benchmarks/.work/results-smoke.md with --smoke)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed a run (default %(default)s)")
-    ap.add_argument("--keep-runs", action="store_true", help="keep proximal's run directories (checkpoints)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--works",
+        default=",".join(DEFAULT_WORKS),
+        help=f"comma-separated, from: {', '.join(WORKS)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="A B pairs per work (at least 3 for a result; default 3)",
+    )
+    ap.add_argument(
+        "--more-rounds",
+        default="",
+        help="WORK=N,…: these works get N rounds instead (N ≥ --rounds; the short works' steps "
+        "are the noisiest, and their rounds cost little). Rounds stay interleaved: round k runs "
+        "every work that has a k-th round",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=10, help="training steps a run (default 10: medians of 2–10)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads in every process (default: the machine's %(default)s cores)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI mode: 1 step, 1 round, proximal only, no anchor install; not a measurement",
+    )
+    ap.add_argument(
+        "--bf16-precision",
+        default="bf16-mixed",
+        choices=("bf16-mixed", "bf16-true"),
+        help="proximal's train.precision for the *-bf16 works (default %(default)s, the same "
+        "arithmetic as autocast with float32 master weights)",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=BENCH / ".work",
+        help="models, prompts, run logs (default benchmarks/.work, git-ignored)",
+    )
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="results markdown; the JSON goes beside it (default benchmarks/results.md, "
+        "benchmarks/.work/results-smoke.md with --smoke)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=3600, help="seconds allowed a run (default %(default)s)"
+    )
+    ap.add_argument(
+        "--keep-runs", action="store_true", help="keep proximal's run directories (checkpoints)"
+    )
     a = ap.parse_args(argv)
     a.works = [w.strip() for w in a.works.split(",") if w.strip()]
     unknown = [w for w in a.works if w not in WORKS]
@@ -142,8 +189,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for item in filter(None, (x.strip() for x in a.more_rounds.split(","))):
         name, _, n = item.partition("=")
         if name not in a.rounds_of or not n.isdigit() or int(n) < a.rounds:
-            ap.error(f"--more-rounds {item!r}: expected WORK=N with WORK one of --works ({', '.join(a.works)}) "
-                     f"and N ≥ --rounds ({a.rounds})")
+            ap.error(
+                f"--more-rounds {item!r}: expected WORK=N with WORK one of --works ({', '.join(a.works)}) "
+                f"and N ≥ --rounds ({a.rounds})"
+            )
         a.rounds_of[name] = int(n)
     if a.results is None:
         a.results = (a.workdir / "results-smoke.md") if a.smoke else (BENCH / "results.md")
@@ -161,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     cores = os.cpu_count() or 1
     if a.threads > cores:
-        log(f"[warn] --threads {a.threads} is more than the machine's {cores} cores: oversubscribed")
+        log(
+            f"[warn] --threads {a.threads} is more than the machine's {cores} cores: oversubscribed"
+        )
     if not a.smoke and a.rounds < 3:
         log(f"[warn] --rounds {a.rounds}: issue 12 asks for at least 3 alternations")
 
@@ -170,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(w.method == "grpo" for w in works) and not has_command("grpo"):
         for w in works:
             if w.method == "grpo":
-                skipped[w.name] = "`proximal grpo` does not exist in this tree yet (issue 10); the pair was not run"
+                skipped[w.name] = (
+                    "`proximal grpo` does not exist in this tree yet (issue 10); the pair was not run"
+                )
                 log(f"[skip] {w.name}: {skipped[w.name]}")
         works = [w for w in works if w.method != "grpo"]
 
@@ -180,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         model = write_models(w, a.workdir)
         prompts = write_prompts(w, a.workdir, 10 * w.batch, model["policy"])
         assets[w.name] = {"model": model, "prompts": prompts}
-        log(f"[models] {w.name}: {model['params_policy'] / 1e6:.3g}M-parameter policy, "
-            f"{model['params_reward'] / 1e6:.3g}M reward model; specials ≥ {model['min_logit_gap']:.0f} nats down")
+        log(
+            f"[models] {w.name}: {model['params_policy'] / 1e6:.3g}M-parameter policy, "
+            f"{model['params_reward'] / 1e6:.3g}M reward model; specials ≥ {model['min_logit_gap']:.0f} nats down"
+        )
 
     # 2. The anchors' environments.
     pythons, anchor_versions = {}, {}
@@ -200,36 +255,75 @@ def main(argv: list[str] | None = None) -> int:
             scratch = a.workdir / "runs" / f"{w.name}-r{k}-{side}"
             scratch.mkdir(parents=True, exist_ok=True)
             if side == "proximal":
-                r = run_proximal(w, assets[w.name], steps=a.steps, threads=a.threads, scratch=scratch,
-                                 timeout_s=a.timeout, keep_run=a.keep_runs)
+                r = run_proximal(
+                    w,
+                    assets[w.name],
+                    steps=a.steps,
+                    threads=a.threads,
+                    scratch=scratch,
+                    timeout_s=a.timeout,
+                    keep_run=a.keep_runs,
+                )
             else:
                 py = pythons["trl-ppo" if w.method == "ppo" else "trl-grpo"]
-                r = run_trl(w, assets[w.name], py, steps=a.steps, threads=a.threads, scratch=scratch,
-                            timeout_s=a.timeout)
+                r = run_trl(
+                    w,
+                    assets[w.name],
+                    py,
+                    steps=a.steps,
+                    threads=a.threads,
+                    scratch=scratch,
+                    timeout_s=a.timeout,
+                )
             r["round"] = k
             runs.append(r)
             busy = r.get("cpu_busy_before", 0.0)
-            warn = f"  [warn: {busy:.2f} CPUs busy before it — {BUSY_NOTE}]" if busy > report.BUSY_WARN else ""
-            status = f"FAILED ({r['error'][:300]})" if r.get("error") else (
-                f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB")
+            warn = (
+                f"  [warn: {busy:.2f} CPUs busy before it — {BUSY_NOTE}]"
+                if busy > report.BUSY_WARN
+                else ""
+            )
+            status = (
+                f"FAILED ({r['error'][:300]})"
+                if r.get("error")
+                else (
+                    f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB"
+                )
+            )
             log(f"[run] round {k} {w.name:10s} {side:8s} {status}{warn}")
 
     # 4. Report.
     summary = report.summarize(runs, [w.name for w in works])
-    data = {"meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                     "command": shlex.join([Path(sys.executable).name, "benchmarks/compare_trl.py"]
-                                           + list(sys.argv[1:] if argv is None else argv)),
-                     "rounds": a.rounds, "rounds_of": a.rounds_of, "steps": a.steps, "threads": a.threads, "smoke": a.smoke,
-                     "bf16_precision": a.bf16_precision, "machine": machine(), "proximal": _versions_here(),
-                     "anchors": anchor_versions, "skipped": skipped,
-                     "works": {w.name: {**w.__dict__, "model": assets[w.name]["model"]} for w in works}},
-            "summary": summary, "runs": runs}
+    data = {
+        "meta": {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": shlex.join(
+                [Path(sys.executable).name, "benchmarks/compare_trl.py"]
+                + list(sys.argv[1:] if argv is None else argv)
+            ),
+            "rounds": a.rounds,
+            "rounds_of": a.rounds_of,
+            "steps": a.steps,
+            "threads": a.threads,
+            "smoke": a.smoke,
+            "bf16_precision": a.bf16_precision,
+            "machine": machine(),
+            "proximal": _versions_here(),
+            "anchors": anchor_versions,
+            "skipped": skipped,
+            "works": {w.name: {**w.__dict__, "model": assets[w.name]["model"]} for w in works},
+        },
+        "summary": summary,
+        "runs": runs,
+    }
     report.write(a.results, data, NOTES)
     log(f"[done] {a.results} and {a.results.with_suffix('.json')}")
     for w, s in summary.items():
-        log(f"  {w:10s} step ratio {_s(s['ratio_median_step_s'])}  process ratio {_s(s['ratio_wall_s'])}  "
+        log(
+            f"  {w:10s} step ratio {_s(s['ratio_median_step_s'])}  process ratio {_s(s['ratio_wall_s'])}  "
             f"RSS ratio {_s(s['ratio_peak_rss_mib'])}   (proximal {_s(s['proximal_median_step_s'])} s/step, "
-            f"TRL {_s(s['anchor_median_step_s'])} s/step)")
+            f"TRL {_s(s['anchor_median_step_s'])} s/step)"
+        )
     failed = sum(s["failed_runs"] for s in summary.values())
     return 1 if failed else 0
 

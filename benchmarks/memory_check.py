@@ -48,27 +48,74 @@ sys.path.insert(0, str(ROOT))
 # name -> shape and batch. All Llama-style (the architecture of proximal.models.tiny's default).
 CONFIGS = {
     # the configuration tests/test_memory.py asserts (a few seconds on 2 cores)
-    "test": dict(hidden=256, layers=4, heads=4, vocab=2048, batch=8, micro_batch=4, prompt_len=32, response_len=32),
+    "test": dict(
+        hidden=256,
+        layers=4,
+        heads=4,
+        vocab=2048,
+        batch=8,
+        micro_batch=4,
+        prompt_len=32,
+        response_len=32,
+    ),
     # three that differ in batch, response length and model size
-    "small-long": dict(hidden=256, layers=6, heads=4, vocab=4096, batch=8, micro_batch=4, prompt_len=64,
-                       response_len=192),
-    "medium": dict(hidden=384, layers=6, heads=6, vocab=4096, batch=16, micro_batch=8, prompt_len=64,
-                   response_len=64),
-    "large": dict(hidden=512, layers=8, heads=8, vocab=8192, batch=8, micro_batch=2, prompt_len=128,
-                  response_len=128),
+    "small-long": dict(
+        hidden=256,
+        layers=6,
+        heads=4,
+        vocab=4096,
+        batch=8,
+        micro_batch=4,
+        prompt_len=64,
+        response_len=192,
+    ),
+    "medium": dict(
+        hidden=384,
+        layers=6,
+        heads=6,
+        vocab=4096,
+        batch=16,
+        micro_batch=8,
+        prompt_len=64,
+        response_len=64,
+    ),
+    "large": dict(
+        hidden=512,
+        layers=8,
+        heads=8,
+        vocab=8192,
+        batch=8,
+        micro_batch=2,
+        prompt_len=128,
+        response_len=128,
+    ),
     # activation checkpointing (Hugging Face's per-layer gradient checkpointing)
-    "medium-ckpt": dict(hidden=384, layers=6, heads=6, vocab=4096, batch=16, micro_batch=8, prompt_len=64,
-                        response_len=64, checkpointing=True),
+    "medium-ckpt": dict(
+        hidden=384,
+        layers=6,
+        heads=6,
+        vocab=4096,
+        batch=16,
+        micro_batch=8,
+        prompt_len=64,
+        response_len=64,
+        checkpointing=True,
+    ),
 }
 PHASES = ("rollout", "scoring", "actor update", "critic update")
 METHODS = ("allocator", "rss", "rss-mmap")  # on the CPU; "cuda" runs the same step on a GPU
-LABELS = {"allocator": "allocator peak", "rss": "RSS - baseline", "rss-mmap": "RSS, fixed mmap threshold",
-          "cuda": "CUDA max allocated"}
+LABELS = {
+    "allocator": "allocator peak",
+    "rss": "RSS - baseline",
+    "rss-mmap": "RSS, fixed mmap threshold",
+    "cuda": "CUDA max allocated",
+}
 
 
 # --------------------------------------------------------------------------------------------------
 # The worker: one configuration, one fresh process
 # --------------------------------------------------------------------------------------------------
+
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -83,8 +130,8 @@ def response_logprobs(model, seq, prompt_len):
     logits go at the end of this function, as in any trainer that computes the loss in a helper.
     """
     logits = model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits  # (m, s, V)
-    logp = torch.log_softmax(logits[:, prompt_len - 1:-1].float(), dim=-1)   # (m, T, V)
-    return logp.gather(-1, seq[:, prompt_len:, None]).squeeze(-1)            # (m, T)
+    logp = torch.log_softmax(logits[:, prompt_len - 1 : -1].float(), dim=-1)  # (m, T, V)
+    return logp.gather(-1, seq[:, prompt_len:, None]).squeeze(-1)  # (m, T)
 
 
 def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
@@ -97,19 +144,26 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
     mark("rollout")
     actor.eval()
     with torch.no_grad():
-        seq = actor.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=T,
-                             min_new_tokens=T, pad_token_id=0, eos_token_id=1)  # (B, P + T)
+        seq = actor.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            pad_token_id=0,
+            eos_token_id=1,
+        )  # (B, P + T)
     mask = torch.ones_like(seq)
     # 2. Scoring (the four models): old and reference log-probs, values, reward — no grad, micro-batches.
     mark("scoring")
     old_lp, ref_lp, values, scores = [], [], [], []
     with torch.no_grad():
         for i in range(0, B, mb):
-            s_ = seq[i:i + mb]
+            s_ = seq[i : i + mb]
             old_lp.append(response_logprobs(actor, s_, P))
             ref_lp.append(response_logprobs(ref, s_, P))
-            values.append(token_values(critic, s_, mask[i:i + mb])[:, P - 1:-1])
-            scores.append(last_token_scores(reward, s_, mask[i:i + mb]))
+            values.append(token_values(critic, s_, mask[i : i + mb])[:, P - 1 : -1])
+            scores.append(last_token_scores(reward, s_, mask[i : i + mb]))
     old_lp, ref_lp, values, scores = (torch.cat(x) for x in (old_lp, ref_lp, values, scores))
     # 3. Per-token KL-shaped rewards (Ziegler et al. 2019), GAE (Schulman et al. 2015), whitened advantages.
     rewards = -beta * (old_lp - ref_lp)
@@ -126,9 +180,9 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
     mark("actor update")
     actor.train()
     for i in range(0, B, mb):
-        lp = response_logprobs(actor, seq[i:i + mb], P)
-        ratio = torch.exp(lp - old_lp[i:i + mb])
-        a = adv[i:i + mb]
+        lp = response_logprobs(actor, seq[i : i + mb], P)
+        ratio = torch.exp(lp - old_lp[i : i + mb])
+        a = adv[i : i + mb]
         loss = -torch.min(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a).mean() * (len(a) / B)
         loss.backward()
     opt_a.step()
@@ -137,8 +191,8 @@ def ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, mark):
     mark("critic update")
     critic.train()
     for i in range(0, B, mb):
-        v = token_values(critic, seq[i:i + mb], mask[i:i + mb])[:, P - 1:-1]
-        v_old, ret = values[i:i + mb], returns[i:i + mb]
+        v = token_values(critic, seq[i : i + mb], mask[i : i + mb])[:, P - 1 : -1]
+        v_old, ret = values[i : i + mb], returns[i : i + mb]
         v_clip = v_old + (v - v_old).clamp(-eps_v, eps_v)
         loss = 0.5 * torch.max((v - ret) ** 2, (v_clip - ret) ** 2).mean() * (len(v) / B)
         loss.backward()
@@ -158,8 +212,15 @@ def _build_and_step(spec: dict, steps: int, device: str = "cpu", on_mark=None):
 
     torch.manual_seed(0)
     P, T, B, mb = spec["prompt_len"], spec["response_len"], spec["batch"], spec["micro_batch"]
-    cfg = tiny_config("llama", spec["vocab"], hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
-                      max_positions=P + T, num_labels=1)
+    cfg = tiny_config(
+        "llama",
+        spec["vocab"],
+        hidden=spec["hidden"],
+        layers=spec["layers"],
+        heads=spec["heads"],
+        max_positions=P + T,
+        num_labels=1,
+    )
     # The four models (Ouyang et al. 2022): the reference is a frozen copy of the actor (the SFT model), the
     # critic starts from the reward model (one-label sequence classifiers, as in proximal.models.heads).
     actor = AutoModelForCausalLM.from_config(cfg).to(device)
@@ -186,7 +247,18 @@ def _build_and_step(spec: dict, steps: int, device: str = "cpu", on_mark=None):
 
     t0 = time.time()
     for step in range(steps):
-        ppo_step(actor, ref, critic, reward, opt_a, opt_c, prompts, T, mb, lambda name, step=step: mark(f"{step}:{name}"))
+        ppo_step(
+            actor,
+            ref,
+            critic,
+            reward,
+            opt_a,
+            opt_c,
+            prompts,
+            T,
+            mb,
+            lambda name, step=step: mark(f"{step}:{name}"),
+        )
     seconds = time.time() - t0
     return cfg, marks, seconds
 
@@ -195,6 +267,7 @@ def worker(spec: dict, method: str) -> dict:
     """Build the four models, run two PPO steps, measure the second. Runs in a fresh process."""
     global torch
     import warnings
+
     warnings.filterwarnings("ignore")
     import resource
 
@@ -208,14 +281,27 @@ def worker(spec: dict, method: str) -> dict:
     if method.startswith("rss"):
         # Page in the code a PPO step touches (kernels, autograd engine, generation) with a throwaway
         # 2-layer model first, so the baseline holds the libraries and the difference holds data.
-        _build_and_step(dict(hidden=32, layers=2, heads=2, vocab=64, batch=2, micro_batch=1, prompt_len=4,
-                             response_len=4, checkpointing=spec.get("checkpointing", False)), steps=1)
+        _build_and_step(
+            dict(
+                hidden=32,
+                layers=2,
+                heads=2,
+                vocab=64,
+                batch=2,
+                micro_batch=1,
+                prompt_len=4,
+                response_len=4,
+                checkpointing=spec.get("checkpointing", False),
+            ),
+            steps=1,
+        )
         gc.collect()
     baseline_rss = _rss_bytes()
 
     prof = None
     if method == "allocator":
         from torch.profiler import ProfilerActivity, profile
+
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
 
@@ -233,20 +319,30 @@ def worker(spec: dict, method: str) -> dict:
         cuda["label"] = label
 
     device = "cuda" if method == "cuda" else "cpu"
-    cfg, marks, seconds = _build_and_step(spec, steps=2, device=device,
-                                          on_mark=on_cuda_mark if method == "cuda" else None)
+    cfg, marks, seconds = _build_and_step(
+        spec, steps=2, device=device, on_mark=on_cuda_mark if method == "cuda" else None
+    )
     P, T, B, mb = spec["prompt_len"], spec["response_len"], spec["batch"], spec["micro_batch"]
     out = {"method": method, "spec": spec, "seconds": round(seconds, 1)}
     if method == "cuda":
-        out.update(peak=max(cuda["phase_peak"].values()), static=cuda["static"], phase_peak=cuda["phase_peak"],
-                   device_name=torch.cuda.get_device_name())
+        out.update(
+            peak=max(cuda["phase_peak"].values()),
+            static=cuda["static"],
+            phase_peak=cuda["phase_peak"],
+            device_name=torch.cuda.get_device_name(),
+        )
     elif prof is not None:
         prof.__exit__(None, None, None)
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]"
+        )
         # Live bytes after each allocation or free; the peak within each phase of the second step.
         starts = {name: t for t, name in marks}
-        bounds = [(p, starts[f"1:{p}"], starts[f"1:{q}"]) for p, q in zip(PHASES, PHASES[1:] + ("end",))]
+        bounds = [
+            (p, starts[f"1:{p}"], starts[f"1:{q}"]) for p, q in zip(PHASES, PHASES[1:] + ("end",))
+        ]
         live, phase_peak = 0, dict.fromkeys(PHASES, 0)
         static = None
         for t, nbytes in events:
@@ -256,22 +352,41 @@ def worker(spec: dict, method: str) -> dict:
             for p, a, b in bounds:
                 if a <= t < b:
                     phase_peak[p] = max(phase_peak[p], live)
-        out.update(peak=max(phase_peak.values()), static=static, phase_peak=phase_peak, events=len(events))
+        out.update(
+            peak=max(phase_peak.values()), static=static, phase_peak=phase_peak, events=len(events)
+        )
     else:
         # ru_maxrss is in KiB on Linux.
-        out.update(peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss,
-                   baseline_rss=baseline_rss)
+        out.update(
+            peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss,
+            baseline_rss=baseline_rss,
+        )
     # The same question to the planner, through the config.json a user would pass.
     from proximal import memory
+
     with tempfile.TemporaryDirectory() as d:
         cfg.save_pretrained(d)
         arch = memory.load_architecture(d)
-    setup = memory.Setup(actor=memory.ModelSpec.of(arch, "lm"), critic=memory.ModelSpec.of(arch, "score"),
-                         reward=memory.ModelSpec.of(arch, "score"), dtype="float32", batch=B, prompt_len=P,
-                         response_len=T, micro_batch=mb, activation_checkpointing=bool(spec.get("checkpointing")))
+    setup = memory.Setup(
+        actor=memory.ModelSpec.of(arch, "lm"),
+        critic=memory.ModelSpec.of(arch, "score"),
+        reward=memory.ModelSpec.of(arch, "score"),
+        dtype="float32",
+        batch=B,
+        prompt_len=P,
+        response_len=T,
+        micro_batch=mb,
+        activation_checkpointing=bool(spec.get("checkpointing")),
+    )
     p = memory.plan(setup)
-    out.update(predicted=p.peak, predicted_static=p.static, predicted_phases=p.phases,
-               predicted_peak_phase=p.peak_phase, n_params=arch.params("lm"), ratio=out["peak"] / p.peak)
+    out.update(
+        predicted=p.peak,
+        predicted_static=p.static,
+        predicted_phases=p.phases,
+        predicted_peak_phase=p.peak_phase,
+        n_params=arch.params("lm"),
+        ratio=out["peak"] / p.peak,
+    )
     return out
 
 
@@ -279,17 +394,25 @@ def worker(spec: dict, method: str) -> dict:
 # The driver
 # --------------------------------------------------------------------------------------------------
 
+
 def run_one(name: str, method: str) -> dict:
     """Run ``worker`` for configuration ``name`` in a fresh interpreter; return its result."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if method == "rss-mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run([sys.executable, __file__, "--worker", name, "--method", method],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", name, "--method", method],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"memory_check worker {name}/{method} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"memory_check worker {name}/{method} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return {"name": name, **json.loads(lines[-1])}
 
 
@@ -300,49 +423,80 @@ def _mib(n: float) -> str:
 def markdown(results: list[dict]) -> str:
     """The tables in docs/memory.md."""
     methods = [m for m in LABELS if any(r["method"] == m for r in results)]
-    rows = ["| config | N (actor) | hidden x layers, vocab | batch / micro | P + T | predicted peak (MiB) | "
-            + " | ".join(f"{LABELS[m]} (MiB) | ratio" for m in methods) + " |",
-            "|---" * (6 + 2 * len(methods)) + "|"]
+    rows = [
+        "| config | N (actor) | hidden x layers, vocab | batch / micro | P + T | predicted peak (MiB) | "
+        + " | ".join(f"{LABELS[m]} (MiB) | ratio" for m in methods)
+        + " |",
+        "|---" * (6 + 2 * len(methods)) + "|",
+    ]
     by: dict[str, dict] = {}
     for r in results:
         by.setdefault(r["name"], {})[r["method"]] = r
     for name, d in by.items():
         any_ = next(iter(d.values()))
         s = any_["spec"]
-        cells = [name, f"{any_['n_params'] / 1e6:.1f}M",
-                 f"{s['hidden']} x {s['layers']}, {s['vocab']}" + (" (ckpt)" if s.get("checkpointing") else ""),
-                 f"{s['batch']} / {s['micro_batch']}", f"{s['prompt_len']} + {s['response_len']}",
-                 _mib(any_["predicted"])]
+        cells = [
+            name,
+            f"{any_['n_params'] / 1e6:.1f}M",
+            f"{s['hidden']} x {s['layers']}, {s['vocab']}"
+            + (" (ckpt)" if s.get("checkpointing") else ""),
+            f"{s['batch']} / {s['micro_batch']}",
+            f"{s['prompt_len']} + {s['response_len']}",
+            _mib(any_["predicted"]),
+        ]
         for m in methods:
             r = d.get(m)
             cells += [_mib(r["peak"]), f"{r['ratio']:.2f}"] if r else ["-", "-"]
         rows.append("| " + " | ".join(cells) + " |")
-    phase_rows = ["", "Per phase (allocator or CUDA). \"above static\" compares only what the phase adds to the weights and "
-                  "AdamW state, the part the activation, logits and KV-cache formulas predict.", "",
-                  "| config | phase | predicted (MiB) | measured (MiB) | ratio | above static: predicted | measured | ratio |",
-                  "|---|---|---|---|---|---|---|---|"]
+    phase_rows = [
+        "",
+        'Per phase (allocator or CUDA). "above static" compares only what the phase adds to the weights and '
+        "AdamW state, the part the activation, logits and KV-cache formulas predict.",
+        "",
+        "| config | phase | predicted (MiB) | measured (MiB) | ratio | above static: predicted | measured | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, a in ((k, r) for k, d in by.items() for r in d.values() if "phase_peak" in r):
         name = key if a["method"] == "allocator" else f"{key} ({a['method']})"
-        phase_rows.append(f"| {name} | static (weights + AdamW state) | {_mib(a['predicted_static'])} "
-                          f"| {_mib(a['static'])} | {a['static'] / a['predicted_static']:.2f} | | | |")
+        phase_rows.append(
+            f"| {name} | static (weights + AdamW state) | {_mib(a['predicted_static'])} "
+            f"| {_mib(a['static'])} | {a['static'] / a['predicted_static']:.2f} | | | |"
+        )
         for ph in PHASES:
             extra = a["predicted_phases"][ph]
             pred = a["predicted_static"] + extra
             got = a["phase_peak"][ph]
-            phase_rows.append(f"| {name} | {ph} | {_mib(pred)} | {_mib(got)} | {got / pred:.2f} "
-                              f"| {_mib(extra)} | {_mib(got - a['static'])} | {(got - a['static']) / extra:.2f} |")
+            phase_rows.append(
+                f"| {name} | {ph} | {_mib(pred)} | {_mib(got)} | {got / pred:.2f} "
+                f"| {_mib(extra)} | {_mib(got - a['static'])} | {(got - a['static']) / extra:.2f} |"
+            )
     return "\n".join(rows + phase_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=[c for c in CONFIGS if c != "test"],
-                    help="configurations to run (default: all but 'test')")
-    ap.add_argument("--method", choices=METHODS + ("cuda", "all"), default="all",
-                    help="all = every CPU method; cuda = torch.cuda.max_memory_allocated() on a GPU")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_check.json",
-                    help="where to write the results as JSON ('-' for nowhere)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of markdown")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=tuple(CONFIGS),
+        default=[c for c in CONFIGS if c != "test"],
+        help="configurations to run (default: all but 'test')",
+    )
+    ap.add_argument(
+        "--method",
+        choices=METHODS + ("cuda", "all"),
+        default="all",
+        help="all = every CPU method; cuda = torch.cuda.max_memory_allocated() on a GPU",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "memory_check.json",
+        help="where to write the results as JSON ('-' for nowhere)",
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="print the results as JSON instead of markdown"
+    )
     ap.add_argument("--worker", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -353,12 +507,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs:
         for method in methods:
             r = run_one(name, method)
-            print(f"{name:<12} {method:<9} measured {_mib(r['peak']):>9} MiB  predicted {_mib(r['predicted']):>9} MiB"
-                  f"  ratio {r['ratio']:.2f}  ({r['seconds']} s)", file=sys.stderr)
+            print(
+                f"{name:<12} {method:<9} measured {_mib(r['peak']):>9} MiB  predicted {_mib(r['predicted']):>9} MiB"
+                f"  ratio {r['ratio']:.2f}  ({r['seconds']} s)",
+                file=sys.stderr,
+            )
             results.append(r)
     if str(args.out) != "-":
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["benchmarks/memory_check.py"] + (argv if argv is not None else sys.argv[1:]))
+        command = " ".join(
+            ["benchmarks/memory_check.py"] + (argv if argv is not None else sys.argv[1:])
+        )
         record = {"versions": _versions(), "command": command, "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(results, indent=1) if args.json else markdown(results))
@@ -370,8 +529,14 @@ def _versions() -> dict:
 
     import torch
     import transformers
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count()}
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
 
 
 if __name__ == "__main__":

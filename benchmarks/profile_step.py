@@ -41,12 +41,13 @@ from harness.sides import child_env, trl_command  # noqa: E402
 from harness.works import WORKS, with_precision, write_models, write_prompts  # noqa: E402
 
 
-def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None,
-                     by_shape: bool = False) -> dict:
+def profile_proximal(
+    work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None, by_shape: bool = False
+) -> dict:
+    from harness import proximal_side
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import proximal.trainers.ppo as ppo
-    from harness import proximal_side
     from proximal.config import load_config
     from proximal.train.host import tune_allocator
 
@@ -68,7 +69,9 @@ def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: 
     orig_collect, orig_exp, orig_update = ppo.collect, ppo.compute_experience, ppo.ppo_update
     orig_first = ppo.first_pass
 
-    def first_pass(*a, **kw):  # the first epoch's actor forward, which is log π_old: part of the experience
+    def first_pass(
+        *a, **kw
+    ):  # the first epoch's actor forward, which is log π_old: part of the experience
         with phase("experience"):
             return orig_first(*a, **kw)
 
@@ -102,8 +105,13 @@ def profile_proximal(work, assets, *, warmup: int, rows: int, sort: str, trace: 
     ppo.collect, ppo.compute_experience, ppo.ppo_update = collect, compute_experience, ppo_update
     ppo.first_pass = first_pass
     with tempfile.TemporaryDirectory() as tmp:
-        cfg_dict = proximal_side.ppo_config(work, model=assets["model"], prompts=assets["prompts"], steps=target,
-                                            out_dir=Path(tmp) / "run")
+        cfg_dict = proximal_side.ppo_config(
+            work,
+            model=assets["model"],
+            prompts=assets["prompts"],
+            steps=target,
+            out_dir=Path(tmp) / "run",
+        )
         path = proximal_side.write_config(cfg_dict, Path(tmp) / "config.yaml")
         cfg = load_config(ppo.PPOConfig, path)
         run_dir = ppo.train(cfg)
@@ -125,51 +133,103 @@ def _null():
     yield
 
 
-def profile_trl(work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None, threads: int) -> dict:
+def profile_trl(
+    work, assets, *, warmup: int, rows: int, sort: str, trace: Path | None, threads: int
+) -> dict:
     py = anchors.ensure(anchors.ANCHORS["trl-ppo"], log=print)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trl.json"
         cmd = trl_command(work, assets, py, steps=warmup + 1, threads=threads, out=out)
-        cmd += ["--profile-step", str(warmup + 1), "--profile-rows", str(rows), "--profile-sort", sort]
+        cmd += [
+            "--profile-step",
+            str(warmup + 1),
+            "--profile-rows",
+            str(rows),
+            "--profile-sort",
+            sort,
+        ]
         if trace:
             cmd += ["--profile-trace", str(trace)]
         subprocess.run(cmd, env=child_env(threads, pythonpath=[]), check=True, cwd=str(BENCH))
         r = json.loads(out.read_text())
     p = r["profile"]
-    return {"side": "trl", "step": warmup + 1, "step_s": p["step_s"], "phases": p["phases"], "table": p["table"]}
+    return {
+        "side": "trl",
+        "step": warmup + 1,
+        "step_s": p["step_s"],
+        "phases": p["phases"],
+        "table": p["table"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--work", default="tiny", choices=[w for w, v in WORKS.items() if v.method == "ppo"])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--work", default="tiny", choices=[w for w, v in WORKS.items() if v.method == "ppo"]
+    )
     ap.add_argument("--side", default="proximal", choices=("proximal", "trl"))
     ap.add_argument("--bf16-precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
-    ap.add_argument("--warmup", type=int, default=1, help="unprofiled steps before the profiled one (default 1)")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="unprofiled steps before the profiled one (default 1)"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rows", type=int, default=25, help="operators to list")
-    ap.add_argument("--sort", default="self_cpu_time_total", help="torch.profiler sort key (default %(default)s)")
-    ap.add_argument("--trace", type=Path, default=None, help="write a Chrome trace of the profiled step here")
-    ap.add_argument("--by-shape", action="store_true", help="group operators by input shapes (proximal side)")
+    ap.add_argument(
+        "--sort",
+        default="self_cpu_time_total",
+        help="torch.profiler sort key (default %(default)s)",
+    )
+    ap.add_argument(
+        "--trace", type=Path, default=None, help="write a Chrome trace of the profiled step here"
+    )
+    ap.add_argument(
+        "--by-shape", action="store_true", help="group operators by input shapes (proximal side)"
+    )
     ap.add_argument("--workdir", type=Path, default=BENCH / ".work")
-    ap.add_argument("--json", type=Path, default=None, help="also write the phases and the table as JSON")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="also write the phases and the table as JSON"
+    )
     a = ap.parse_args(argv)
 
     work = with_precision(WORKS[a.work], a.bf16_precision)
     model = write_models(work, a.workdir)
-    assets = {"model": model, "prompts": write_prompts(work, a.workdir, 10 * work.batch, model["policy"])}
+    assets = {
+        "model": model,
+        "prompts": write_prompts(work, a.workdir, 10 * work.batch, model["policy"]),
+    }
     if a.side == "proximal":
         import torch
 
         torch.set_num_threads(a.threads)
-        res = profile_proximal(work, assets, warmup=a.warmup, rows=a.rows, sort=a.sort, trace=a.trace,
-                               by_shape=a.by_shape)
+        res = profile_proximal(
+            work,
+            assets,
+            warmup=a.warmup,
+            rows=a.rows,
+            sort=a.sort,
+            trace=a.trace,
+            by_shape=a.by_shape,
+        )
     else:
-        res = profile_trl(work, assets, warmup=a.warmup, rows=a.rows, sort=a.sort, trace=a.trace, threads=a.threads)
+        res = profile_trl(
+            work,
+            assets,
+            warmup=a.warmup,
+            rows=a.rows,
+            sort=a.sort,
+            trace=a.trace,
+            threads=a.threads,
+        )
 
-    print(f"\n{res['side']} PPO, work {work.name} (B={work.batch}, P={work.prompt_len}, R={work.response_len}, "
-          f"{work.precision if res['side'] == 'proximal' else ('bf16=True' if work.bf16 else 'float32')}), "
-          f"step {res['step']} of one process, {a.threads} threads: {res['step_s']:.3f} s under the profiler")
+    print(
+        f"\n{res['side']} PPO, work {work.name} (B={work.batch}, P={work.prompt_len}, R={work.response_len}, "
+        f"{work.precision if res['side'] == 'proximal' else ('bf16=True' if work.bf16 else 'float32')}), "
+        f"step {res['step']} of one process, {a.threads} threads: {res['step_s']:.3f} s under the profiler"
+    )
     for name, s in res["phases"].items():
         print(f"  {name:34s} {s:8.3f} s  {100 * s / res['step_s']:5.1f} %")
     print(f"\ntop {a.rows} operators by {a.sort}:\n{res['table']}")

@@ -36,9 +36,17 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def points(lengths: list[int], batches: list[int], base: Work = TINY) -> list[tuple[str, int, Work]]:
-    out = [("length", R, replace(base, name=f"tiny-R{R}-B{base.batch}", response_len=R)) for R in lengths]
-    out += [("batch", B, replace(base, name=f"tiny-R{base.response_len}-B{B}", batch=B)) for B in batches]
+def points(
+    lengths: list[int], batches: list[int], base: Work = TINY
+) -> list[tuple[str, int, Work]]:
+    out = [
+        ("length", R, replace(base, name=f"tiny-R{R}-B{base.batch}", response_len=R))
+        for R in lengths
+    ]
+    out += [
+        ("batch", B, replace(base, name=f"tiny-R{base.response_len}-B{B}", batch=B))
+        for B in batches
+    ]
     return out
 
 
@@ -58,22 +66,44 @@ def plot(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, (sweep, label, fixed) in zip(axes, (("length", "response length R (tokens)", f"B = {TINY.batch}"),
-                                                  ("batch", "batch size B (sequences)", f"R = {TINY.response_len}"))):
+    for ax, (sweep, label, fixed) in zip(
+        axes,
+        (
+            ("length", "response length R (tokens)", f"B = {TINY.batch}"),
+            ("batch", "batch size B (sequences)", f"R = {TINY.response_len}"),
+        ),
+    ):
         for side, marker in (("proximal", "o"), ("trl", "s")):
-            pts = [p for p in data["points"] if p["sweep"] == sweep and p.get(f"{side}_s") is not None]
+            pts = [
+                p for p in data["points"] if p["sweep"] == sweep and p.get(f"{side}_s") is not None
+            ]
             if not pts:
                 continue
             xs, ys = [p["x"] for p in pts], [p[f"{side}_s"] for p in pts]
             lo = [y - p[f"{side}_min_s"] for y, p in zip(ys, pts)]
             hi = [p[f"{side}_max_s"] - y for y, p in zip(ys, pts)]
-            line = ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, linestyle="none", capsize=3,
-                               label=f"{'proximal' if side == 'proximal' else 'TRL 1.12'} (median, min–max)")
+            line = ax.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                marker=marker,
+                linestyle="none",
+                capsize=3,
+                label=f"{'proximal' if side == 'proximal' else 'TRL 1.12'} (median, min–max)",
+            )
             if len(xs) >= 2:
                 a, b = fit(xs, ys)
-                grid = [min(xs) + (max(xs) - min(xs)) * i / 64 for i in range(65)]  # a line is a curve on the log axis
-                ax.plot(grid, [a + b * x for x in grid], "--", color=line[0].get_color(), alpha=0.6,
-                        label=f"fit {a:.2g} + {b:.2g}·x s")
+                grid = [
+                    min(xs) + (max(xs) - min(xs)) * i / 64 for i in range(65)
+                ]  # a line is a curve on the log axis
+                ax.plot(
+                    grid,
+                    [a + b * x for x in grid],
+                    "--",
+                    color=line[0].get_color(),
+                    alpha=0.6,
+                    label=f"fit {a:.2g} + {b:.2g}·x s",
+                )
         ax.set_xlabel(label)
         ax.set_ylabel("seconds per PPO step (median of steps 2–N)")
         ax.set_title(fixed)
@@ -83,8 +113,11 @@ def plot(data: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     m = data["meta"]
-    fig.suptitle(f"PPO step time on tiny, {m['machine']['cpu']} ({m['machine']['cores']} cores, {m['threads']} threads), "
-                 f"{m['date'][:10]}" + ("  [machine was loaded]" if m.get("loaded") else ""), fontsize=9)
+    fig.suptitle(
+        f"PPO step time on tiny, {m['machine']['cpu']} ({m['machine']['cores']} cores, {m['threads']} threads), "
+        f"{m['date'][:10]}" + ("  [machine was loaded]" if m.get("loaded") else ""),
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -92,16 +125,30 @@ def plot(data: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--lengths", type=_ints, default=[32, 64, 128, 256], help="response lengths at B = 16")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--lengths", type=_ints, default=[32, 64, 128, 256], help="response lengths at B = 16"
+    )
     ap.add_argument("--batches", type=_ints, default=[8, 16, 32, 64], help="batch sizes at R = 48")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--trl", action="store_true", help="also run TRL 1.12's PPOTrainer at every point (alternately)")
+    ap.add_argument(
+        "--trl",
+        action="store_true",
+        help="also run TRL 1.12's PPOTrainer at every point (alternately)",
+    )
     ap.add_argument("--workdir", type=Path, default=BENCH / ".work")
-    ap.add_argument("--out", type=Path, default=BENCH / "scaling.png", help="the figure; the JSON goes beside it")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=BENCH / "scaling.png",
+        help="the figure; the JSON goes beside it",
+    )
     ap.add_argument("--timeout", type=float, default=3600)
     a = ap.parse_args(argv)
 
@@ -109,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     assets = {}
     for _, _, w in pts:
         model = write_models(w, a.workdir)
-        assets[w.name] = {"model": model, "prompts": write_prompts(w, a.workdir, 10 * w.batch, model["policy"])}
+        assets[w.name] = {
+            "model": model,
+            "prompts": write_prompts(w, a.workdir, 10 * w.batch, model["policy"]),
+        }
     trl_python = anchors.ensure(anchors.ANCHORS["trl-ppo"], log=print) if a.trl else None
 
     runs = []
@@ -120,38 +170,89 @@ def main(argv: list[str] | None = None) -> int:
                 scratch = a.workdir / "scaling" / f"{w.name}-r{k}-{side}"
                 scratch.mkdir(parents=True, exist_ok=True)
                 if side == "proximal":
-                    r = run_proximal(w, assets[w.name], steps=a.steps, threads=a.threads, scratch=scratch,
-                                     timeout_s=a.timeout)
+                    r = run_proximal(
+                        w,
+                        assets[w.name],
+                        steps=a.steps,
+                        threads=a.threads,
+                        scratch=scratch,
+                        timeout_s=a.timeout,
+                    )
                 else:
-                    r = run_trl(w, assets[w.name], trl_python, steps=a.steps, threads=a.threads, scratch=scratch,
-                                timeout_s=a.timeout)
+                    r = run_trl(
+                        w,
+                        assets[w.name],
+                        trl_python,
+                        steps=a.steps,
+                        threads=a.threads,
+                        scratch=scratch,
+                        timeout_s=a.timeout,
+                    )
                 r.update(round=k, sweep=sweep, x=x)
                 runs.append(r)
-                print(f"[run] round {k} {sweep} {x:4d} {side:8s} "
-                      + (f"FAILED ({r['error'][:200]})" if r.get("error") else f"{r['median_step_s']:.3g} s/step")
-                      + f"  (busy CPUs before: {r['cpu_busy_before']:.2f})", flush=True)
+                print(
+                    f"[run] round {k} {sweep} {x:4d} {side:8s} "
+                    + (
+                        f"FAILED ({r['error'][:200]})"
+                        if r.get("error")
+                        else f"{r['median_step_s']:.3g} s/step"
+                    )
+                    + f"  (busy CPUs before: {r['cpu_busy_before']:.2f})",
+                    flush=True,
+                )
 
     summary = []
     for sweep, x, w in pts:
-        row = {"sweep": sweep, "x": x, "work": w.name, "batch": w.batch, "response_len": w.response_len}
+        row = {
+            "sweep": sweep,
+            "x": x,
+            "work": w.name,
+            "batch": w.batch,
+            "response_len": w.response_len,
+        }
         for side in ("proximal", "trl"):
-            vals = [r["median_step_s"] for r in runs if r["work"] == w.name and r["sweep"] == sweep
-                    and r["side"] == side and not r.get("error") and r.get("median_step_s") is not None]
+            vals = [
+                r["median_step_s"]
+                for r in runs
+                if r["work"] == w.name
+                and r["sweep"] == sweep
+                and r["side"] == side
+                and not r.get("error")
+                and r.get("median_step_s") is not None
+            ]
             if vals:
-                row.update({f"{side}_s": statistics.median(vals), f"{side}_min_s": min(vals),
-                            f"{side}_max_s": max(vals), f"{side}_all_s": vals})
+                row.update(
+                    {
+                        f"{side}_s": statistics.median(vals),
+                        f"{side}_min_s": min(vals),
+                        f"{side}_max_s": max(vals),
+                        f"{side}_all_s": vals,
+                    }
+                )
         summary.append(row)
     busy = max((r.get("cpu_busy_before") or 0.0) for r in runs) if runs else 0.0
-    data = {"meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "rounds": a.rounds,
-                     "steps": a.steps, "threads": a.threads, "machine": machine(), "max_cpu_busy_before": busy,
-                     "loaded": busy > 0.25, "command": " ".join(["benchmarks/scaling.py"] + (argv or sys.argv[1:]))},
-            "points": summary, "runs": runs}
+    data = {
+        "meta": {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "rounds": a.rounds,
+            "steps": a.steps,
+            "threads": a.threads,
+            "machine": machine(),
+            "max_cpu_busy_before": busy,
+            "loaded": busy > 0.25,
+            "command": " ".join(["benchmarks/scaling.py"] + (argv or sys.argv[1:])),
+        },
+        "points": summary,
+        "runs": runs,
+    }
     a.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     plot(data, a.out)
     print(f"[done] {a.out} and {a.out.with_suffix('.json')}")
     for row in summary:
-        print(f"  {row['sweep']:6s} {row['x']:4d}  proximal {row.get('proximal_s', float('nan')):.3g} s/step"
-              + (f"  TRL {row['trl_s']:.3g} s/step" if "trl_s" in row else ""))
+        print(
+            f"  {row['sweep']:6s} {row['x']:4d}  proximal {row.get('proximal_s', float('nan')):.3g} s/step"
+            + (f"  TRL {row['trl_s']:.3g} s/step" if "trl_s" in row else "")
+        )
     return 1 if any(r.get("error") for r in runs) else 0
 
 

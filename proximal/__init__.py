@@ -1,2 +1,3 @@
 """proximal: textbook-exact PPO-based RLHF."""
+
 __version__ = "0.1.0"

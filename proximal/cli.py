@@ -15,16 +15,39 @@ import sys
 
 # command -> (module, function taking argv, one-line summary)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "ppo": ("proximal.trainers.ppo", "cli", "PPO-based RLHF: actor, reference, reward model and critic"),
-    "grpo": ("proximal.trainers.grpo", "cli", "critic-free online RL: GRPO, Dr. GRPO, DAPO and RLOO (grpo.advantage: rloo)"),
+    "ppo": (
+        "proximal.trainers.ppo",
+        "cli",
+        "PPO-based RLHF: actor, reference, reward model and critic",
+    ),
+    "grpo": (
+        "proximal.trainers.grpo",
+        "cli",
+        "critic-free online RL: GRPO, Dr. GRPO, DAPO and RLOO (grpo.advantage: rloo)",
+    ),
     "sft": ("proximal.trainers.sft", "cli", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
-    "dpo": ("proximal.trainers.dpo", "dpo_cli", "DPO on preference pairs: the policy against a frozen reference"),
-    "simpo": ("proximal.trainers.dpo", "simpo_cli", "SimPO on preference pairs: one model, no reference"),
-    "demo": ("proximal.demo", "cli", "the whole of RLHF offline on a CPU: SFT -> RM -> PPO (and DPO, SimPO, "
-                                     "GRPO, RLOO beside it), with a report"),
-    "compare": ("proximal.compare", "cli", "PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over seeds, "
-                                           "measured alike: compare.md"),
+    "dpo": (
+        "proximal.trainers.dpo",
+        "dpo_cli",
+        "DPO on preference pairs: the policy against a frozen reference",
+    ),
+    "simpo": (
+        "proximal.trainers.dpo",
+        "simpo_cli",
+        "SimPO on preference pairs: one model, no reference",
+    ),
+    "demo": (
+        "proximal.demo",
+        "cli",
+        "the whole of RLHF offline on a CPU: SFT -> RM -> PPO (and DPO, SimPO, "
+        "GRPO, RLOO beside it), with a report",
+    ),
+    "compare": (
+        "proximal.compare",
+        "cli",
+        "PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over seeds, measured alike: compare.md",
+    ),
     "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models"),
 }
 
@@ -36,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "--version":
         from proximal import __version__
+
         print(f"proximal {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -53,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``proximal`` console script: :func:`main`, then exit — under torchrun through
-    :func:`proximal.train.dist.shutdown_and_exit`, which leaves the process group cleanly."""
+    :func:`proximal.dist.shutdown_and_exit`, which leaves the process group cleanly."""
     code = main()
-    from proximal.train import dist
+    from proximal import dist
 
     if dist.is_distributed():
         dist.shutdown_and_exit(code)

@@ -32,15 +32,34 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
-from proximal.config import ConfigError, help_text, load_config, option, parse_overrides, section, to_dict
-from proximal.methods import (METHODS, PAIRS, REWARD_MODEL, VERIFIER, Method, budget_steps, checkpoint_policies,
-                              config_class, input_overrides, responses_per_step, trainer)
+from proximal.config import (
+    ConfigError,
+    help_text,
+    load_config,
+    option,
+    parse_overrides,
+    section,
+    to_dict,
+)
+from proximal.methods import (
+    METHODS,
+    PAIRS,
+    REWARD_MODEL,
+    VERIFIER,
+    Method,
+    budget_steps,
+    checkpoint_policies,
+    config_class,
+    input_overrides,
+    responses_per_step,
+    trainer,
+)
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
 BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
@@ -49,25 +68,48 @@ BUILTIN_VERIFIER = "proximal.tasks.digits:exact_sort"
 
 @dataclass
 class CompareSection:
-    methods: list[str] = option(help="Methods to train: ppo, dpo, simpo, grpo, rloo; 'name@source' sets an online "
-                                     "method's reward source, reward_model or verifier (default: ppo the reward "
-                                     "model; grpo and rloo the verifier when there is one). A method may be listed "
-                                     "with several sources.", default_factory=lambda: list(DEFAULT_METHODS))
+    methods: list[str] = option(
+        help="Methods to train: ppo, dpo, simpo, grpo, rloo; 'name@source' sets an online "
+        "method's reward source, reward_model or verifier (default: ppo the reward "
+        "model; grpo and rloo the verifier when there is one). A method may be listed "
+        "with several sources.",
+        default_factory=lambda: list(DEFAULT_METHODS),
+    )
     seeds: int = option(3, "Runs per method, with train.seed = 0, 1, …")
-    responses: int = option(7680, "Budget of each online method (ppo, grpo, rloo): responses sampled; its step "
-                                  "count is this over the responses one step samples.")
-    pairs: int = option(16000, "Budget of each offline method (dpo, simpo): preference pairs trained on (4 passes "
-                               "over the built-in task's 4000); its step count is this over train.batch_size.")
-    evaluations: int = option(4, "Checkpoints evaluated along each run (evenly spaced; the last is the final "
-                                 "policy), for the stability columns.")
-    collapse_margin: float = option(0.05, "A run collapsed if its final held-out score is more than this below its "
-                                          "best evaluated one (the SFT model counts as the first).")
-    eval_samples_per_prompt: int = option(2, "Responses sampled per held-out prompt at each evaluation.")
-    max_new_tokens: int = option(12, "Response length of the held-out evaluation (the methods' configs set their own "
-                                     "for training).")
-    configs: str | None = option(None, "Directory holding <method>.yaml for each method (default: the packaged demo "
-                                       "configs, tuned for the built-in task). Its data paths, seed, steps and "
-                                       "output are set by compare.")
+    responses: int = option(
+        7680,
+        "Budget of each online method (ppo, grpo, rloo): responses sampled; its step "
+        "count is this over the responses one step samples.",
+    )
+    pairs: int = option(
+        16000,
+        "Budget of each offline method (dpo, simpo): preference pairs trained on (4 passes "
+        "over the built-in task's 4000); its step count is this over train.batch_size.",
+    )
+    evaluations: int = option(
+        4,
+        "Checkpoints evaluated along each run (evenly spaced; the last is the final "
+        "policy), for the stability columns.",
+    )
+    collapse_margin: float = option(
+        0.05,
+        "A run collapsed if its final held-out score is more than this below its "
+        "best evaluated one (the SFT model counts as the first).",
+    )
+    eval_samples_per_prompt: int = option(
+        2, "Responses sampled per held-out prompt at each evaluation."
+    )
+    max_new_tokens: int = option(
+        12,
+        "Response length of the held-out evaluation (the methods' configs set their own "
+        "for training).",
+    )
+    configs: str | None = option(
+        None,
+        "Directory holding <method>.yaml for each method (default: the packaged demo "
+        "configs, tuned for the built-in task). Its data paths, seed, steps and "
+        "output are set by compare.",
+    )
 
     def problems(self) -> list[str]:
         e = []
@@ -76,12 +118,25 @@ class CompareSection:
             if name not in METHODS:
                 e.append(f"compare.methods: {spec!r}: unknown method (known: {', '.join(METHODS)})")
             elif source and source not in METHODS[name].sources:
-                allowed = ", ".join(METHODS[name].sources) if METHODS[name].online else "none (it trains on pairs)"
-                e.append(f"compare.methods: {spec!r}: {METHODS[name].label} cannot use reward source {source!r} "
-                         f"(it can use: {allowed})")
+                allowed = (
+                    ", ".join(METHODS[name].sources)
+                    if METHODS[name].online
+                    else "none (it trains on pairs)"
+                )
+                e.append(
+                    f"compare.methods: {spec!r}: {METHODS[name].label} cannot use reward source {source!r} "
+                    f"(it can use: {allowed})"
+                )
         if len(set(self.methods)) != len(self.methods):
             e.append("compare.methods lists a method twice")
-        for name in ("seeds", "responses", "pairs", "evaluations", "eval_samples_per_prompt", "max_new_tokens"):
+        for name in (
+            "seeds",
+            "responses",
+            "pairs",
+            "evaluations",
+            "eval_samples_per_prompt",
+            "max_new_tokens",
+        ):
             if getattr(self, name) < 1:
                 e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
         if not self.collapse_margin >= 0:
@@ -93,20 +148,37 @@ class CompareSection:
 
 @dataclass
 class CompareData:
-    sft_model: str | None = option(None, "The SFT checkpoint every method starts from (and the reference of KL). "
-                                         "Unset: the built-in digit-sorting task, trained first.")
-    reward_model: str | None = option(None, "The learned reward model r_ψ (the proxy score of every evaluation, and "
-                                            "the reward of methods with source reward_model).")
+    sft_model: str | None = option(
+        None,
+        "The SFT checkpoint every method starts from (and the reference of KL). "
+        "Unset: the built-in digit-sorting task, trained first.",
+    )
+    reward_model: str | None = option(
+        None,
+        "The learned reward model r_ψ (the proxy score of every evaluation, and "
+        "the reward of methods with source reward_model).",
+    )
     prompts: str | None = option(None, "Training prompts (JSONL) of the online methods.")
-    pairs: str | None = option(None, "Preference pairs (JSONL) of the offline methods: the pairs the reward model "
-                                     "was trained on.")
-    eval_pairs: str | None = option(None, "Held-out preference pairs: DPO's and SimPO's eval/accuracy (optional).")
+    pairs: str | None = option(
+        None,
+        "Preference pairs (JSONL) of the offline methods: the pairs the reward model "
+        "was trained on.",
+    )
+    eval_pairs: str | None = option(
+        None, "Held-out preference pairs: DPO's and SimPO's eval/accuracy (optional)."
+    )
     eval_prompts: str | None = option(None, "Held-out prompts every policy is evaluated on.")
-    verifier: str | None = option(None, "A rule verifier 'module:function(prompts, completions) -> scores': the "
-                                        "reward of methods with source verifier, and a held-out column.")
-    gold: str | None = option(None, "The score we actually want, 'module:function' (where the task has one): "
-                                    "logged during online training with weight 0, never trained on; the main "
-                                    "held-out column and the one stability is measured on.")
+    verifier: str | None = option(
+        None,
+        "A rule verifier 'module:function(prompts, completions) -> scores': the "
+        "reward of methods with source verifier, and a held-out column.",
+    )
+    gold: str | None = option(
+        None,
+        "The score we actually want, 'module:function' (where the task has one): "
+        "logged during online training with weight 0, never trained on; the main "
+        "held-out column and the one stability is measured on.",
+    )
 
     def problems(self) -> list[str]:
         if self.sft_model is None:
@@ -121,15 +193,23 @@ class CompareData:
 
 @dataclass
 class CompareOutput:
-    dir: str = option("compare_out", "Where compare.md, compare.json, plots/ and every run's directory (runs/) go.")
-    overwrite: bool = option(False, "Start afresh in an output.dir that holds a comparison with another config "
-                                    "(the same config continues it).")
+    dir: str = option(
+        "compare_out",
+        "Where compare.md, compare.json, plots/ and every run's directory (runs/) go.",
+    )
+    overwrite: bool = option(
+        False,
+        "Start afresh in an output.dir that holds a comparison with another config "
+        "(the same config continues it).",
+    )
     progress: bool = option(True, "Each run's progress bar.")
 
 
 @dataclass
 class CompareConfig:
-    compare: CompareSection = section(CompareSection, "What is compared, on which budget, and how it is judged.")
+    compare: CompareSection = section(
+        CompareSection, "What is compared, on which budget, and how it is judged."
+    )
     data: CompareData = section(CompareData, "The shared inputs.")
     output: CompareOutput = section(CompareOutput, "The output directory.")
 
@@ -142,13 +222,19 @@ class CompareConfig:
                     continue  # already reported
                 method, source = resolve(spec, have_verifier=bool(self.data.verifier))
                 if source == REWARD_MODEL and not self.data.reward_model:
-                    e.append(f"compare.methods: {spec!r} learns from the reward model: set data.reward_model")
+                    e.append(
+                        f"compare.methods: {spec!r} learns from the reward model: set data.reward_model"
+                    )
                 if source == VERIFIER and not self.data.verifier:
-                    e.append(f"compare.methods: {spec!r} learns from the verifier: set data.verifier")
+                    e.append(
+                        f"compare.methods: {spec!r} learns from the verifier: set data.verifier"
+                    )
                 if method.online and not self.data.prompts:
                     e.append(f"compare.methods: {spec!r} samples responses: set data.prompts")
                 if not method.online and not self.data.pairs:
-                    e.append(f"compare.methods: {spec!r} trains on preference pairs: set data.pairs")
+                    e.append(
+                        f"compare.methods: {spec!r} trains on preference pairs: set data.pairs"
+                    )
         return sorted(set(e), key=e.index)
 
 
@@ -176,13 +262,19 @@ class RunSpec:
 
     @property
     def record(self) -> dict:
-        return {"name": self.name, "group": self.group, "method": self.method.name, "source": self.source,
-                "seed": self.seed}
+        return {
+            "name": self.name,
+            "group": self.group,
+            "method": self.method.name,
+            "source": self.source,
+            "seed": self.seed,
+        }
 
 
 @dataclass
 class Inputs:
     """The resolved shared inputs (paths as strings)."""
+
     sft: str
     reward_model: str | None
     prompts: str | None
@@ -205,10 +297,10 @@ def plan(cfg: CompareConfig) -> list[RunSpec]:
 # The comparison
 # ----------------------------------------------------------------------------------------------
 
+
 def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> dict:
     """Prepare the inputs, train and evaluate every run, write the report; return ``compare.json``'s contents."""
-    from proximal import compare_report
-    from proximal.train import dist
+    from proximal import compare_report, dist
 
     out = Path(cfg.output.dir)
     main = dist.launched_rank() == 0
@@ -219,8 +311,10 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
         (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
     t_start = time.perf_counter()
 
-    echo(f"proximal compare: {len(runs)} runs ({', '.join(dict.fromkeys(r.group for r in runs))} × "
-         f"{cfg.compare.seeds} seeds) into {out}")
+    echo(
+        f"proximal compare: {len(runs)} runs ({', '.join(dict.fromkeys(r.group for r in runs))} × "
+        f"{cfg.compare.seeds} seeds) into {out}"
+    )
     inputs = prepare_inputs(cfg, out, configs, echo=echo)
     # Every run's config is built (and validated) before the first trains: a mistake in any is found now.
     run_cfgs = {r.name: run_config(r, cfg, inputs, configs, out / "runs" / r.name) for r in runs}
@@ -232,18 +326,30 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
             echo(f"[{i}/{len(runs)}] {r.name}: finished earlier, kept")
             continue
         run_cfg, steps, budget = run_cfgs[r.name]
-        if main and run_dir.exists():  # an unfinished or failed attempt: start the run again from nothing
+        if (
+            main and run_dir.exists()
+        ):  # an unfinished or failed attempt: start the run again from nothing
             shutil.rmtree(run_dir)
         dist.barrier()
-        echo(f"[{i}/{len(runs)}] {r.name}: {r.method.label} ({r.source.replace('_', ' ')}), {steps} steps = {budget}")
+        echo(
+            f"[{i}/{len(runs)}] {r.name}: {r.method.label} ({r.source.replace('_', ' ')}), {steps} steps = {budget}"
+        )
         t0 = time.perf_counter()
-        status = {**r.record, "steps": steps, "budget": budget, "responses_per_step": responses_per_step(r.method, run_cfg),
-                  "status": "ok", "error": None}
+        status = {
+            **r.record,
+            "steps": steps,
+            "budget": budget,
+            "responses_per_step": responses_per_step(r.method, run_cfg),
+            "status": "ok",
+            "error": None,
+        }
         try:
             trainer(r.method.command)(run_cfg)
             status["run_s"] = time.perf_counter() - t0
             if main:
-                evaluate_run(run_dir, inputs, cfg.compare, sft_eval=_sft_evaluation(out, inputs, cfg.compare))
+                evaluate_run(
+                    run_dir, inputs, cfg.compare, sft_eval=_sft_evaluation(out, inputs, cfg.compare)
+                )
             dist.barrier()
             status["eval_s"] = time.perf_counter() - t0 - status["run_s"]
             echo(f"      trained in {status['run_s']:.0f} s, evaluated in {status['eval_s']:.0f} s")
@@ -269,29 +375,48 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     return result
 
 
-def prepare_inputs(cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]) -> Inputs:
+def prepare_inputs(
+    cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]
+) -> Inputs:
     """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
     d = cfg.data
     if d.sft_model is None:
         base = train_builtin(out / "base", configs, echo=echo)
         task = base / "task"
-        d = CompareData(sft_model=str(base / "sft"), reward_model=str(base / "rm"),
-                        prompts=str(task / "prompts_train.jsonl"), pairs=str(task / "prefs_train.jsonl"),
-                        eval_pairs=str(task / "prefs_eval.jsonl"), eval_prompts=str(task / "prompts_eval.jsonl"),
-                        verifier=BUILTIN_VERIFIER, gold=BUILTIN_GOLD)
-    scores = {**({"gold": d.gold} if d.gold else {}), **({"verifier": d.verifier} if d.verifier else {})}
-    return Inputs(sft=d.sft_model, reward_model=d.reward_model, prompts=d.prompts, pairs=d.pairs,
-                  eval_pairs=d.eval_pairs, eval_prompts=d.eval_prompts, verifier=d.verifier, gold=d.gold,
-                  scores=scores)
+        d = CompareData(
+            sft_model=str(base / "sft"),
+            reward_model=str(base / "rm"),
+            prompts=str(task / "prompts_train.jsonl"),
+            pairs=str(task / "prefs_train.jsonl"),
+            eval_pairs=str(task / "prefs_eval.jsonl"),
+            eval_prompts=str(task / "prompts_eval.jsonl"),
+            verifier=BUILTIN_VERIFIER,
+            gold=BUILTIN_GOLD,
+        )
+    scores = {
+        **({"gold": d.gold} if d.gold else {}),
+        **({"verifier": d.verifier} if d.verifier else {}),
+    }
+    return Inputs(
+        sft=d.sft_model,
+        reward_model=d.reward_model,
+        prompts=d.prompts,
+        pairs=d.pairs,
+        eval_pairs=d.eval_pairs,
+        eval_prompts=d.eval_prompts,
+        verifier=d.verifier,
+        gold=d.gold,
+        scores=scores,
+    )
 
 
 def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
     """The built-in task's data, SFT model and reward model, as ``proximal demo`` makes them (seed 0);
     kept from an earlier comparison when complete."""
+    from proximal import dist
     from proximal.demo import FULL, stage_configs
     from proximal.tasks.digits import make_task_data
     from proximal.trainers import reward, sft
-    from proximal.train import dist
 
     done = base / "base.json"
     if done.is_file():
@@ -302,7 +427,11 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
     if dist.launched_rank() == 0:
         make_task_data(base / "task", 0)
     dist.barrier()
-    demo_configs = configs if all((configs / f"{n}.yaml").is_file() for n in ("sft", "rm")) else _default_configs()
+    demo_configs = (
+        configs
+        if all((configs / f"{n}.yaml").is_file() for n in ("sft", "rm"))
+        else _default_configs()
+    )
     stages = stage_configs(demo_configs, base, 0, FULL, only=("sft", "rm"))
     for name, fn in (("sft", sft.train), ("rm", reward.train)):
         stage_cfg, line = stages[name]
@@ -319,23 +448,51 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
 
     path = configs / f"{r.method.name}.yaml"
     if not path.is_file():
-        raise ConfigError(f"compare.configs: {path} not found (one <method>.yaml per method compared)")
+        raise ConfigError(
+            f"compare.configs: {path} not found (one <method>.yaml per method compared)"
+        )
     cls = config_class(r.method.command)
-    overrides = {**input_overrides(r.method, r.source, sft=inputs.sft, reward_model=inputs.reward_model,
-                                   prompts=inputs.prompts, pairs=inputs.pairs, eval_pairs=inputs.eval_pairs,
-                                   verifier=inputs.verifier, gold=inputs.gold),
-                 "train.seed": r.seed, "output.dir": str(run_dir), "output.overwrite": True,
-                 "output.progress": cfg.output.progress}
+    overrides = {
+        **input_overrides(
+            r.method,
+            r.source,
+            sft=inputs.sft,
+            reward_model=inputs.reward_model,
+            prompts=inputs.prompts,
+            pairs=inputs.pairs,
+            eval_pairs=inputs.eval_pairs,
+            verifier=inputs.verifier,
+            gold=inputs.gold,
+        ),
+        "train.seed": r.seed,
+        "output.dir": str(run_dir),
+        "output.overwrite": True,
+        "output.progress": cfg.output.progress,
+    }
     try:
         first = load_config(cls, path, overrides)
-        steps, budget = budget_steps(r.method, first, responses=cfg.compare.responses, pairs=cfg.compare.pairs)
-        every = -(-steps // cfg.compare.evaluations)  # ceil: at most `evaluations` checkpoints, the last at `steps`
-        run_cfg = load_config(cls, path, {**overrides, "train.steps": steps, "train.save_every": every,
-                                          "train.keep_checkpoints": steps // every + 1})
+        steps, budget = budget_steps(
+            r.method, first, responses=cfg.compare.responses, pairs=cfg.compare.pairs
+        )
+        every = -(
+            -steps // cfg.compare.evaluations
+        )  # ceil: at most `evaluations` checkpoints, the last at `steps`
+        run_cfg = load_config(
+            cls,
+            path,
+            {
+                **overrides,
+                "train.steps": steps,
+                "train.save_every": every,
+                "train.keep_checkpoints": steps // every + 1,
+            },
+        )
         warmup = getattr(getattr(run_cfg, "optim", None), "warmup_steps", 0)
         if warmup >= steps:  # the trainer would find it only when its turn comes
-            raise ConfigError(f"optim.warmup_steps = {warmup} must be less than the {steps} steps of the budget "
-                              f"({budget}); raise the budget or lower the warm-up in {path}")
+            raise ConfigError(
+                f"optim.warmup_steps = {warmup} must be less than the {steps} steps of the budget "
+                f"({budget}); raise the budget or lower the warm-up in {path}"
+            )
         return run_cfg, steps, budget
     except ConfigError as e:
         raise ConfigError(f"{r.name} ({path}): {e}") from None
@@ -345,6 +502,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
 # Evaluation
 # ----------------------------------------------------------------------------------------------
 
+
 def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
     """The SFT model's held-out evaluation (every curve's first point), computed once."""
     path = out / "sft_eval.json"
@@ -352,9 +510,16 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
         return json.loads(path.read_text())
     from proximal.evaluation import evaluate_policy
 
-    ev = evaluate_policy(inputs.sft, reference=inputs.sft, prompts_file=inputs.eval_prompts,
-                         reward_model=inputs.reward_model, scores=inputs.scores,
-                         samples_per_prompt=c.eval_samples_per_prompt, max_new_tokens=c.max_new_tokens, seed=0)
+    ev = evaluate_policy(
+        inputs.sft,
+        reference=inputs.sft,
+        prompts_file=inputs.eval_prompts,
+        reward_model=inputs.reward_model,
+        scores=inputs.scores,
+        samples_per_prompt=c.eval_samples_per_prompt,
+        max_new_tokens=c.max_new_tokens,
+        seed=0,
+    )
     path.write_text(json.dumps(ev) + "\n")
     return ev
 
@@ -368,9 +533,16 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
     curve = [{"step": 0, "policy": inputs.sft, "mean": sft_eval["mean"]}]
     final = None
     for step, policy in checkpoint_policies(run_dir):
-        ev = evaluate_policy(policy, reference=inputs.sft, prompts_file=inputs.eval_prompts,
-                             reward_model=inputs.reward_model, scores=inputs.scores,
-                             samples_per_prompt=c.eval_samples_per_prompt, max_new_tokens=c.max_new_tokens, seed=0)
+        ev = evaluate_policy(
+            policy,
+            reference=inputs.sft,
+            prompts_file=inputs.eval_prompts,
+            reward_model=inputs.reward_model,
+            scores=inputs.scores,
+            samples_per_prompt=c.eval_samples_per_prompt,
+            max_new_tokens=c.max_new_tokens,
+            seed=0,
+        )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
         final = ev
     if final is None:
@@ -386,6 +558,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
+
 def _default_configs() -> Path:
     from proximal.demo import DEFAULT_CONFIGS
 
@@ -394,28 +567,49 @@ def _default_configs() -> Path:
 
 def _finished(run_dir: Path) -> bool:
     status = run_dir / "compare_run.json"
-    return (run_dir / "eval.json").is_file() and status.is_file() and json.loads(status.read_text())["status"] == "ok"
+    return (
+        (run_dir / "eval.json").is_file()
+        and status.is_file()
+        and json.loads(status.read_text())["status"] == "ok"
+    )
 
 
 def _take_output_dir(out: Path, cfg: CompareConfig, main: bool) -> None:
     """Write ``compare_config.yaml``; an ``output.dir`` holding a comparison with another config is
     refused (or, with ``output.overwrite``, emptied); with the same config it is continued."""
-    from proximal.train import dist
+    from proximal import dist
 
     saved = out / "compare_config.yaml"
     mine = to_dict(cfg)
-    same = lambda d: {k: v for k, v in d.items() if k != "output"} == {k: v for k, v in mine.items() if k != "output"}
+
+    def same(d):
+        return {k: v for k, v in d.items() if k != "output"} == {
+            k: v for k, v in mine.items() if k != "output"
+        }
+
     if saved.is_file() and not same(yaml.safe_load(saved.read_text()) or {}):
         if not cfg.output.overwrite:
-            raise FileExistsError(f"output.dir {out} holds a comparison with another config ({saved}); use another "
-                                  "output.dir, or --output.overwrite true to replace it")
+            raise FileExistsError(
+                f"output.dir {out} holds a comparison with another config ({saved}); use another "
+                "output.dir, or --output.overwrite true to replace it"
+            )
         if main:
-            for p in ("runs", "base", "plots", "compare.md", "compare.json", "sft_eval.json", "plan.json"):
+            for p in (
+                "runs",
+                "base",
+                "plots",
+                "compare.md",
+                "compare.json",
+                "sft_eval.json",
+                "plan.json",
+            ):
                 target = out / p
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     elif out.is_dir() and not saved.is_file() and any(out.iterdir()):
-        raise ConfigError(f"output.dir = {out} is not empty and holds no comparison (no compare_config.yaml); "
-                          "refusing to write into it")
+        raise ConfigError(
+            f"output.dir = {out} is not empty and holds no comparison (no compare_config.yaml); "
+            "refusing to write into it"
+        )
     if main:
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(yaml.safe_dump(mine, sort_keys=False))
@@ -444,6 +638,7 @@ def _release_memory() -> None:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
+
 class _ReportedByRankZero(Exception):
     pass
 
@@ -457,15 +652,17 @@ def _quiet_user_errors(fn):
 
 
 def cli(argv: list[str]) -> int:
-    from proximal.train import dist
+    from proximal import dist
     from proximal.train.command import EXIT_TRAINING, EXIT_USER, run_reporting, say
 
     parser = argparse.ArgumentParser(
-        prog="proximal compare", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="proximal compare",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PPO, DPO, SimPO, GRPO and RLOO from one SFT model on matched budgets, over several seeds, "
-                    "evaluated alike on held-out prompts; writes compare.md, compare.json and plots. Without "
-                    "data.sft_model: the built-in digit-sorting task.",
-        epilog=help_text(CompareConfig))
+        "evaluated alike on held-out prompts; writes compare.md, compare.json and plots. Without "
+        "data.sft_model: the built-in digit-sorting task.",
+        epilog=help_text(CompareConfig),
+    )
     parser.add_argument("--config", help="YAML file with the compare, data and output sections")
     args, rest = parser.parse_known_args(argv)
     try:
@@ -480,12 +677,17 @@ def cli(argv: list[str]) -> int:
         code, result = run_reporting("compare", lambda: run_compare(cfg, echo=echo))
     else:
         try:
-            code, result = run_reporting("compare", lambda: _quiet_user_errors(lambda: run_compare(cfg, echo=echo)))
+            code, result = run_reporting(
+                "compare", lambda: _quiet_user_errors(lambda: run_compare(cfg, echo=echo))
+            )
         except _ReportedByRankZero:
             return EXIT_USER
     failed = [f["name"] for row in (result or {}).get("table", []) for f in row["failed"]]
     if code == 0 and failed:
-        say("compare", f"{len(failed)} of {len(result['runs'])} runs failed ({', '.join(failed)}); their errors are "
-                       f"in the table of {Path(cfg.output.dir) / 'compare.md'} and in each run's error.txt")
+        say(
+            "compare",
+            f"{len(failed)} of {len(result['runs'])} runs failed ({', '.join(failed)}); their errors are "
+            f"in the table of {Path(cfg.output.dir) / 'compare.md'} and in each run's error.txt",
+        )
         return EXIT_TRAINING
     return code

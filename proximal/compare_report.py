@@ -37,22 +37,52 @@ import yaml
 from proximal.logging import read_metrics
 from proximal.methods import METHODS, PAIRS, REWARD_MODEL
 
-HELD_OUT = (("gold", "gold ↑"), ("verifier", "verifier ↑"), ("proxy", "proxy (RM)"), ("kl", "KL to SFT"),
-            ("length", "length"))
+HELD_OUT = (
+    ("gold", "gold ↑"),
+    ("verifier", "verifier ↑"),
+    ("proxy", "proxy (RM)"),
+    ("kl", "KL to SFT"),
+    ("length", "length"),
+)
 
 #: The comparison as it is commonly stated (Rafailov et al. 2023, Meng et al. 2024, Shao et al. 2024
 #: and the surveys that summarise them), printed beside the measured cells.
 CLAIMS = {
-    "ppo": {"models": "4 (actor, critic, reference, reward)", "models_n": 4, "critic": "yes (V_φ)",
-            "type": "online on-policy RL", "stability": "moderate (tune ε, β, λ, c₁)"},
-    "dpo": {"models": "2 (actor, reference)", "models_n": 2, "critic": "no (implicit reward)",
-            "type": "offline pairwise preference", "stability": "high"},
-    "grpo": {"models": "2 (actor, reference) + rule verifier", "models_n": 2, "critic": "no (group baseline)",
-             "type": "online group-sampled RL", "stability": "high"},
-    "simpo": {"models": "1 (actor only)", "models_n": 1, "critic": "no (reference-free reward)",
-              "type": "offline length-normalised preference", "stability": "high"},
-    "rloo": {"models": "not in the usual table; 2 (actor, reference) + a reward", "models_n": 2,
-             "critic": "no (leave-one-out baseline)", "type": "online group-sampled RL", "stability": "—"},
+    "ppo": {
+        "models": "4 (actor, critic, reference, reward)",
+        "models_n": 4,
+        "critic": "yes (V_φ)",
+        "type": "online on-policy RL",
+        "stability": "moderate (tune ε, β, λ, c₁)",
+    },
+    "dpo": {
+        "models": "2 (actor, reference)",
+        "models_n": 2,
+        "critic": "no (implicit reward)",
+        "type": "offline pairwise preference",
+        "stability": "high",
+    },
+    "grpo": {
+        "models": "2 (actor, reference) + rule verifier",
+        "models_n": 2,
+        "critic": "no (group baseline)",
+        "type": "online group-sampled RL",
+        "stability": "high",
+    },
+    "simpo": {
+        "models": "1 (actor only)",
+        "models_n": 1,
+        "critic": "no (reference-free reward)",
+        "type": "offline length-normalised preference",
+        "stability": "high",
+    },
+    "rloo": {
+        "models": "not in the usual table; 2 (actor, reference) + a reward",
+        "models_n": 2,
+        "critic": "no (leave-one-out baseline)",
+        "type": "online group-sampled RL",
+        "stability": "—",
+    },
 }
 
 
@@ -64,11 +94,14 @@ def _json(path: Path) -> dict | None:
 # One run
 # ----------------------------------------------------------------------------------------------
 
+
 def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_score: str) -> dict:
     """One run's numbers, read from its directory (see the module docstring for each); ``spec`` is its
     entry of ``plan.json`` (name, group, method, source, seed)."""
-    status = _json(run_dir / "compare_run.json") or {"status": "failed",
-                                                     "error": "no compare_run.json: the run never finished"}
+    status = _json(run_dir / "compare_run.json") or {
+        "status": "failed",
+        "error": "no compare_run.json: the run never finished",
+    }
     r = {**spec, **{k: status.get(k) for k in ("steps", "budget", "status", "error")}}
     models = _json(run_dir / "models.json") or {}
     r["models"] = sorted(models)
@@ -78,13 +111,17 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
     rows = [m for m in read_metrics(metrics) if "time/step_s" in m] if metrics.is_file() else []
     r["steps_run"] = len(rows)
     if rows:
-        later = [m["memory/peak_bytes"] for m in rows if m["step"] >= 2 and "memory/peak_bytes" in m]
+        later = [
+            m["memory/peak_bytes"] for m in rows if m["step"] >= 2 and "memory/peak_bytes" in m
+        ]
         every = [m["memory/peak_bytes"] for m in rows if "memory/peak_bytes" in m]
         r["peak_bytes"] = max(later or every) if every else None
         r["wall_s"] = rows[-1]["time/wall_s"]
         per = status.get("responses_per_step") or 0
         online = METHODS[r["method"]].online
-        r["tokens_generated"] = round(sum(m.get("response/length_mean", 0.0) * per for m in rows)) if online else 0
+        r["tokens_generated"] = (
+            round(sum(m.get("response/length_mean", 0.0) * per for m in rows)) if online else 0
+        )
         # online methods log their optimiser steps; an offline step is one
         r["optimizer_steps"] = int(sum(m.get("policy/optimizer_steps", 1) for m in rows))
     ev = _json(run_dir / "eval.json")
@@ -96,7 +133,9 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
         if values:
             r["best"] = max(values)
             r["collapsed"] = bool(r["best"] - values[-1] > collapse_margin)
-            own = values[1:]  # the run's own checkpoints: the jump from the SFT model is progress, not a swing
+            own = values[
+                1:
+            ]  # the run's own checkpoints: the jump from the SFT model is progress, not a swing
             r["max_swing"] = max((abs(b - a) for a, b in zip(own, own[1:])), default=None)
     elif r["status"] == "ok":
         r.update(status="failed", error="no eval.json: the run's evaluation never finished")
@@ -106,6 +145,7 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
 # ----------------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------------
+
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     """The mean and the sample standard deviation (None with fewer than two values)."""
@@ -123,16 +163,29 @@ def summarise(runs: list[dict]) -> list[dict]:
     table = []
     for group, rs in groups.items():
         ok = [r for r in rs if r["status"] == "ok"]
-        row = {"group": group, "method": rs[0]["method"], "source": rs[0]["source"], "runs": len(rs),
-               "finished": len(ok), "failed": [{"name": r["name"], "error": r["error"]} for r in rs
-                                               if r["status"] != "ok"]}
-        for key in ("models_resident", "param_bytes", "peak_bytes", "wall_s", "tokens_generated",
-                    "optimizer_steps"):
+        row = {
+            "group": group,
+            "method": rs[0]["method"],
+            "source": rs[0]["source"],
+            "runs": len(rs),
+            "finished": len(ok),
+            "failed": [{"name": r["name"], "error": r["error"]} for r in rs if r["status"] != "ok"],
+        }
+        for key in (
+            "models_resident",
+            "param_bytes",
+            "peak_bytes",
+            "wall_s",
+            "tokens_generated",
+            "optimizer_steps",
+        ):
             row[key] = mean_std([r.get(key) for r in ok])
         for key, _ in HELD_OUT:
             row[key] = mean_std([r.get("held_out", {}).get(key) for r in ok])
         row["models"] = ok[0]["models"] if ok else []
-        row["collapse_frac"] = (sum(r.get("collapsed", False) for r in ok) / len(ok)) if ok else None
+        row["collapse_frac"] = (
+            (sum(r.get("collapsed", False) for r in ok) / len(ok)) if ok else None
+        )
         swings = [r["max_swing"] for r in ok if r.get("max_swing") is not None]
         row["max_swing"] = max(swings) if swings else None
         table.append(row)
@@ -159,19 +212,35 @@ def claims_notes(table: list[dict], score: str) -> dict[str, str]:
         if claim is None or n is None:
             continue
         expected = stated_models(row["method"], row["source"])
-        said = [f"models: agrees ({n:.0f} resident)" if round(n) == expected else
-                f"models: disagrees ({n:.0f} resident, {expected} stated for this reward source; see the models column)"]
+        said = [
+            f"models: agrees ({n:.0f} resident)"
+            if round(n) == expected
+            else f"models: disagrees ({n:.0f} resident, {expected} stated for this reward source; "
+            "see the models column)"
+        ]
         mine, rest = spread.get(group), [v for g, v in spread.items() if g != group]
         stability = None
         if mine is not None and rest:
-            rank = "the largest" if mine > max(rest) else "the smallest" if mine < min(rest) else "between the others'"
+            rank = (
+                "the largest"
+                if mine > max(rest)
+                else "the smallest"
+                if mine < min(rest)
+                else "between the others'"
+            )
             said.append(f"spread over seeds {mine:.3f}: {rank}")
             if claim["stability"].startswith("moderate"):
-                stability = ("stability: agrees (least stable here)" if mine >= max(rest)
-                             else "stability: disagrees (another method varied more over seeds)")
+                stability = (
+                    "stability: agrees (least stable here)"
+                    if mine >= max(rest)
+                    else "stability: disagrees (another method varied more over seeds)"
+                )
             elif claim["stability"] == "high" and ppo_spreads:
-                stability = ("stability: agrees (steadier than PPO)" if mine <= min(ppo_spreads)
-                             else "stability: disagrees (varied more over seeds than PPO)")
+                stability = (
+                    "stability: agrees (steadier than PPO)"
+                    if mine <= min(ppo_spreads)
+                    else "stability: disagrees (varied more over seeds than PPO)"
+                )
         if row["collapse_frac"] is not None:
             said.append(f"collapsed {row['collapse_frac']:.0%} of runs")
         notes[group] = "; ".join(said + ([stability] if stability else []))
@@ -182,7 +251,10 @@ def claims_notes(table: list[dict], score: str) -> dict[str, str]:
 # Output
 # ----------------------------------------------------------------------------------------------
 
-def _fmt(ms: tuple[float | None, float | None], digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
+
+def _fmt(
+    ms: tuple[float | None, float | None], digits: int = 3, scale: float = 1.0, unit: str = ""
+) -> str:
     m, s = ms
     if m is None:
         return "—"
@@ -198,7 +270,7 @@ def _count(ms) -> str:
 
 
 def _mib(ms):
-    return _fmt(ms, 1, 2 ** 20)
+    return _fmt(ms, 1, 2**20)
 
 
 def _label(row: dict) -> str:
@@ -218,30 +290,84 @@ def tables(result: dict) -> dict[str, list[list[str]]]:
     """The report's tables, as rows of strings (the first row the header)."""
     table, score = result["table"], result["stability_score"]
     held = [(k, h) for k, h in HELD_OUT if any(row[k][0] is not None for row in table)]
-    cost = [["method", "runs ok", "models resident", "parameters (MiB)", "peak memory (MiB)", "wall time (s)",
-             "tokens generated", "optimiser steps"]]
+    cost = [
+        [
+            "method",
+            "runs ok",
+            "models resident",
+            "parameters (MiB)",
+            "peak memory (MiB)",
+            "wall time (s)",
+            "tokens generated",
+            "optimiser steps",
+        ]
+    ]
     quality = [["method", *[h for _, h in held]]]
-    stability = [["method", f"final {score}: spread over seeds", f"collapsed (> {result['collapse_margin']} "
-                  "below best)", "largest swing between its checkpoints"]]
+    stability = [
+        [
+            "method",
+            f"final {score}: spread over seeds",
+            f"collapsed (> {result['collapse_margin']} below best)",
+            "largest swing between its checkpoints",
+        ]
+    ]
     for row in table:
         name = _label(row)
-        cost.append([name, f"{row['finished']}/{row['runs']}", _count(row["models_resident"]) + (
-            f" ({', '.join(row['models'])})" if row["models"] else ""), _mib(row["param_bytes"]),
-            _mib(row["peak_bytes"]), _fmt(row["wall_s"], 1), _count(row["tokens_generated"]),
-            _count(row["optimizer_steps"])])
+        cost.append(
+            [
+                name,
+                f"{row['finished']}/{row['runs']}",
+                _count(row["models_resident"])
+                + (f" ({', '.join(row['models'])})" if row["models"] else ""),
+                _mib(row["param_bytes"]),
+                _mib(row["peak_bytes"]),
+                _fmt(row["wall_s"], 1),
+                _count(row["tokens_generated"]),
+                _count(row["optimizer_steps"]),
+            ]
+        )
         quality.append([name, *[_fmt(row[k]) for k, _ in held]])
         spread = row[score][1]
-        stability.append([name, "—" if spread is None else f"{spread:.3f}",
-                          "—" if row["collapse_frac"] is None else f"{row['collapse_frac']:.0%}",
-                          "—" if row["max_swing"] is None else f"{row['max_swing']:.3f}"])
-    claims = [["method", "models (stated)", "critic (stated)", "optimisation (stated)", "stability (stated)",
-               "measured here"]]
+        stability.append(
+            [
+                name,
+                "—" if spread is None else f"{spread:.3f}",
+                "—" if row["collapse_frac"] is None else f"{row['collapse_frac']:.0%}",
+                "—" if row["max_swing"] is None else f"{row['max_swing']:.3f}",
+            ]
+        )
+    claims = [
+        [
+            "method",
+            "models (stated)",
+            "critic (stated)",
+            "optimisation (stated)",
+            "stability (stated)",
+            "measured here",
+        ]
+    ]
     for row in table:
         c = CLAIMS.get(row["method"], {})
-        claims.append([_label(row), c.get("models", "—"), c.get("critic", "—"), c.get("type", "—"),
-                       c.get("stability", "—"), result["notes"].get(row["group"], "—")])
-    failed = [["run", "error"]] + [[f["name"], f["error"] or "?"] for row in table for f in row["failed"]]
-    return {"cost": cost, "quality": quality, "stability": stability, "claims": claims, "failed": failed}
+        claims.append(
+            [
+                _label(row),
+                c.get("models", "—"),
+                c.get("critic", "—"),
+                c.get("type", "—"),
+                c.get("stability", "—"),
+                result["notes"].get(row["group"], "—"),
+            ]
+        )
+    failed = [["run", "error"]] + [
+        [f["name"], f["error"] or "?"] for row in table for f in row["failed"]
+    ]
+    return {
+        "cost": cost,
+        "quality": quality,
+        "stability": stability,
+        "claims": claims,
+        "failed": failed,
+    }
 
 
 def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
@@ -259,12 +385,20 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
     colors = {g: f"C{i}" for i, g in enumerate(row["group"] for row in result["table"])}
     ok = [r for r in runs if r["status"] == "ok" and r.get("held_out")]
     written = []
-    for name, x_key, x_label in (("gold_vs_kl", "kl", "exact KL to the SFT model (nats per response)"),
-                                 ("gold_vs_time", "wall_s", "training wall time (s)")):
+    for name, x_key, x_label in (
+        ("gold_vs_kl", "kl", "exact KL to the SFT model (nats per response)"),
+        ("gold_vs_time", "wall_s", "training wall time (s)"),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4.2))
         for g in colors:
-            pts = [((r["held_out"].get(x_key) if x_key == "kl" else r.get(x_key)), r["held_out"].get(score))
-                   for r in ok if r["group"] == g]
+            pts = [
+                (
+                    (r["held_out"].get(x_key) if x_key == "kl" else r.get(x_key)),
+                    r["held_out"].get(score),
+                )
+                for r in ok
+                if r["group"] == g
+            ]
             pts = [(x, y) for x, y in pts if x is not None and y is not None]
             if pts:
                 ax.scatter(*zip(*pts), color=colors[g], label=g, s=28)
@@ -284,8 +418,15 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
     for r in ok:
         pts = [(s, v) for s, v in r.get("curve", []) if v is not None]
         steps = max(r.get("steps") or 1, 1)
-        ax.plot([s / steps for s, _ in pts], [v for _, v in pts], color=colors[r["group"]], alpha=0.8,
-                marker="o", ms=3, label=None if r["group"] in labelled else r["group"])
+        ax.plot(
+            [s / steps for s, _ in pts],
+            [v for _, v in pts],
+            color=colors[r["group"]],
+            alpha=0.8,
+            marker="o",
+            ms=3,
+            label=None if r["group"] in labelled else r["group"],
+        )
         labelled.add(r["group"])
     ax.set_xlabel("fraction of the budget spent")
     ax.set_ylabel(f"held-out {score}")
@@ -300,16 +441,30 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
 def collect(out: str | Path) -> tuple[dict, list[dict]]:
     """``(compare.json's contents, every run's record)`` from an output directory."""
     out = Path(out)
-    cfg = yaml.safe_load((out / "compare_config.yaml").read_text()) if (out / "compare_config.yaml").is_file() else {}
+    cfg = (
+        yaml.safe_load((out / "compare_config.yaml").read_text())
+        if (out / "compare_config.yaml").is_file()
+        else {}
+    )
     margin = float(cfg.get("compare", {}).get("collapse_margin", 0.05))
     sft = (_json(out / "sft_eval.json") or {}).get("mean", {})
     score = "gold" if "gold" in sft or not sft else ("verifier" if "verifier" in sft else "proxy")
     plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else []
-    runs = [collect_run(out / "runs" / spec["name"], spec, collapse_margin=margin, stability_score=score)
-            for spec in plan]  # every planned run has a row, also one that never started
+    runs = [
+        collect_run(
+            out / "runs" / spec["name"], spec, collapse_margin=margin, stability_score=score
+        )
+        for spec in plan
+    ]  # every planned run has a row, also one that never started
     table = summarise(runs)
-    result = {"config": cfg, "collapse_margin": margin, "stability_score": score, "sft": sft, "table": table,
-              "runs": runs}
+    result = {
+        "config": cfg,
+        "collapse_margin": margin,
+        "stability_score": score,
+        "sft": sft,
+        "table": table,
+        "runs": runs,
+    }
     result["notes"] = claims_notes(table, score)
     return result, runs
 
@@ -319,28 +474,53 @@ def render_markdown(result: dict, plots: list[str], total_s: float | None) -> st
     cfg = result["config"].get("compare", {})
     score = result["stability_score"]
     lines = ["# proximal compare", ""]
-    lines.append(f"{len(result['runs'])} runs: {', '.join(_label(r) for r in result['table'])}; "
-                 f"{cfg.get('seeds', '?')} seeds each (train.seed = 0, 1, …), from one SFT model. Budgets: every "
-                 f"online method samples {cfg.get('responses', '?')} responses, every offline method trains on "
-                 f"{cfg.get('pairs', '?')} preference pairs. Cells are mean ± sample standard deviation over the "
-                 "finished runs." + (f" Whole comparison: {total_s / 60:.1f} min." if total_s else ""))
-    lines += ["", "## Held-out evaluation of the final policies", "",
-              "The SFT model: " + ", ".join(f"{k} {v:.3f}" for k, v in result["sft"].items()
-                                              if isinstance(v, (int, float)) and k != "eos"), "",
-              _markdown(t["quality"]), "", "## What each method cost", "", _markdown(t["cost"]), "",
-              "## Stability", "", f"Measured on the held-out {score} at every evaluated checkpoint.", "",
-              _markdown(t["stability"]), "",
-              f"With {cfg.get('seeds', '?')} seeds a spread is itself uncertain: the relative standard error of a "
-              "sample standard deviation from n runs is about 1/√(2(n−1)), so spreads within a factor of about two "
-              "of each other do not separate the methods.", "",
-              "## The comparison as commonly stated, beside the measurements", "",
-              _markdown(t["claims"], numeric=False), ""]
+    lines.append(
+        f"{len(result['runs'])} runs: {', '.join(_label(r) for r in result['table'])}; "
+        f"{cfg.get('seeds', '?')} seeds each (train.seed = 0, 1, …), from one SFT model. Budgets: every "
+        f"online method samples {cfg.get('responses', '?')} responses, every offline method trains on "
+        f"{cfg.get('pairs', '?')} preference pairs. Cells are mean ± sample standard deviation over the "
+        "finished runs." + (f" Whole comparison: {total_s / 60:.1f} min." if total_s else "")
+    )
+    lines += [
+        "",
+        "## Held-out evaluation of the final policies",
+        "",
+        "The SFT model: "
+        + ", ".join(
+            f"{k} {v:.3f}"
+            for k, v in result["sft"].items()
+            if isinstance(v, (int, float)) and k != "eos"
+        ),
+        "",
+        _markdown(t["quality"]),
+        "",
+        "## What each method cost",
+        "",
+        _markdown(t["cost"]),
+        "",
+        "## Stability",
+        "",
+        f"Measured on the held-out {score} at every evaluated checkpoint.",
+        "",
+        _markdown(t["stability"]),
+        "",
+        f"With {cfg.get('seeds', '?')} seeds a spread is itself uncertain: the relative standard error of a "
+        "sample standard deviation from n runs is about 1/√(2(n−1)), so spreads within a factor of about two "
+        "of each other do not separate the methods.",
+        "",
+        "## The comparison as commonly stated, beside the measurements",
+        "",
+        _markdown(t["claims"], numeric=False),
+        "",
+    ]
     if len(t["failed"]) > 1:
         lines += ["## Runs that failed", "", _markdown(t["failed"], numeric=False), ""]
     for p in plots:
         lines += [f"![{p}]({p})", ""]
-    lines += ["Every number above is recomputed from `runs/*/` (models.json, metrics.jsonl, eval.json, "
-              "compare_run.json); `compare.json` holds them all."]
+    lines += [
+        "Every number above is recomputed from `runs/*/` (models.json, metrics.jsonl, eval.json, "
+        "compare_run.json); `compare.json` holds them all."
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -360,7 +540,9 @@ def write_report(out: str | Path, *, total_s: float | None = None) -> dict:
 def terminal_summary(result: dict) -> str:
     """The held-out table, the cost table, and any failures, as plain text for the terminal."""
     t = tables(result)
-    blocks = [t["quality"], t["cost"], t["stability"]] + ([t["failed"]] if len(t["failed"]) > 1 else [])
+    blocks = [t["quality"], t["cost"], t["stability"]] + (
+        [t["failed"]] if len(t["failed"]) > 1 else []
+    )
     text = []
     for rows in blocks:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -25,8 +25,13 @@ class ConfigError(ValueError):
     """A configuration problem; the message names every offending key and value."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple | None = None,
-           default_factory: Any = dataclasses.MISSING) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    choices: tuple | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     """A documented config field. ``choices`` restricts the allowed values and is checked on load."""
     metadata = {"help": help, "choices": choices}
     if default_factory is not dataclasses.MISSING:
@@ -44,6 +49,7 @@ def section(cls: type, help: str = "", **defaults: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 # Type handling
 # ----------------------------------------------------------------------------------------------
+
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -112,10 +118,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if origin in (list, tuple):
             (item_tp, *_) = typing.get_args(inner) or (Any,)
             if isinstance(value, str):
-                value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+                value = (
+                    yaml.safe_load(value)
+                    if value.strip().startswith("[")
+                    else [v for v in value.split(",") if v]
+                )
             if not isinstance(value, (list, tuple)):
                 raise ValueError
-            items = [_coerce(v, item_tp, f"{where}[{i}]") if item_tp is not Any else v for i, v in enumerate(value)]
+            items = [
+                _coerce(v, item_tp, f"{where}[{i}]") if item_tp is not Any else v
+                for i, v in enumerate(value)
+            ]
             return items if origin is list else tuple(items)
         if origin is dict or inner is dict:
             if isinstance(value, str):
@@ -133,6 +146,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
+
 
 def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[str, str]) -> None:
     hints = _hints(type(cfg))
@@ -199,8 +213,12 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                base: Any | None = None) -> Any:
+def load_config(
+    cls: type,
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: Any | None = None,
+) -> Any:
     """Build a ``cls`` config from defaults (or ``base``), a YAML file and dotted overrides, then validate.
 
     Raises one ConfigError listing every problem found. A key listed in the class's ``RENAMED``
@@ -219,7 +237,9 @@ def load_config(cls: type, path: str | Path | None = None, overrides: dict[str, 
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"config file {p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+            raise ConfigError(
+                f"config file {p}{line}: not valid YAML ({getattr(e, 'problem', e)})"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: the top level must be a mapping of sections")
         _apply(cfg, data, "", errors, renamed)
@@ -279,10 +299,13 @@ def help_text(cls: type) -> str:
     return "\n".join(lines)
 
 
-def check_divides(errors: list[str], numerator_name: str, numerator: int, denominator_name: str,
-                  denominator: int) -> None:
+def check_divides(
+    errors: list[str], numerator_name: str, numerator: int, denominator_name: str, denominator: int
+) -> None:
     """Append an error unless ``denominator`` divides ``numerator`` exactly (no silent flooring)."""
     if denominator <= 0:
         errors.append(f"{denominator_name} = {denominator} must be positive")
     elif numerator % denominator != 0:
-        errors.append(f"{numerator_name} = {numerator} is not divisible by {denominator_name} = {denominator}")
+        errors.append(
+            f"{numerator_name} = {numerator} is not divisible by {denominator_name} = {denominator}"
+        )

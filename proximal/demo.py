@@ -16,7 +16,8 @@ only better at pleasing the reward model. Five stages, each printed as it runs:
 6. **eval + report** — sample every policy on held-out prompts, score them with the gold score, the
    reward model and the KL to the SFT model, and write ``<out>/report.md`` with plots.
 
-Every trainer is the one its command (``sft``, ``rm``, ``ppo``, ``dpo``, ``simpo``, ``grpo``) runs, loaded from the YAML files
+Every trainer is the one its command (``sft``, ``rm``, ``ppo``, ``dpo``, ``simpo``, ``grpo``) runs,
+loaded from the YAML files
 with the paths filled in as ``--section.key value`` overrides; the demo prints each stage's
 equivalent command line. ``--quick`` shrinks data and steps for CI (about a minute or two).
 """
@@ -26,9 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -47,6 +48,7 @@ STAGES = ("sft", "rm", *RUNS, *ALTERNATIVES)
 @dataclass(frozen=True)
 class Plan:
     """Sizes of one demo: the task's data and the overrides applied on top of the YAML configs."""
+
     task: dict
     sft: dict
     rm: dict
@@ -59,14 +61,30 @@ class Plan:
     eval_samples_per_prompt: int
 
 
-FULL = Plan(task={}, sft={}, rm={}, ppo={}, ppo_overopt={}, dpo={}, simpo={}, grpo={}, rloo={},
-            eval_samples_per_prompt=4)
+FULL = Plan(
+    task={},
+    sft={},
+    rm={},
+    ppo={},
+    ppo_overopt={},
+    dpo={},
+    simpo={},
+    grpo={},
+    rloo={},
+    eval_samples_per_prompt=4,
+)
 
 #: The CI-sized demo: every stage and artifact, a fraction of the data and steps. Its numbers show the
 #: plumbing works, not that RLHF does (for that, run the full demo).
 QUICK = Plan(
-    task=dict(n_sft_train=1024, n_sft_eval=64, n_prefs_train=1024, n_prefs_eval=128, n_prompts_train=256,
-              n_prompts_eval=64),
+    task=dict(
+        n_sft_train=1024,
+        n_sft_eval=64,
+        n_prefs_train=1024,
+        n_prefs_eval=128,
+        n_prompts_train=256,
+        n_prompts_eval=64,
+    ),
     sft={"train.steps": 150, "optim.warmup_steps": 10, "train.eval_every": 50},
     rm={"train.steps": 100, "optim.warmup_steps": 10, "train.eval_every": 50},
     ppo={"train.steps": 12},
@@ -83,8 +101,15 @@ QUICK = Plan(
 # The pipeline
 # ----------------------------------------------------------------------------------------------
 
-def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 0, *,
-             configs: str | Path | None = None, echo: Callable[[str], None] = print) -> dict:
+
+def run_demo(
+    out_dir: str | Path = "demo_out",
+    quick: bool = False,
+    seed: int = 0,
+    *,
+    configs: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """Run every stage into ``out_dir`` and write the report; return the report's numbers.
 
     The returned dict is ``report.json`` (:func:`proximal.report.collect`): held-out means per policy
@@ -100,8 +125,10 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     configs = Path(configs) if configs is not None else DEFAULT_CONFIGS
     missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()]
     if missing:
-        raise FileNotFoundError(f"demo configs: {', '.join(missing)} not found in {configs}; pass --configs DIR "
-                                f"(a copy of {DEFAULT_CONFIGS})")
+        raise FileNotFoundError(
+            f"demo configs: {', '.join(missing)} not found in {configs}; pass --configs DIR "
+            f"(a copy of {DEFAULT_CONFIGS})"
+        )
     plan = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task"
@@ -119,8 +146,12 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
     # 1. Task data, tokenizer, random base model.
     t0 = stage(1, "task", f"digit-sorting data, tokenizer and a random tiny llama -> {task}")
     info = make_task_data(task, seed, **plan.task)
-    done("task", t0, f"teacher gold {info['teacher_gold_eval']:.3f}; labeller agrees with gold on "
-                     f"{info['label_gold_agreement_train']:.1%} of training pairs")
+    done(
+        "task",
+        t0,
+        f"teacher gold {info['teacher_gold_eval']:.3f}; labeller agrees with gold on "
+        f"{info['label_gold_agreement_train']:.1%} of training pairs",
+    )
     # Every config is loaded and validated now, so a mistake in any YAML stops the demo before training.
     cfgs = stage_configs(configs, out, seed, plan)
 
@@ -135,57 +166,96 @@ def run_demo(out_dir: str | Path = "demo_out", quick: bool = False, seed: int = 
             summary = f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
         elif name == "rm":
             acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-            summary = (f"held-out accuracy {acc[-1]:.3f} (the labels agree with gold on "
-                       f"{info['label_gold_agreement_eval']:.1%} of these pairs)")
+            summary = (
+                f"held-out accuracy {acc[-1]:.3f} (the labels agree with gold on "
+                f"{info['label_gold_agreement_eval']:.1%} of these pairs)"
+            )
         elif name in ("dpo", "simpo"):
             acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
             summary = f"held-out preference accuracy {acc[-1]:.3f}, KL to the SFT model {rows[-1]['eval/kl']:.3f}"
         elif name in ("grpo", "rloo"):
             last = rows[-1]
-            summary = (f"last step: exact sorts {last['score/' + VERIFIER_FN]:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
-                       f"k3 KL {last.get('kl/ref_k3', 0.0):.3f}")
+            summary = (
+                f"last step: exact sorts {last['score/' + VERIFIER_FN]:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
+                f"k3 KL {last.get('kl/ref_k3', 0.0):.3f}"
+            )
         else:
             last = rows[-1]
-            summary = (f"last step: proxy {last['score/reward_model']:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
-                       f"KL {last['kl/seq_mean']:.3f}")
+            summary = (
+                f"last step: proxy {last['score/reward_model']:.3f}, gold {last['score/' + GOLD_FN]:.3f}, "
+                f"KL {last['kl/seq_mean']:.3f}"
+            )
         done(name, t0, summary)
 
     # 2. SFT on the teacher's demonstrations.
     run_stage(2, "sft", "supervised fine-tuning on the sloppy teacher's demonstrations", sft.train)
     # 3. Reward model from the SFT model, on the noisy preference pairs.
-    run_stage(3, "rm", "Bradley-Terry reward model on the noisy labeller's preference pairs", reward.train)
+    run_stage(
+        3, "rm", "Bradley-Terry reward model on the noisy labeller's preference pairs", reward.train
+    )
     # 4-5. PPO twice: a sane beta, and a tiny one. The gold score rides along with weight 0.
-    run_stage(4, "ppo", "PPO with a sane beta (critic initialised from the reward model)", ppo.train)
+    run_stage(
+        4, "ppo", "PPO with a sane beta (critic initialised from the reward model)", ppo.train
+    )
     run_stage(5, "ppo_overopt", "PPO with a tiny beta: over-optimising the proxy", ppo.train)
     # 6-9. The alternatives from the same SFT model: offline on the RM's pairs, online on the verifier.
-    run_stage(6, "dpo", "DPO on the reward model's preference pairs (reference: the SFT model)", dpo.train)
+    run_stage(
+        6, "dpo", "DPO on the reward model's preference pairs (reference: the SFT model)", dpo.train
+    )
     run_stage(7, "simpo", "SimPO on the same pairs (no reference model)", dpo.train)
-    run_stage(8, "grpo", "GRPO rewarded by the exact-sort verifier (no critic, no reward model)", grpo.train)
+    run_stage(
+        8,
+        "grpo",
+        "GRPO rewarded by the exact-sort verifier (no critic, no reward model)",
+        grpo.train,
+    )
     run_stage(9, "rloo", "RLOO: leave-one-out baseline, the same verifier", grpo.train)
 
     # 10. Held-out evaluation of every policy, with one shared sampling seed; the report.
-    t0 = stage(len(STAGES) + 2, "eval + report", f"sampling {plan.eval_samples_per_prompt} response(s) per "
-                                                 "held-out prompt from each policy; writing the report")
+    t0 = stage(
+        len(STAGES) + 2,
+        "eval + report",
+        f"sampling {plan.eval_samples_per_prompt} response(s) per "
+        "held-out prompt from each policy; writing the report",
+    )
     max_new = cfgs["ppo"][0].rollout.max_new_tokens
-    policies = {"sft": out / "sft", **{name: final_policy(out / name) for name in (*RUNS, *ALTERNATIVES)}}
-    evaluation = {name: evaluate_policy(path, reference=out / "sft", reward_model=out / "rm",
-                                        prompts_file=task / "prompts_eval.jsonl",
-                                        samples_per_prompt=plan.eval_samples_per_prompt,
-                                        max_new_tokens=max_new, seed=seed)
-                  for name, path in policies.items()}
-    evaluation["rm_gold_agreement"] = reward_model_gold_agreement(out / "rm", task / "prefs_eval.jsonl")
+    policies = {
+        "sft": out / "sft",
+        **{name: final_policy(out / name) for name in (*RUNS, *ALTERNATIVES)},
+    }
+    evaluation = {
+        name: evaluate_policy(
+            path,
+            reference=out / "sft",
+            reward_model=out / "rm",
+            prompts_file=task / "prompts_eval.jsonl",
+            samples_per_prompt=plan.eval_samples_per_prompt,
+            max_new_tokens=max_new,
+            seed=seed,
+        )
+        for name, path in policies.items()
+    }
+    evaluation["rm_gold_agreement"] = reward_model_gold_agreement(
+        out / "rm", task / "prefs_eval.jsonl"
+    )
     (out / "eval.json").write_text(json.dumps(evaluation, indent=1) + "\n")
     timings["eval"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
-    (out / "demo.json").write_text(json.dumps({"seed": seed, "quick": quick, "configs": str(configs),
-                                               "timings_s": timings}, indent=1) + "\n")
+    (out / "demo.json").write_text(
+        json.dumps(
+            {"seed": seed, "quick": quick, "configs": str(configs), "timings_s": timings}, indent=1
+        )
+        + "\n"
+    )
     results = report.write_report(out)
     echo(f"      done  ({time.perf_counter() - t0:.0f} s)")
     echo("\n" + report.terminal_summary(results))
     return results
 
 
-def stage_configs(configs: Path, out: Path, seed: int, plan: Plan, only: tuple[str, ...] = STAGES) -> dict:
+def stage_configs(
+    configs: Path, out: Path, seed: int, plan: Plan, only: tuple[str, ...] = STAGES
+) -> dict:
     """``{stage: (config, equivalent command line)}``: each YAML file (of the stages in ``only``) with
     paths, seed and ``plan`` filled in.
 
@@ -196,38 +266,85 @@ def stage_configs(configs: Path, out: Path, seed: int, plan: Plan, only: tuple[s
     from proximal.trainers import reward, sft
 
     task = out / "task"
-    shared = dict(sft=out / "sft", reward_model=out / "rm", prompts=task / "prompts_train.jsonl",
-                  pairs=task / "prefs_train.jsonl", eval_pairs=task / "prefs_eval.jsonl", verifier=VERIFIER_FN,
-                  gold=GOLD_FN)
+    shared = dict(
+        sft=out / "sft",
+        reward_model=out / "rm",
+        prompts=task / "prompts_train.jsonl",
+        pairs=task / "prefs_train.jsonl",
+        eval_pairs=task / "prefs_eval.jsonl",
+        verifier=VERIFIER_FN,
+        gold=GOLD_FN,
+    )
     stages = {
-        "sft": ("sft", sft.SFTConfig, {"model.path": task / "base_model", "data.train_file": task / "sft_train.jsonl",
-                                       "data.eval_file": task / "sft_eval.jsonl"}),
-        "rm": ("rm", reward.RMConfig, {"model.path": out / "sft", "data.train_file": task / "prefs_train.jsonl",
-                                       "data.eval_file": task / "prefs_eval.jsonl"}),
+        "sft": (
+            "sft",
+            sft.SFTConfig,
+            {
+                "model.path": task / "base_model",
+                "data.train_file": task / "sft_train.jsonl",
+                "data.eval_file": task / "sft_eval.jsonl",
+            },
+        ),
+        "rm": (
+            "rm",
+            reward.RMConfig,
+            {
+                "model.path": out / "sft",
+                "data.train_file": task / "prefs_train.jsonl",
+                "data.eval_file": task / "prefs_eval.jsonl",
+            },
+        ),
         # PPO's stages keep their YAML's reward settings (the check below says which).
-        **{name: ("ppo", config_class("ppo"), {"model.path": out / "sft", "model.reward_model": out / "rm",
-                                               "data.prompts": task / "prompts_train.jsonl"}) for name in RUNS},
-        **{name: (METHODS[name].command, config_class(METHODS[name].command),
-                  input_overrides(METHODS[name], METHODS[name].default_source(True), **shared))
-           for name in ALTERNATIVES},
+        **{
+            name: (
+                "ppo",
+                config_class("ppo"),
+                {
+                    "model.path": out / "sft",
+                    "model.reward_model": out / "rm",
+                    "data.prompts": task / "prompts_train.jsonl",
+                },
+            )
+            for name in RUNS
+        },
+        **{
+            name: (
+                METHODS[name].command,
+                config_class(METHODS[name].command),
+                input_overrides(METHODS[name], METHODS[name].default_source(True), **shared),
+            )
+            for name in ALTERNATIVES
+        },
     }
     result, errors = {}, []
     for name, (command, cls, overrides) in stages.items():
         if name not in only:
             continue
-        overrides = {k: str(v) if isinstance(v, Path) else v
-                     for k, v in {**overrides, "output.dir": out / name, "train.seed": seed,
-                                  **getattr(plan, name)}.items()}
+        overrides = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in {
+                **overrides,
+                "output.dir": out / name,
+                "train.seed": seed,
+                **getattr(plan, name),
+            }.items()
+        }
         path = configs / f"{name}.yaml"
-        line = f"proximal {command} --config {path} " + " ".join(f"--{k} {command_arg(v)}" for k, v in overrides.items())
+        line = f"proximal {command} --config {path} " + " ".join(
+            f"--{k} {command_arg(v)}" for k, v in overrides.items()
+        )
         try:
             cfg = load_config(cls, path, overrides)
         except ConfigError as e:
             errors.append(f"{path}: {e}")
             continue
-        if name in RUNS and (cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]):
-            errors.append(f"{path}: the demo logs the gold score without training on it; keep "
-                          f"model.reward_functions: [{GOLD_FN}] and model.reward_function_weights: [0.0]")
+        if name in RUNS and (
+            cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]
+        ):
+            errors.append(
+                f"{path}: the demo logs the gold score without training on it; keep "
+                f"model.reward_functions: [{GOLD_FN}] and model.reward_function_weights: [0.0]"
+            )
         result[name] = (cfg, line)
     if errors:
         raise ConfigError("demo configs:\n" + "\n".join(errors))
@@ -260,18 +377,31 @@ def _metrics(run_dir: Path) -> list[dict]:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="proximal demo",
         description="The whole of RLHF offline on a CPU: task data -> SFT -> reward model -> PPO, then a report.",
-        epilog="The report is <out>/report.md; docs/demo.md explains how to read it.")
+        epilog="The report is <out>/report.md; docs/demo.md explains how to read it.",
+    )
     parser.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
-    parser.add_argument("--quick", action="store_true", help="the shrunken CI demo: less data, fewer steps")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data and every stage (default: 0)")
-    parser.add_argument("--configs", default=None,
-                        help=f"directory holding sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml (default: {DEFAULT_CONFIGS})")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice, one per core)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the shrunken CI demo: less data, fewer steps"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the data and every stage (default: 0)"
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"directory holding sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml (default: {DEFAULT_CONFIGS})",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice, one per core)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -279,5 +409,7 @@ def cli(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     from proximal.train.command import run_reporting
 
-    code, _ = run_reporting("demo", lambda: run_demo(args.out, quick=args.quick, seed=args.seed, configs=args.configs))
+    code, _ = run_reporting(
+        "demo", lambda: run_demo(args.out, quick=args.quick, seed=args.seed, configs=args.configs)
+    )
     return code

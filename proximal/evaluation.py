@@ -10,8 +10,8 @@ are compared on common random numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -19,10 +19,19 @@ ScoreFn = Callable[[list[str], list[str]], list[float]]
 
 
 @torch.no_grad()
-def evaluate_policy(policy: str | Path, *, reference: str | Path, prompts_file: str | Path,
-                    reward_model: str | Path | None = None, scores: dict[str, str | ScoreFn] | None = None,
-                    samples_per_prompt: int = 1, max_new_tokens: int = 12, seed: int = 0, batch_size: int = 256,
-                    max_prompt_length: int = 64) -> dict:
+def evaluate_policy(
+    policy: str | Path,
+    *,
+    reference: str | Path,
+    prompts_file: str | Path,
+    reward_model: str | Path | None = None,
+    scores: dict[str, str | ScoreFn] | None = None,
+    samples_per_prompt: int = 1,
+    max_new_tokens: int = 12,
+    seed: int = 0,
+    batch_size: int = 256,
+    max_prompt_length: int = 64,
+) -> dict:
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
@@ -49,7 +58,9 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, prompts_file: 
 
     if scores is None:
         scores = {"gold": "proximal.tasks.digits:gold_score"}
-    functions = {name: load_reward_function(f) if isinstance(f, str) else f for name, f in scores.items()}
+    functions = {
+        name: load_reward_function(f) if isinstance(f, str) else f for name, f in scores.items()
+    }
     tokenizer = load_tokenizer(str(policy), role="policy")
     actor = load_causal_lm(str(policy), role="policy")
     ref = load_causal_lm(str(reference), role="reference")
@@ -60,38 +71,61 @@ def evaluate_policy(policy: str | Path, *, reference: str | Path, prompts_file: 
         rm_tokenizer = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
         rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
         freeze(rm)
-        scorer = Scorer(tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, micro_batch_size=batch_size)
+        scorer = Scorer(
+            tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, micro_batch_size=batch_size
+        )
     prompts = load_prompts(str(prompts_file), tokenizer, max_length=max_prompt_length)
     order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
 
     rows = []
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id)
-        seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one generator per response
+        seeds = [
+            row_seed(seed, 0, j) for j in range(start, start + len(idx))
+        ]  # one generator per response
         r = sample(actor, tokenizer, ids, mask, seeds=seeds, max_new_tokens=max_new_tokens)
         texts = [prompts.texts[i] for i in idx]
         completions = scorer.completions(r)
-        scored = {name: [float(v) for v in fn(texts, completions)] for name, fn in functions.items()}
+        scored = {
+            name: [float(v) for v in fn(texts, completions)] for name, fn in functions.items()
+        }
         if reward_model is not None:
             _, comp = scorer(r, texts)
             scored["proxy"] = [float(v) for v in comp["reward_model"]]
         logp = torch.log_softmax(response_logits(actor, r).float(), -1)
         logq = torch.log_softmax(response_logits(ref, r).float(), -1)
-        kl_tok = (logp.exp() * (logp - logq)).sum(-1)                       # (B, T), exact per state
+        kl_tok = (logp.exp() * (logp - logq)).sum(-1)  # (B, T), exact per state
         kl = torch.where(r.response_mask, kl_tok, 0.0).sum(1)
         for j, completion in enumerate(completions):
-            rows.append({"prompt": texts[j], "response": completion, **{k: v[j] for k, v in scored.items()},
-                         "kl": float(kl[j]), "length": int(r.response_mask[j].sum()), "eos": bool(r.ended[j])})
+            rows.append(
+                {
+                    "prompt": texts[j],
+                    "response": completion,
+                    **{k: v[j] for k, v in scored.items()},
+                    "kl": float(kl[j]),
+                    "length": int(r.response_mask[j].sum()),
+                    "eos": bool(r.ended[j]),
+                }
+            )
     keys = [*scored, "kl", "length", "eos"]
     mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in keys}
-    return {"policy": str(policy), "n": len(rows), "samples_per_prompt": samples_per_prompt, "seed": seed,
-            "mean": mean, "rows": rows}
+    return {
+        "policy": str(policy),
+        "n": len(rows),
+        "samples_per_prompt": samples_per_prompt,
+        "seed": seed,
+        "mean": mean,
+        "rows": rows,
+    }
 
 
 @torch.no_grad()
-def reward_model_gold_agreement(reward_model: str | Path, pairs_file: str | Path,
-                                gold: Callable[[str, str], float] | None = None) -> float:
+def reward_model_gold_agreement(
+    reward_model: str | Path,
+    pairs_file: str | Path,
+    gold: Callable[[str, str], float] | None = None,
+) -> float:
     """How often the reward model orders a held-out pair as ``gold(prompt, response)`` does (the
     built-in task's gold score by default), over the pairs whose gold differs.
 
@@ -111,9 +145,9 @@ def reward_model_gold_agreement(reward_model: str | Path, pairs_file: str | Path
     records = [r for _, r in read_jsonl(pairs_file)]
     r_w, r_l = pair_scores(rm, collate_pairs(pairs, tok.pad_token_id))
     agree = n = 0
-    for rec, w, l in zip(records, r_w.tolist(), r_l.tolist()):
+    for rec, s_w, s_l in zip(records, r_w.tolist(), r_l.tolist()):
         g_w, g_l = gold(rec["prompt"], rec["chosen"]), gold(rec["prompt"], rec["rejected"])
         if g_w != g_l:
             n += 1
-            agree += (w > l) == (g_w > g_l)
+            agree += (s_w > s_l) == (g_w > g_l)
     return agree / n

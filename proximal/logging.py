@@ -21,7 +21,9 @@ def _plain(v: Any) -> Any:
 
 
 #: What each optional logger needs installed, and the message when it is missing.
-TENSORBOARD_MISSING = "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'"
+TENSORBOARD_MISSING = (
+    "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'"
+)
 WANDB_MISSING = "output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'"
 
 
@@ -29,8 +31,9 @@ def missing_extras(tensorboard: bool, wandb_project: str | None) -> list[str]:
     """One message per optional logger asked for whose package is not installed (nothing is imported)."""
     from importlib.util import find_spec
 
-    return ([TENSORBOARD_MISSING] if tensorboard and find_spec("tensorboard") is None else []) + \
-           ([WANDB_MISSING] if wandb_project and find_spec("wandb") is None else [])
+    return ([TENSORBOARD_MISSING] if tensorboard and find_spec("tensorboard") is None else []) + (
+        [WANDB_MISSING] if wandb_project and find_spec("wandb") is None else []
+    )
 
 
 class MetricsLogger:
@@ -40,8 +43,15 @@ class MetricsLogger:
     optional extras; a clear error says which package to install when asked for and missing.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, wandb_project: str | None = None,
-                 config: dict | None = None, filename: str = "metrics.jsonl"):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+        filename: str = "metrics.jsonl",
+    ):
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
@@ -101,8 +111,16 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def write_samples(run_dir: str | Path, step: int, prompts: list[str], completions: list[str], scores, components: dict,
-                  valid, n: int) -> None:
+def write_samples(
+    run_dir: str | Path,
+    step: int,
+    prompts: list[str],
+    completions: list[str],
+    scores,
+    components: dict,
+    valid,
+    n: int,
+) -> None:
     """The first ``n`` trained-on (valid) rows of a rollout, appended to ``run_dir/samples.jsonl``:
     step, prompt, response, total score and each reward source's score."""
     rows = [i for i, ok in enumerate(valid.tolist()) if ok][:n]
@@ -110,6 +128,11 @@ def write_samples(run_dir: str | Path, step: int, prompts: list[str], completion
         return
     with (Path(run_dir) / "samples.jsonl").open("a", encoding="utf-8") as fh:
         for i in rows:
-            row = {"step": step, "prompt": prompts[i], "response": completions[i], "score": float(scores[i]),
-                   **{f"score/{k}": float(v[i]) for k, v in components.items()}}
+            row = {
+                "step": step,
+                "prompt": prompts[i],
+                "response": completions[i],
+                "score": float(scores[i]),
+                **{f"score/{k}": float(v[i]) for k, v in components.items()},
+            }
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -63,7 +63,9 @@ def dtype_bytes(dtype: str) -> int:
 # Llama-style decoders (RMSNorm, rotary positions, SwiGLU MLP). Bias flags name the config key that
 # switches them, or a constant where the architecture fixes it.
 _LLAMA_FAMILY = {
-    "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", qk_norm=False),
+    "llama": dict(
+        qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", qk_norm=False
+    ),
     "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
@@ -114,9 +116,18 @@ class Architecture:
     def linear_shapes(self) -> list[tuple[int, int, bool]]:
         """(in, out, bias) of every linear layer in one transformer layer: the LoRA targets."""
         h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
-        attn = [(h, q, self.qkv_bias), (h, kv, self.qkv_bias), (h, kv, self.qkv_bias), (q, h, self.o_bias)]
+        attn = [
+            (h, q, self.qkv_bias),
+            (h, kv, self.qkv_bias),
+            (h, kv, self.qkv_bias),
+            (q, h, self.o_bias),
+        ]
         if self.gated_mlp:
-            mlp = [(h, i, self.mlp_bias), (h, i, self.mlp_bias), (i, h, self.mlp_bias)]  # gate, up, down
+            mlp = [
+                (h, i, self.mlp_bias),
+                (h, i, self.mlp_bias),
+                (i, h, self.mlp_bias),
+            ]  # gate, up, down
         else:
             mlp = [(h, i, True), (i, h, True)]  # GPT-2: c_fc, c_proj (always biased)
         return attn + mlp
@@ -131,8 +142,11 @@ class Architecture:
     def backbone_params(self) -> int:
         """Embeddings (+ learned positions) + L layers + the final norm; no output head."""
         final_norm = self.hidden_size if self.rms_norm else 2 * self.hidden_size
-        return ((self.vocab_size + self.positions) * self.hidden_size
-                + self.num_layers * self.layer_params() + final_norm)
+        return (
+            (self.vocab_size + self.positions) * self.hidden_size
+            + self.num_layers * self.layer_params()
+            + final_norm
+        )
 
     def params(self, head: str) -> int:
         """N for a model with this backbone and ``head``.
@@ -142,7 +156,9 @@ class Architecture:
         bias) — proximal's reward model and critic (``proximal.models.heads``).
         """
         if head == "lm":
-            return self.backbone_params() + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+            return self.backbone_params() + (
+                0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+            )
         if head == "score":
             return self.backbone_params() + self.hidden_size
         raise ValueError(f"head {head!r} is not 'lm' or 'score'")
@@ -242,29 +258,48 @@ def architecture_from_config(cfg: dict, source: str = "config") -> Architecture:
     if mt == "gpt2":
         h = _get(cfg, source, "n_embd", "hidden_size")
         return Architecture(
-            model_type=mt, vocab_size=_get(cfg, source, "vocab_size"), hidden_size=h,
+            model_type=mt,
+            vocab_size=_get(cfg, source, "vocab_size"),
+            hidden_size=h,
             num_layers=_get(cfg, source, "n_layer", "num_hidden_layers"),
             num_heads=_get(cfg, source, "n_head", "num_attention_heads"),
             num_kv_heads=_get(cfg, source, "n_head", "num_attention_heads"),
             head_dim=h // _get(cfg, source, "n_head", "num_attention_heads"),
             intermediate_size=_get(cfg, source, "n_inner", default=4 * h),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            gated_mlp=False, rms_norm=False, qkv_bias=True, o_bias=True, mlp_bias=True,
-            positions=_get(cfg, source, "n_positions", "max_position_embeddings"), source=source)
+            gated_mlp=False,
+            rms_norm=False,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            positions=_get(cfg, source, "n_positions", "max_position_embeddings"),
+            source=source,
+        )
     if mt in _LLAMA_FAMILY:
-        flags = {k: (bool(cfg.get(v, False)) if isinstance(v, str) else v) for k, v in _LLAMA_FAMILY[mt].items()}
+        flags = {
+            k: (bool(cfg.get(v, False)) if isinstance(v, str) else v)
+            for k, v in _LLAMA_FAMILY[mt].items()
+        }
         h = _get(cfg, source, "hidden_size")
         heads = _get(cfg, source, "num_attention_heads")
         return Architecture(
-            model_type=mt, vocab_size=_get(cfg, source, "vocab_size"), hidden_size=h,
-            num_layers=_get(cfg, source, "num_hidden_layers"), num_heads=heads,
+            model_type=mt,
+            vocab_size=_get(cfg, source, "vocab_size"),
+            hidden_size=h,
+            num_layers=_get(cfg, source, "num_hidden_layers"),
+            num_heads=heads,
             num_kv_heads=_get(cfg, source, "num_key_value_heads", default=heads),
             head_dim=_get(cfg, source, "head_dim", default=h // heads),
             intermediate_size=_get(cfg, source, "intermediate_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source, **flags)
-    raise ConfigReadError(f"{source}: model_type {mt!r} is not supported; the planner knows "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (pass --params N to size weights and "
-                          "optimizer state only)")
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            source=source,
+            **flags,
+        )
+    raise ConfigReadError(
+        f"{source}: model_type {mt!r} is not supported; the planner knows "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)} (pass --params N to size weights and "
+        "optimizer state only)"
+    )
 
 
 def load_architecture(path: str | Path) -> Architecture:
@@ -277,6 +312,7 @@ def load_architecture(path: str | Path) -> Architecture:
 # The plan
 # --------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One of the four models: its shape (``arch``) or, lacking one, just its parameter count."""
@@ -285,7 +321,7 @@ class ModelSpec:
     arch: Architecture | None = None
 
     @classmethod
-    def of(cls, arch: Architecture, head: str) -> "ModelSpec":
+    def of(cls, arch: Architecture, head: str) -> ModelSpec:
         return cls(arch.params(head), arch)
 
 
@@ -307,26 +343,40 @@ class Setup:
     nodes: int = 1
     strategy: str = "single"
     gpu_memory: int = 80 * GiB
-    forward_cache: bool = True      # training/scoring forwards keep a KV cache (transformers' default)
+    forward_cache: bool = True  # training/scoring forwards keep a KV cache (transformers' default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
-        for name in ("batch", "prompt_len", "response_len", "micro_batch", "gpus", "nodes", "gpu_memory"):
+        for name in (
+            "batch",
+            "prompt_len",
+            "response_len",
+            "micro_batch",
+            "gpus",
+            "nodes",
+            "gpu_memory",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for role in ("actor", "critic", "reward"):
             if getattr(self, role).n_params < 1:
-                raise ValueError(f"{role} parameter count must be positive, got {getattr(self, role).n_params}")
+                raise ValueError(
+                    f"{role} parameter count must be positive, got {getattr(self, role).n_params}"
+                )
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be at least 0, got {self.lora_rank}")
         if self.lora_rank and not (self.actor.arch and self.critic.arch):
-            raise ValueError("--lora-rank needs the model shapes to count adapter parameters: pass --config "
-                             "(and --critic-config/--reward-config if you gave those as --*-params)")
+            raise ValueError(
+                "--lora-rank needs the model shapes to count adapter parameters: pass --config "
+                "(and --critic-config/--reward-config if you gave those as --*-params)"
+            )
         if self.micro_batch > self.batch:
-            raise ValueError(f"--micro-batch {self.micro_batch} is larger than --batch {self.batch}")
+            raise ValueError(
+                f"--micro-batch {self.micro_batch} is larger than --batch {self.batch}"
+            )
 
     @property
     def world(self) -> int:
@@ -363,16 +413,24 @@ class Row:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.gradients + (self.activations or 0) + (self.kv_cache or 0)
+        return (
+            self.parameters
+            + self.optimizer
+            + self.gradients
+            + (self.activations or 0)
+            + (self.kv_cache or 0)
+        )
 
 
 @dataclass
 class Plan:
     setup: Setup
     rows: dict[str, Row]
-    static: int                     # weights + optimizer state: resident all the time
-    phases: dict[str, int | None]   # transient bytes on top of ``static`` in each phase of a PPO step
-    cpu_optimizer: int              # optimizer state held in CPU memory (offload), whole job
+    static: int  # weights + optimizer state: resident all the time
+    phases: dict[
+        str, int | None
+    ]  # transient bytes on top of ``static`` in each phase of a PPO step
+    cpu_optimizer: int  # optimizer state held in CPU memory (offload), whole job
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -493,14 +551,25 @@ def plan(setup: Setup) -> Plan:
     def trainable_row(role: str, spec: ModelSpec, head: str) -> Row:
         if r:
             adapters = spec.arch.lora_params(r)
-            trainable = adapters + (spec.arch.hidden_size if head == "score" else 0)  # the value head trains fully
+            trainable = adapters + (
+                spec.arch.hidden_size if head == "score" else 0
+            )  # the value head trains fully
             weights = spec.n_params * b + trainable * w_b
             note = f"LoRA r={r}: {_count(trainable)} trainable"
         else:
             trainable, weights, note = spec.n_params, spec.n_params * w_b, ""
         act = training_activation_bytes(spec.arch, setup, head) if spec.arch else None
-        return Row(role, spec.n_params, trainable, _div(weights, W), 0 if setup.offload else _div(trainable * o_b, W),
-                   _div(trainable * g_b, W), act, None if role == "actor" else 0, note)
+        return Row(
+            role,
+            spec.n_params,
+            trainable,
+            _div(weights, W),
+            0 if setup.offload else _div(trainable * o_b, W),
+            _div(trainable * g_b, W),
+            act,
+            None if role == "actor" else 0,
+            note,
+        )
 
     actor = trainable_row("actor", setup.actor, "lm")
     critic = trainable_row("critic", setup.critic, "score")
@@ -512,13 +581,39 @@ def plan(setup: Setup) -> Plan:
     ref_fwd = forward_only_bytes(setup.actor.arch, setup, "lm") if setup.actor.arch else None
     if r:
         # The reference is the actor's base model with the adapters switched off: no second copy.
-        reference = Row("reference", setup.actor.n_params, 0, 0, 0, 0, ref_fwd, 0,
-                        "shares the actor's base weights (adapters disabled)")
+        reference = Row(
+            "reference",
+            setup.actor.n_params,
+            0,
+            0,
+            0,
+            0,
+            ref_fwd,
+            0,
+            "shares the actor's base weights (adapters disabled)",
+        )
     else:
-        reference = Row("reference", setup.actor.n_params, 0, _div(setup.actor.n_params * b, W), 0, 0, ref_fwd, 0)
+        reference = Row(
+            "reference",
+            setup.actor.n_params,
+            0,
+            _div(setup.actor.n_params * b, W),
+            0,
+            0,
+            ref_fwd,
+            0,
+        )
     rw = setup.reward
-    reward = Row("reward", rw.n_params, 0, _div(rw.n_params * b, W), 0, 0,
-                 forward_only_bytes(rw.arch, setup, "score") if rw.arch else None, 0)
+    reward = Row(
+        "reward",
+        rw.n_params,
+        0,
+        _div(rw.n_params * b, W),
+        0,
+        0,
+        forward_only_bytes(rw.arch, setup, "score") if rw.arch else None,
+        0,
+    )
     rows = {"actor": actor, "critic": critic, "reference": reference, "reward": reward}
 
     static = sum(x.parameters + x.optimizer for x in rows.values())
@@ -537,21 +632,31 @@ def plan(setup: Setup) -> Plan:
         arch = setup.actor.arch
         phases["rollout"] = rollout_bytes(arch, setup) + gather
         phases["scoring"] = max(x.activations for x in (reference, reward)) + gather
-        phases["scoring"] = max(phases["scoring"], forward_only_bytes(setup.critic.arch, setup, "score") + gather)
+        phases["scoring"] = max(
+            phases["scoring"], forward_only_bytes(setup.critic.arch, setup, "score") + gather
+        )
         if W == 1 and setup.micro_batch >= setup.batch:
             # ppo.reuse_first_pass (the default) with one micro-batch of the whole batch: the first epoch's
             # actor forward runs before the experience, so its activations are held while the others score
             # (counted whatever ppo.mini_batch_size is: an upper bound when the pass is not shared).
             phases["scoring"] += actor.activations
-            notes.append("scoring holds the actor's activations (ppo.reuse_first_pass with micro-batch = batch "
-                         "on one device)")
+            notes.append(
+                "scoring holds the actor's activations (ppo.reuse_first_pass with micro-batch = batch "
+                "on one device)"
+            )
         phases["actor update"] = actor.gradients + actor.activations + gather
         phases["critic update"] = critic.gradients + critic.activations + gather
     else:
-        phases = {"rollout": None, "scoring": None,
-                  "actor update": actor.gradients, "critic update": critic.gradients}
-        notes.append("activations and KV cache not sized: pass --config (a model directory or config.json) "
-                     "so the planner knows layers, hidden size, heads and vocabulary")
+        phases = {
+            "rollout": None,
+            "scoring": None,
+            "actor update": actor.gradients,
+            "critic update": critic.gradients,
+        }
+        notes.append(
+            "activations and KV cache not sized: pass --config (a model directory or config.json) "
+            "so the planner knows layers, hidden size, heads and vocabulary"
+        )
     return Plan(setup, rows, static, phases, cpu_opt, notes)
 
 
@@ -570,14 +675,21 @@ def _count(n: int) -> str:
 # Cheapest strategy that fits
 # --------------------------------------------------------------------------------------------------
 
+
 def candidate_layouts(gpus_per_node: int, max_gpus: int = 8192):
     """(gpus per node, nodes, strategy) from cheapest up: fewer GPUs first (1, 2, 4, then whole nodes);
     at equal GPUs no sharding, then FSDP, then CPU optimizer offload alone, then FSDP with offload
     (offloading AdamW to the CPU costs the most step time)."""
-    worlds = [w for w in (1, 2, 4) if w < gpus_per_node] + list(range(gpus_per_node, max_gpus + 1, gpus_per_node))
+    worlds = [w for w in (1, 2, 4) if w < gpus_per_node] + list(
+        range(gpus_per_node, max_gpus + 1, gpus_per_node)
+    )
     for world in worlds:
-        gpus, nodes = (world, 1) if world <= gpus_per_node else (gpus_per_node, world // gpus_per_node)
-        for strategy in ("single", "offload") if world == 1 else ("single", "fsdp", "offload", "fsdp-offload"):
+        gpus, nodes = (
+            (world, 1) if world <= gpus_per_node else (gpus_per_node, world // gpus_per_node)
+        )
+        for strategy in (
+            ("single", "offload") if world == 1 else ("single", "fsdp", "offload", "fsdp-offload")
+        ):
             yield gpus, nodes, strategy
 
 
@@ -601,8 +713,14 @@ def cheapest_fit(setup: Setup, max_gpus: int = 8192, offload: bool = True) -> Pl
 # Output
 # --------------------------------------------------------------------------------------------------
 
-COLUMNS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
-           ("activations", "activations (training)"), ("kv_cache", "KV cache (rollout)"), ("total", "total"))
+COLUMNS = (
+    ("parameters", "parameters"),
+    ("optimizer", "optimizer state"),
+    ("gradients", "gradients"),
+    ("activations", "activations (training)"),
+    ("kv_cache", "KV cache (rollout)"),
+    ("total", "total"),
+)
 
 
 def fmt(nbytes: int | None, unit: str) -> str:
@@ -619,8 +737,12 @@ def _layout(setup: Setup) -> str:
         where = "1 GPU"
     else:
         where = f"{setup.world} GPUs ({setup.nodes} node{'s' * (setup.nodes > 1)} x {setup.gpus})"
-    what = {"single": "no sharding (each GPU holds whole models)", "fsdp": "FSDP full shard",
-            "offload": "no sharding, AdamW state in CPU memory", "fsdp-offload": "FSDP full shard, AdamW state in CPU memory"}
+    what = {
+        "single": "no sharding (each GPU holds whole models)",
+        "fsdp": "FSDP full shard",
+        "offload": "no sharding, AdamW state in CPU memory",
+        "fsdp-offload": "FSDP full shard, AdamW state in CPU memory",
+    }
     return f"{setup.strategy} on {where}: {what[setup.strategy]}"
 
 
@@ -629,16 +751,24 @@ def render(p: Plan, unit: str, best: Plan | None, best_on_gpu: Plan | None = Non
     s = st.prompt_len + st.response_len
 
     def desc(role: str, spec: ModelSpec) -> str:
-        return f"  {role:<9} {_count(spec.n_params)} params" + (f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else "")
+        return f"  {role:<9} {_count(spec.n_params)} params" + (
+            f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else ""
+        )
 
-    lines = ["proximal memory: the memory budget of PPO's four models (weights, AdamW states, gradients, "
-             "activations), bytes on one GPU", desc("actor", st.actor),
-             desc("critic", st.critic), desc("reference", st.actor), desc("reward", st.reward),
-             f"  dtype {st.dtype}; rollout batch {st.batch} ({st.rollout_batch_per_gpu} per GPU), micro-batch "
-             f"{st.micro_batch} per GPU, {st.prompt_len} prompt + {st.response_len} response = {s} tokens"
-             + (f"; LoRA rank {st.lora_rank}" if st.lora_rank else "")
-             + ("; activation checkpointing" if st.activation_checkpointing else ""),
-             f"  strategy {_layout(st)}", ""]
+    lines = [
+        "proximal memory: the memory budget of PPO's four models (weights, AdamW states, gradients, "
+        "activations), bytes on one GPU",
+        desc("actor", st.actor),
+        desc("critic", st.critic),
+        desc("reference", st.actor),
+        desc("reward", st.reward),
+        f"  dtype {st.dtype}; rollout batch {st.batch} ({st.rollout_batch_per_gpu} per GPU), micro-batch "
+        f"{st.micro_batch} per GPU, {st.prompt_len} prompt + {st.response_len} response = {s} tokens"
+        + (f"; LoRA rank {st.lora_rank}" if st.lora_rank else "")
+        + ("; activation checkpointing" if st.activation_checkpointing else ""),
+        f"  strategy {_layout(st)}",
+        "",
+    ]
     table = [["model"] + [c for _, c in COLUMNS]]
     for role in ROLES:
         r = p.rows[role]
@@ -647,7 +777,11 @@ def render(p: Plan, unit: str, best: Plan | None, best_on_gpu: Plan | None = Non
     table.append(["all at once"] + [fmt(None if None in col else sum(col), unit) for col in sums])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for j, row in enumerate(table):
-        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
+        lines.append(
+            "  ".join(
+                c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)
+            )
+        )
         if j == 0 or j == len(table) - 2:
             lines.append("  ".join("-" * wd for wd in widths))
     for role in ROLES:
@@ -656,47 +790,79 @@ def render(p: Plan, unit: str, best: Plan | None, best_on_gpu: Plan | None = Non
     lines.append("")
     phase_txt = ", ".join(f"{k} {fmt(v, unit)}" for k, v in p.phases.items())
     at_least = "" if p.sized else "at least "
-    lines += [f"peak per GPU: {at_least}{fmt(p.peak, unit)} = weights + optimizer state {fmt(p.static, unit)}"
-              f" + the largest phase, {p.peak_phase} ({phase_txt})"]
+    lines += [
+        f"peak per GPU: {at_least}{fmt(p.peak, unit)} = weights + optimizer state {fmt(p.static, unit)}"
+        f" + the largest phase, {p.peak_phase} ({phase_txt})"
+    ]
     if p.cpu_optimizer:
-        lines.append(f"CPU memory for the offloaded AdamW state: {fmt(p.cpu_optimizer, unit)} in all"
-                     f" ({fmt(-(-p.cpu_optimizer // st.nodes), unit)} per node)")
+        lines.append(
+            f"CPU memory for the offloaded AdamW state: {fmt(p.cpu_optimizer, unit)} in all"
+            f" ({fmt(-(-p.cpu_optimizer // st.nodes), unit)} per node)"
+        )
     budget = fmt(st.gpu_memory, unit)
     if p.fits:
         verdict = f"verdict: FITS in {budget} per GPU ({100 * p.peak / st.gpu_memory:.0f}% used)"
         if not p.sized:
-            verdict = f"verdict: weights, optimizer and gradients fit in {budget}, but activations and the KV cache are not sized"
+            verdict = (
+                f"verdict: weights, optimizer and gradients fit in {budget}, but activations and "
+                "the KV cache are not sized"
+            )
     else:
         verdict = f"verdict: DOES NOT FIT in {budget} per GPU (needs {at_least}{p.peak / st.gpu_memory:.1f}x)"
     lines.append(verdict)
     if best is None:
-        hint = "reduce --micro-batch or the sequence length" + ("" if st.activation_checkpointing
-                                                                else ", or add --activation-checkpointing")
-        lines.append(f"cheapest strategy that fits: none up to 8192 GPUs; {hint} (activations of one micro-batch "
-                     "do not shrink with more GPUs)")
+        hint = "reduce --micro-batch or the sequence length" + (
+            "" if st.activation_checkpointing else ", or add --activation-checkpointing"
+        )
+        lines.append(
+            f"cheapest strategy that fits: none up to 8192 GPUs; {hint} (activations of one micro-batch "
+            "do not shrink with more GPUs)"
+        )
     else:
         unsized = "" if best.sized else " (activations and KV cache not counted)"
-        cpu = (f"; AdamW state takes {fmt(-(-best.cpu_optimizer // best.setup.nodes), unit)} of CPU memory per node"
-               if best.cpu_optimizer else "")
-        lines.append(f"cheapest strategy that fits: {_layout(best.setup)}, {fmt(best.peak, unit)} per GPU{unsized}{cpu}")
+        cpu = (
+            f"; AdamW state takes {fmt(-(-best.cpu_optimizer // best.setup.nodes), unit)} of CPU memory per node"
+            if best.cpu_optimizer
+            else ""
+        )
+        lines.append(
+            f"cheapest strategy that fits: {_layout(best.setup)}, {fmt(best.peak, unit)} per GPU{unsized}{cpu}"
+        )
         if best.setup.offload and best_on_gpu is not None:
-            lines.append(f"cheapest without CPU offload: {_layout(best_on_gpu.setup)}, {fmt(best_on_gpu.peak, unit)} per GPU{unsized}")
+            lines.append(
+                f"cheapest without CPU offload: {_layout(best_on_gpu.setup)}, "
+                f"{fmt(best_on_gpu.peak, unit)} per GPU{unsized}"
+            )
     lines += [f"note: {n}" for n in p.notes]
-    lines.append("not counted: CUDA context and kernels (~0.5-1 GiB), allocator fragmentation and cache, "
-                 "communication buffers, temporaries inside kernels and AdamW's step (docs/memory.md)")
+    lines.append(
+        "not counted: CUDA context and kernels (~0.5-1 GiB), allocator fragmentation and cache, "
+        "communication buffers, temporaries inside kernels and AdamW's step (docs/memory.md)"
+    )
     return "\n".join(lines)
 
 
 def to_json(p: Plan, best: Plan | None, best_on_gpu: Plan | None = None) -> dict:
     def layout(x: Plan) -> dict:
-        return {"strategy": x.setup.strategy, "gpus_per_node": x.setup.gpus, "nodes": x.setup.nodes,
-                "world_size": x.setup.world, "peak_bytes_per_gpu": x.peak}
+        return {
+            "strategy": x.setup.strategy,
+            "gpus_per_node": x.setup.gpus,
+            "nodes": x.setup.nodes,
+            "world_size": x.setup.world,
+            "peak_bytes_per_gpu": x.peak,
+        }
 
     setup = asdict(p.setup)
     return {
         "setup": setup,
-        "bytes_per_gpu": {role: {**{k: getattr(r, k) for k, _ in COLUMNS}, "n_params": r.n_params,
-                                 "trainable_params": r.trainable, "note": r.note} for role, r in p.rows.items()},
+        "bytes_per_gpu": {
+            role: {
+                **{k: getattr(r, k) for k, _ in COLUMNS},
+                "n_params": r.n_params,
+                "trainable_params": r.trainable,
+                "note": r.note,
+            }
+            for role, r in p.rows.items()
+        },
         "all_at_once_bytes": p.all_at_once,
         "static_bytes": p.static,
         "phase_bytes": p.phases,
@@ -725,7 +891,9 @@ def _count_arg(text: str) -> int:
     try:
         v = float(t[:-1]) * _SUFFIX[t[-1]] if t and t[-1] in _SUFFIX else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 70e9, 7B, 350M)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 70e9, 7B, 350M)"
+        ) from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a parameter count must be positive")
     return int(round(v))
@@ -740,6 +908,7 @@ def _int_arg(minimum: int):
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{v} must be at least {minimum}")
         return v
+
     return parse
 
 
@@ -757,55 +926,119 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="proximal memory",
         description="Will PPO's four models (actor, critic, reference, reward) fit? The memory budget of "
-                    "their weights, AdamW states, gradients and activations per model and per GPU, "
-                    "with a verdict and the cheapest strategy that fits. "
-                    "Formulas and their derivation: docs/memory.md.",
+        "their weights, AdamW states, gradients and activations per model and per GPU, "
+        "with a verdict and the cheapest strategy that fits. "
+        "Formulas and their derivation: docs/memory.md.",
         epilog="examples:\n  proximal memory --params 70e9\n"
-               "  proximal memory --config ./my-llama --batch 128 --micro-batch 2 --activation-checkpointing "
-               "--strategy fsdp --gpus 8 --nodes 4\n"
-               "  proximal memory --config ./policy --reward-config ./rm --lora-rank 16 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = ap.add_argument_group("models (the reference is a copy of the actor; with LoRA, the actor's base)")
+        "  proximal memory --config ./my-llama --batch 128 --micro-batch 2 --activation-checkpointing "
+        "--strategy fsdp --gpus 8 --nodes 4\n"
+        "  proximal memory --config ./policy --reward-config ./rm --lora-rank 16 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = ap.add_argument_group(
+        "models (the reference is a copy of the actor; with LoRA, the actor's base)"
+    )
     src = m.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=_count_arg, metavar="N", help="actor parameter count, e.g. 70e9 or 7B "
-                     "(sizes weights, gradients and optimizer state only)")
-    src.add_argument("--config", "--model", dest="config", metavar="PATH",
-                     help="actor model directory or its config.json (read locally, never downloaded); "
-                          "sizes parameters, activations and KV cache")
-    for role, default in (("critic", "the reward model's, which proximal ppo initialises it from"),
-                          ("reward", "the actor's backbone with a scalar head")):
+    src.add_argument(
+        "--params",
+        type=_count_arg,
+        metavar="N",
+        help="actor parameter count, e.g. 70e9 or 7B "
+        "(sizes weights, gradients and optimizer state only)",
+    )
+    src.add_argument(
+        "--config",
+        "--model",
+        dest="config",
+        metavar="PATH",
+        help="actor model directory or its config.json (read locally, never downloaded); "
+        "sizes parameters, activations and KV cache",
+    )
+    for role, default in (
+        ("critic", "the reward model's, which proximal ppo initialises it from"),
+        ("reward", "the actor's backbone with a scalar head"),
+    ):
         g = m.add_mutually_exclusive_group()
-        g.add_argument(f"--{role}-params", type=_count_arg, metavar="N", help=f"{role} parameter count (default: {default})")
-        g.add_argument(f"--{role}-config", metavar="PATH", help=f"{role} model directory or config.json (default: {default})")
-    ap.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                    help="weights/gradients/activations dtype; 16-bit = mixed precision with float32 AdamW "
-                         "master copy (2N + 2N + 12N), float32 = 4N + 4N + 8N (default: bfloat16)")
-    ap.add_argument("--batch", type=_int_arg(1), default=64, help="rollout batch: prompts per PPO step, all GPUs (default: 64)")
-    ap.add_argument("--prompt-len", type=_int_arg(1), default=512, help="prompt tokens P (default: 512)")
-    ap.add_argument("--response-len", type=_int_arg(1), default=512, help="response tokens T (default: 512)")
-    ap.add_argument("--micro-batch", type=_int_arg(1), default=1,
-                    help="sequences per forward/backward on one GPU (default: 1)")
-    ap.add_argument("--lora-rank", type=_int_arg(0), default=0,
-                    help="LoRA rank on every linear layer of actor and critic; 0 = full fine-tuning (default: 0)")
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="keep only each layer's input and recompute the layer in backward")
-    ap.add_argument("--no-forward-cache", dest="forward_cache", action="store_false",
-                    help="the trainer passes use_cache=False to its training and scoring forwards; by default "
-                         "transformers keeps every layer's K and V during any forward, and this is counted")
-    ap.add_argument("--strategy", choices=STRATEGIES, default="single",
-                    help="single: whole models on each GPU; fsdp: full shard of weights, gradients and AdamW "
-                         "state over gpus*nodes; offload / fsdp-offload: AdamW state in CPU memory (default: single)")
+        g.add_argument(
+            f"--{role}-params",
+            type=_count_arg,
+            metavar="N",
+            help=f"{role} parameter count (default: {default})",
+        )
+        g.add_argument(
+            f"--{role}-config",
+            metavar="PATH",
+            help=f"{role} model directory or config.json (default: {default})",
+        )
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="bfloat16",
+        help="weights/gradients/activations dtype; 16-bit = mixed precision with float32 AdamW "
+        "master copy (2N + 2N + 12N), float32 = 4N + 4N + 8N (default: bfloat16)",
+    )
+    ap.add_argument(
+        "--batch",
+        type=_int_arg(1),
+        default=64,
+        help="rollout batch: prompts per PPO step, all GPUs (default: 64)",
+    )
+    ap.add_argument(
+        "--prompt-len", type=_int_arg(1), default=512, help="prompt tokens P (default: 512)"
+    )
+    ap.add_argument(
+        "--response-len", type=_int_arg(1), default=512, help="response tokens T (default: 512)"
+    )
+    ap.add_argument(
+        "--micro-batch",
+        type=_int_arg(1),
+        default=1,
+        help="sequences per forward/backward on one GPU (default: 1)",
+    )
+    ap.add_argument(
+        "--lora-rank",
+        type=_int_arg(0),
+        default=0,
+        help="LoRA rank on every linear layer of actor and critic; 0 = full fine-tuning (default: 0)",
+    )
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep only each layer's input and recompute the layer in backward",
+    )
+    ap.add_argument(
+        "--no-forward-cache",
+        dest="forward_cache",
+        action="store_false",
+        help="the trainer passes use_cache=False to its training and scoring forwards; by default "
+        "transformers keeps every layer's K and V during any forward, and this is counted",
+    )
+    ap.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="single",
+        help="single: whole models on each GPU; fsdp: full shard of weights, gradients and AdamW "
+        "state over gpus*nodes; offload / fsdp-offload: AdamW state in CPU memory (default: single)",
+    )
     ap.add_argument("--gpus", type=_int_arg(1), default=1, help="GPUs per node (default: 1)")
     ap.add_argument("--nodes", type=_int_arg(1), default=1, help="nodes (default: 1)")
-    ap.add_argument("--gpu-memory", type=_gib_arg, default=80 * GiB, metavar="GIB",
-                    help="memory of one GPU in GiB (default: 80)")
-    ap.add_argument("--units", choices=tuple(UNITS), default="GiB", help="units of the table (default: GiB)")
+    ap.add_argument(
+        "--gpu-memory",
+        type=_gib_arg,
+        default=80 * GiB,
+        metavar="GIB",
+        help="memory of one GPU in GiB (default: 80)",
+    )
+    ap.add_argument(
+        "--units", choices=tuple(UNITS), default="GiB", help="units of the table (default: GiB)"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON (always in bytes)")
     return ap
 
 
 def setup_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
     """Turn parsed flags into a ``Setup``; every problem is a ``parser.error`` naming the flag."""
+
     def arch_of(flag: str, path: str | None) -> Architecture | None:
         if path is None:
             return None
@@ -831,13 +1064,27 @@ def setup_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     else:
         critic = reward  # as proximal ppo (and Ouyang et al. 2022): the critic starts from the reward model
     if args.strategy in ("fsdp", "fsdp-offload") and args.gpus * args.nodes == 1:
-        parser.error(f"--strategy {args.strategy} shards over --gpus x --nodes GPUs; with 1 GPU use single or offload")
+        parser.error(
+            f"--strategy {args.strategy} shards over --gpus x --nodes GPUs; with 1 GPU use single or offload"
+        )
     try:
-        return Setup(actor=actor, critic=critic, reward=reward, dtype=args.dtype, batch=args.batch,
-                     prompt_len=args.prompt_len, response_len=args.response_len, micro_batch=args.micro_batch,
-                     lora_rank=args.lora_rank, activation_checkpointing=args.activation_checkpointing,
-                     gpus=args.gpus, nodes=args.nodes, strategy=args.strategy, gpu_memory=args.gpu_memory,
-                     forward_cache=args.forward_cache)
+        return Setup(
+            actor=actor,
+            critic=critic,
+            reward=reward,
+            dtype=args.dtype,
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            response_len=args.response_len,
+            micro_batch=args.micro_batch,
+            lora_rank=args.lora_rank,
+            activation_checkpointing=args.activation_checkpointing,
+            gpus=args.gpus,
+            nodes=args.nodes,
+            strategy=args.strategy,
+            gpu_memory=args.gpu_memory,
+            forward_cache=args.forward_cache,
+        )
     except ValueError as e:
         parser.error(str(e))
 

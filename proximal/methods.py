@@ -11,9 +11,10 @@ a step count. Every method ends with a checkpoint whose ``policy/`` is a plain H
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: Where a method's reward comes from: the learned reward model r_ψ, a rule verifier (a reward
 #: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
@@ -22,10 +23,10 @@ REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
 
 @dataclass(frozen=True)
 class Method:
-    name: str                 # the key: also the name of its YAML under proximal/configs/demo/
+    name: str  # the key: also the name of its YAML under proximal/configs/demo/
     label: str
-    command: str              # the `proximal` command that trains it
-    online: bool              # samples its own responses while it trains
+    command: str  # the `proximal` command that trains it
+    online: bool  # samples its own responses while it trains
     sources: tuple[str, ...]  # the reward sources it can use, its default first
 
     def default_source(self, have_verifier: bool) -> str:
@@ -34,19 +35,27 @@ class Method:
         return self.sources[0] if have_verifier or self.sources[0] != VERIFIER else REWARD_MODEL
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ppo", "PPO", "ppo", True, (REWARD_MODEL, VERIFIER)),
-    Method("dpo", "DPO", "dpo", False, (PAIRS,)),
-    Method("simpo", "SimPO", "simpo", False, (PAIRS,)),
-    Method("grpo", "GRPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
-    Method("rloo", "RLOO", "grpo", True, (VERIFIER, REWARD_MODEL)),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ppo", "PPO", "ppo", True, (REWARD_MODEL, VERIFIER)),
+        Method("dpo", "DPO", "dpo", False, (PAIRS,)),
+        Method("simpo", "SimPO", "simpo", False, (PAIRS,)),
+        Method("grpo", "GRPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+        Method("rloo", "RLOO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+    )
+}
 
 
 def config_class(command: str) -> type:
     from proximal.trainers import dpo, grpo, ppo
 
-    return {"ppo": ppo.PPOConfig, "dpo": dpo.DPOConfig, "simpo": dpo.SimPOConfig, "grpo": grpo.GRPOConfig}[command]
+    return {
+        "ppo": ppo.PPOConfig,
+        "dpo": dpo.DPOConfig,
+        "simpo": dpo.SimPOConfig,
+        "grpo": grpo.GRPOConfig,
+    }[command]
 
 
 def trainer(command: str) -> Callable[[Any], Path]:
@@ -55,10 +64,18 @@ def trainer(command: str) -> Callable[[Any], Path]:
     return {"ppo": ppo.train, "dpo": dpo.train, "simpo": dpo.train, "grpo": grpo.train}[command]
 
 
-def input_overrides(method: Method, source: str, *, sft: str | Path, reward_model: str | Path | None = None,
-                    prompts: str | Path | None = None, pairs: str | Path | None = None,
-                    eval_pairs: str | Path | None = None, verifier: str | None = None,
-                    gold: str | None = None) -> dict[str, Any]:
+def input_overrides(
+    method: Method,
+    source: str,
+    *,
+    sft: str | Path,
+    reward_model: str | Path | None = None,
+    prompts: str | Path | None = None,
+    pairs: str | Path | None = None,
+    eval_pairs: str | Path | None = None,
+    verifier: str | None = None,
+    gold: str | None = None,
+) -> dict[str, Any]:
     """The config overrides that point ``method`` at the shared inputs: ``model.path`` = the SFT model
     (the start and, where there is one, the reference); online methods the training prompts and the
     reward ``source`` — the reward model, or the verifier (weight 1) — with the ``gold`` score, when
@@ -72,13 +89,23 @@ def input_overrides(method: Method, source: str, *, sft: str | Path, reward_mode
     out["data.prompts"] = str(prompts)
     logged = [gold] if gold else []
     if source == REWARD_MODEL:
-        out.update({"model.reward_model": str(reward_model), "model.reward_functions": logged,
-                    "model.reward_function_weights": [0.0] * len(logged)})
+        out.update(
+            {
+                "model.reward_model": str(reward_model),
+                "model.reward_functions": logged,
+                "model.reward_function_weights": [0.0] * len(logged),
+            }
+        )
         if method.command == "ppo":
             out["model.critic"] = "reward_model"
     else:
-        out.update({"model.reward_model": None, "model.reward_functions": [verifier, *logged],
-                    "model.reward_function_weights": [1.0] + [0.0] * len(logged)})
+        out.update(
+            {
+                "model.reward_model": None,
+                "model.reward_functions": [verifier, *logged],
+                "model.reward_function_weights": [1.0] + [0.0] * len(logged),
+            }
+        )
         if method.command == "ppo":
             out["model.critic"] = "policy"  # no reward model to initialise it from
     return out
@@ -103,7 +130,11 @@ def budget_steps(method: Method, cfg, *, responses: int, pairs: int) -> tuple[in
     if method.online:
         per = responses_per_step(method, cfg)
         steps, spent = responses // per, f"{responses} responses sampled"
-        field = ("rollout.batch_size" if method.command == "ppo" else "rollout.batch_size × rollout.group_size")
+        field = (
+            "rollout.batch_size"
+            if method.command == "ppo"
+            else "rollout.batch_size × rollout.group_size"
+        )
         need = f"compare.responses = {responses} is less than one step of {method.label} ({field} = {per})"
     else:
         per = cfg.train.batch_size
@@ -126,6 +157,9 @@ def final_policy(run_dir: str | Path) -> Path:
 def checkpoint_policies(run_dir: str | Path) -> list[tuple[int, Path]]:
     """``(step, policy directory)`` of every complete checkpoint of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"
-    found = [(int(p.name.split("_")[1]), p / "policy") for p in root.glob("step_*")
-             if (p / "manifest.json").is_file() and (p / "policy").is_dir()]
+    found = [
+        (int(p.name.split("_")[1]), p / "policy")
+        for p in root.glob("step_*")
+        if (p / "manifest.json").is_file() and (p / "policy").is_dir()
+    ]
     return sorted(found)

@@ -22,8 +22,13 @@ PROXY = "score/reward_model"
 RUN_LABELS = {"ppo": "PPO", "ppo_overopt": "PPO over-optimised"}
 ALTERNATIVES = ("dpo", "simpo", "grpo", "rloo")
 POLICIES = ("sft", "ppo", "ppo_overopt", *ALTERNATIVES)
-TABLE_COLUMNS = (("gold", "gold score ↑"), ("proxy", "proxy reward (RM)"), ("kl", "KL to reference"),
-                 ("length", "length (tokens)"), ("eos", "EOS rate"))
+TABLE_COLUMNS = (
+    ("gold", "gold score ↑"),
+    ("proxy", "proxy reward (RM)"),
+    ("kl", "KL to reference"),
+    ("length", "length (tokens)"),
+    ("eos", "EOS rate"),
+)
 #: Columns read from each run's own files: the models it held (models.json) and its stage's wall time.
 RUN_COLUMNS = ("models held", "stage time (s)")
 
@@ -69,17 +74,26 @@ def collect(out_dir: str | Path) -> dict:
         rows = read_metrics(out / name / "metrics.jsonl")
         cfg = yaml.safe_load((out / name / "config.yaml").read_text())
         runs[name] = {
-            "label": f"{RUN_LABELS[name]}, {_beta_label(cfg)}", "config": f"configs/demo/{name}.yaml",
-            "kl_controller": cfg["kl"]["controller"], "beta_initial": cfg["kl"]["beta"],
-            "step": [r["step"] for r in rows], "proxy": [r[PROXY] for r in rows], "gold": [r[GOLD] for r in rows],
-            "kl": [r["kl/seq_mean"] for r in rows], "beta": [r["kl/beta"] for r in rows],
-            "length": [r["response/length_mean"] for r in rows], "eos": [r["response/eos_frac"] for r in rows],
+            "label": f"{RUN_LABELS[name]}, {_beta_label(cfg)}",
+            "config": f"configs/demo/{name}.yaml",
+            "kl_controller": cfg["kl"]["controller"],
+            "beta_initial": cfg["kl"]["beta"],
+            "step": [r["step"] for r in rows],
+            "proxy": [r[PROXY] for r in rows],
+            "gold": [r[GOLD] for r in rows],
+            "kl": [r["kl/seq_mean"] for r in rows],
+            "beta": [r["kl/beta"] for r in rows],
+            "length": [r["response/length_mean"] for r in rows],
+            "eos": [r["response/eos_frac"] for r in rows],
         }
     alternatives = {}
     for name in ALTERNATIVES:
         cfg = yaml.safe_load((out / name / "config.yaml").read_text())
-        alternatives[name] = {"label": _method_label(name, cfg), "config": f"configs/demo/{name}.yaml",
-                              "steps": cfg["train"]["steps"]}
+        alternatives[name] = {
+            "label": _method_label(name, cfg),
+            "config": f"configs/demo/{name}.yaml",
+            "steps": cfg["train"]["steps"],
+        }
     models = {p: len(json.loads((out / p / "models.json").read_text())) for p in POLICIES}
     heldout = {p: evaluation[p]["mean"] for p in POLICIES}
     window = max(1, min(10, len(runs["ppo_overopt"]["step"]) // 5))
@@ -87,13 +101,30 @@ def collect(out_dir: str | Path) -> dict:
     gold_s, proxy_s, kl_s = (moving_average(o[k], window) for k in ("gold", "proxy", "kl"))
     peak = max(range(len(gold_s)), key=gold_s.__getitem__)
     return {
-        "seed": demo["seed"], "quick": demo["quick"], "timings_s": demo["timings_s"],
-        "task": {k: task[k] for k in ("teacher_gold_eval", "label_tau", "label_gold_agreement_train",
-                                      "label_gold_agreement_eval", "sizes", "model")},
-        "sft": {"eval_loss_start": sft_rows[0]["eval/loss"], "eval_loss_end": sft_rows[-1]["eval/loss"]},
-        "rm": {"eval_accuracy": rm_rows[-1]["eval/accuracy"], "eval_step": rm_rows[-1]["step"],
-               "eval_reward_gap": rm_rows[-1]["eval/reward_gap"],
-               "gold_agreement": evaluation["rm_gold_agreement"]},
+        "seed": demo["seed"],
+        "quick": demo["quick"],
+        "timings_s": demo["timings_s"],
+        "task": {
+            k: task[k]
+            for k in (
+                "teacher_gold_eval",
+                "label_tau",
+                "label_gold_agreement_train",
+                "label_gold_agreement_eval",
+                "sizes",
+                "model",
+            )
+        },
+        "sft": {
+            "eval_loss_start": sft_rows[0]["eval/loss"],
+            "eval_loss_end": sft_rows[-1]["eval/loss"],
+        },
+        "rm": {
+            "eval_accuracy": rm_rows[-1]["eval/accuracy"],
+            "eval_step": rm_rows[-1]["step"],
+            "eval_reward_gap": rm_rows[-1]["eval/reward_gap"],
+            "gold_agreement": evaluation["rm_gold_agreement"],
+        },
         "heldout": heldout,
         "heldout_samples_per_prompt": evaluation["sft"]["samples_per_prompt"],
         "heldout_responses": evaluation["sft"]["n"],
@@ -101,9 +132,16 @@ def collect(out_dir: str | Path) -> dict:
         "models_held": models,
         "runs": runs,
         "alternatives": alternatives,
-        "overopt": {"window": window, "gold_peak": gold_s[peak], "gold_peak_step": o["step"][peak],
-                    "proxy_at_peak": proxy_s[peak], "kl_at_peak": kl_s[peak],
-                    "gold_final": gold_s[-1], "proxy_final": proxy_s[-1], "kl_final": kl_s[-1]},
+        "overopt": {
+            "window": window,
+            "gold_peak": gold_s[peak],
+            "gold_peak_step": o["step"][peak],
+            "proxy_at_peak": proxy_s[peak],
+            "kl_at_peak": kl_s[peak],
+            "gold_final": gold_s[-1],
+            "proxy_final": proxy_s[-1],
+            "kl_final": kl_s[-1],
+        },
     }
 
 
@@ -117,19 +155,32 @@ COLORS = {"ppo": "tab:blue", "ppo_overopt": "tab:red"}
 def plot_training(r: dict, path: Path) -> None:
     """Per PPO step: proxy reward, gold score, KL to the reference and β, both runs."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     w = r["overopt"]["window"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    panels = (("proxy", "proxy reward r_ψ (reward model)"), ("gold", "gold score (never trained on)"),
-              ("kl", "KL to reference (nats / response)"), ("beta", "β (KL coefficient)"))
+    panels = (
+        ("proxy", "proxy reward r_ψ (reward model)"),
+        ("gold", "gold score (never trained on)"),
+        ("kl", "KL to reference (nats / response)"),
+        ("beta", "β (KL coefficient)"),
+    )
     for ax, (key, title) in zip(axes.flat, panels):
         for name, run in r["runs"].items():
             ax.plot(run["step"], run[key], color=COLORS[name], alpha=0.25, linewidth=1)
-            ax.plot(run["step"], moving_average(run[key], w), color=COLORS[name], linewidth=2, label=run["label"])
+            ax.plot(
+                run["step"],
+                moving_average(run[key], w),
+                color=COLORS[name],
+                linewidth=2,
+                label=run["label"],
+            )
         if key == "gold":
-            ax.axhline(r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT (held-out)")
+            ax.axhline(
+                r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT (held-out)"
+            )
         if key == "beta":
             ax.set_yscale("log")
         ax.set_title(title)
@@ -146,28 +197,48 @@ def plot_training(r: dict, path: Path) -> None:
 def plot_overoptimisation(r: dict, path: Path) -> None:
     """The tiny-β run: proxy and gold per step, and gold against KL for both runs (Gao et al. 2022)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     w = r["overopt"]["window"]
     o = r["runs"]["ppo_overopt"]
     fig, (ax1, ax3) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.plot(o["step"], moving_average(o["proxy"], w), color="tab:red", linewidth=2, label="proxy (reward model)")
+    ax1.plot(
+        o["step"],
+        moving_average(o["proxy"], w),
+        color="tab:red",
+        linewidth=2,
+        label="proxy (reward model)",
+    )
     ax1.set_xlabel("PPO step")
     ax1.set_ylabel("proxy reward", color="tab:red")
     ax2 = ax1.twinx()
-    ax2.plot(o["step"], moving_average(o["gold"], w), color="black", linewidth=2, label="gold score")
-    ax2.axhline(r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT gold (held-out)")
+    ax2.plot(
+        o["step"], moving_average(o["gold"], w), color="black", linewidth=2, label="gold score"
+    )
+    ax2.axhline(
+        r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT gold (held-out)"
+    )
     ax2.axvline(r["overopt"]["gold_peak_step"], color="gray", linestyle="--", linewidth=1)
     ax2.set_ylabel("gold score")
     lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax1.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize=8)
-    ax1.set_title(f"{o['label']}: proxy keeps rising, gold peaks at step {r['overopt']['gold_peak_step']}")
+    ax1.set_title(
+        f"{o['label']}: proxy keeps rising, gold peaks at step {r['overopt']['gold_peak_step']}"
+    )
     ax1.grid(alpha=0.3)
     for name, run in r["runs"].items():
-        ax3.plot(moving_average(run["kl"], w), moving_average(run["gold"], w), color=COLORS[name], linewidth=2,
-                 label=run["label"])
-    ax3.axhline(r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT gold (held-out)")
+        ax3.plot(
+            moving_average(run["kl"], w),
+            moving_average(run["gold"], w),
+            color=COLORS[name],
+            linewidth=2,
+            label=run["label"],
+        )
+    ax3.axhline(
+        r["heldout"]["sft"]["gold"], color="gray", linestyle=":", label="SFT gold (held-out)"
+    )
     ax3.set_xlabel("KL to reference (nats / response)")
     ax3.set_ylabel("gold score")
     ax3.set_title("gold against distance from the SFT model")
@@ -178,24 +249,43 @@ def plot_overoptimisation(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
-METHOD_COLORS = {"sft": "gray", "ppo": "tab:blue", "ppo_overopt": "tab:red", "dpo": "tab:green",
-                 "simpo": "tab:olive", "grpo": "tab:purple", "rloo": "tab:orange"}
+METHOD_COLORS = {
+    "sft": "gray",
+    "ppo": "tab:blue",
+    "ppo_overopt": "tab:red",
+    "dpo": "tab:green",
+    "simpo": "tab:olive",
+    "grpo": "tab:purple",
+    "rloo": "tab:orange",
+}
 
 
 def plot_methods(r: dict, path: Path) -> None:
     """Every policy on held-out prompts: gold against KL to the SFT model, and against training time."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = _policy_labels(r)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
-    for ax, (x_key, x_label) in zip(axes, (("kl", "KL to the SFT model (nats / response, held-out)"),
-                                           ("time", "stage wall time (s)"))):
+    for ax, (x_key, x_label) in zip(
+        axes,
+        (
+            ("kl", "KL to the SFT model (nats / response, held-out)"),
+            ("time", "stage wall time (s)"),
+        ),
+    ):
         for name in POLICIES:
             x = r["heldout"][name]["kl"] if x_key == "kl" else r["timings_s"][name]
-            ax.scatter([x], [r["heldout"][name]["gold"]], s=60, color=METHOD_COLORS[name], label=labels[name],
-                       zorder=3)
+            ax.scatter(
+                [x],
+                [r["heldout"][name]["gold"]],
+                s=60,
+                color=METHOD_COLORS[name],
+                label=labels[name],
+                zorder=3,
+            )
         ax.axhline(r["heldout"]["sft"]["gold"], color="gray", linestyle=":", linewidth=1)
         ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
@@ -213,9 +303,13 @@ def plot_methods(r: dict, path: Path) -> None:
 # Text
 # ----------------------------------------------------------------------------------------------
 
+
 def _policy_labels(r: dict) -> dict[str, str]:
-    return {"sft": "SFT (the reference)", **{n: run["label"] for n, run in r["runs"].items()},
-            **{n: a["label"] for n, a in r["alternatives"].items()}}
+    return {
+        "sft": "SFT (the reference)",
+        **{n: run["label"] for n, run in r["runs"].items()},
+        **{n: a["label"] for n, a in r["alternatives"].items()},
+    }
 
 
 def results_table(r: dict) -> list[list[str]]:
@@ -223,8 +317,11 @@ def results_table(r: dict) -> list[list[str]]:
     then the models the run held and its stage's wall time."""
     rows = [["policy"] + [title for _, title in TABLE_COLUMNS] + list(RUN_COLUMNS)]
     for name, label in _policy_labels(r).items():
-        rows.append([label] + [f"{r['heldout'][name][key]:.3f}" for key, _ in TABLE_COLUMNS]
-                    + [str(r["models_held"][name]), f"{r['timings_s'][name]:.0f}"])
+        rows.append(
+            [label]
+            + [f"{r['heldout'][name][key]:.3f}" for key, _ in TABLE_COLUMNS]
+            + [str(r["models_held"][name]), f"{r['timings_s'][name]:.0f}"]
+        )
     return rows
 
 
@@ -237,11 +334,21 @@ def _markdown_table(rows: list[list[str]]) -> str:
 def terminal_summary(r: dict) -> str:
     rows = results_table(r)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-    lines = [f"Held-out prompts ({r['heldout_responses']} sampled responses per policy):", fmt(rows[0]),
-             fmt(["-" * w for w in widths])] + [fmt(row) for row in rows[1:]]
-    lines.append(f"PPO gold - SFT gold = {r['gold_gain']:+.3f}; reward model held-out accuracy "
-                 f"{r['rm']['eval_accuracy']:.3f}; demo wall time {r['timings_s']['total']:.0f} s")
+
+    def fmt(row):
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
+
+    lines = [
+        f"Held-out prompts ({r['heldout_responses']} sampled responses per policy):",
+        fmt(rows[0]),
+        fmt(["-" * w for w in widths]),
+    ] + [fmt(row) for row in rows[1:]]
+    lines.append(
+        f"PPO gold - SFT gold = {r['gold_gain']:+.3f}; reward model held-out accuracy "
+        f"{r['rm']['eval_accuracy']:.3f}; demo wall time {r['timings_s']['total']:.0f} s"
+    )
     lines.append(f"Report: {r['report']}")
     return "\n".join(lines)
 
@@ -253,7 +360,10 @@ def _samples(out: Path, n: int = 8) -> list[list[str]]:
     spp = evaluation["sft"]["samples_per_prompt"]
     rows = []
     for i in range(0, min(n * spp, evaluation["sft"]["n"]), spp):
-        cells = [f"`{evaluation['sft']['rows'][i]['prompt']}`", f"`{answer(evaluation['sft']['rows'][i]['prompt'])}`"]
+        cells = [
+            f"`{evaluation['sft']['rows'][i]['prompt']}`",
+            f"`{answer(evaluation['sft']['rows'][i]['prompt'])}`",
+        ]
         for p in POLICIES:
             row = evaluation[p]["rows"][i]
             cells.append(f"`{row['response'] or '∅'}` {row['gold']:.2f} / {row['proxy']:+.2f}")
@@ -264,12 +374,18 @@ def _samples(out: Path, n: int = 8) -> list[list[str]]:
 def render_markdown(r: dict, out: Path) -> str:
     o, rm, t = r["overopt"], r["rm"], r["timings_s"]
     labels = _policy_labels(r)
-    quick_note = ("\n> **Quick demo** (`--quick`): a fraction of the data and steps, to check the plumbing. "
-                  "Its numbers say nothing about RLHF; run `proximal demo` for those.\n" if r["quick"] else "")
+    quick_note = (
+        "\n> **Quick demo** (`--quick`): a fraction of the data and steps, to check the plumbing. "
+        "Its numbers say nothing about RLHF; run `proximal demo` for those.\n"
+        if r["quick"]
+        else ""
+    )
     sample_rows = [["prompt", "right answer"] + [labels[p] for p in POLICIES]] + _samples(out)
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total")
-    alternatives_line = ", ".join(f"{labels[n].split(',')[0].split(' (')[0]} {r['heldout'][n]['gold']:.3f}"
-                                  for n in ("ppo", *ALTERNATIVES))
+    alternatives_line = ", ".join(
+        f"{labels[n].split(',')[0].split(' (')[0]} {r['heldout'][n]['gold']:.3f}"
+        for n in ("ppo", *ALTERNATIVES)
+    )
     return f"""# proximal demo report
 {quick_note}
 The whole of RLHF on the built-in digit-sorting task: SFT on a sloppy teacher's demonstrations, a
@@ -277,20 +393,20 @@ Bradley–Terry reward model on noisy preference labels, then PPO against that r
 **gold score** (fraction of digits in the right place, 0–1) is what we actually want; no stage
 trains on it. docs/demo.md explains every part of this page.
 
-Seed {r['seed']}; wall time {t['total']:.0f} s ({timing}).
+Seed {r["seed"]}; wall time {t["total"]:.0f} s ({timing}).
 
 ## 1. Every policy on held-out prompts
 
-{r['heldout_responses']} responses per policy ({r['heldout_samples_per_prompt']} per held-out prompt), sampled at
+{r["heldout_responses"]} responses per policy ({r["heldout_samples_per_prompt"]} per held-out prompt), sampled at
 temperature 1 as in training. KL is Σ over the response of the exact per-token KL(π ‖ π_ref), π_ref the
 SFT model. "models held" counts the models the run kept in memory (its `models.json`); the stage
 time is the stage's wall time, loading included.
 
 {_markdown_table(results_table(r))}
 
-**PPO raised the gold score by {r['gold_gain']:+.3f}** over SFT (from {r['heldout']['sft']['gold']:.3f} to
-{r['heldout']['ppo']['gold']:.3f}) at a KL of {r['heldout']['ppo']['kl']:.3f} nats from the reference. The
-sloppy teacher's own gold score is {r['task']['teacher_gold_eval']:.3f}; a perfect sorter scores 1.
+**PPO raised the gold score by {r["gold_gain"]:+.3f}** over SFT (from {r["heldout"]["sft"]["gold"]:.3f} to
+{r["heldout"]["ppo"]["gold"]:.3f}) at a KL of {r["heldout"]["ppo"]["kl"]:.3f} nats from the reference. The
+sloppy teacher's own gold score is {r["task"]["teacher_gold_eval"]:.3f}; a perfect sorter scores 1.
 
 The alternatives start from the same SFT model. **DPO** and **SimPO** never sample: they train on
 the same noisy preference pairs the reward model was fitted to (DPO against the frozen SFT model,
@@ -304,30 +420,30 @@ sets it — for a measured comparison over seeds and matched budgets, run `proxi
 
 ## 2. The reward model
 
-Held-out accuracy **{rm['eval_accuracy']:.3f}** (step {rm['eval_step']}; mean reward gap
-{rm['eval_reward_gap']:.3f}) against the noisy labels. The labels themselves agree with gold on
-{r['task']['label_gold_agreement_eval']:.3f} of these pairs (Bradley–Terry labeller, τ = {r['task']['label_tau']:g}),
-and the reward model orders {rm['gold_agreement']:.3f} of them as gold does. SFT held-out loss went
-from {r['sft']['eval_loss_start']:.3f} to {r['sft']['eval_loss_end']:.3f}.
+Held-out accuracy **{rm["eval_accuracy"]:.3f}** (step {rm["eval_step"]}; mean reward gap
+{rm["eval_reward_gap"]:.3f}) against the noisy labels. The labels themselves agree with gold on
+{r["task"]["label_gold_agreement_eval"]:.3f} of these pairs (Bradley–Terry labeller, τ = {r["task"]["label_tau"]:g}),
+and the reward model orders {rm["gold_agreement"]:.3f} of them as gold does. SFT held-out loss went
+from {r["sft"]["eval_loss_start"]:.3f} to {r["sft"]["eval_loss_end"]:.3f}.
 
 ## 3. PPO, step by step
 
 ![PPO training curves](plots/ppo_training.png)
 
 Proxy reward, gold score, KL to the reference and β for each PPO step (training batches; thick
-lines are the mean of the last {o['window']} steps).
+lines are the mean of the last {o["window"]} steps).
 
 ## 4. Over-optimisation
 
 ![Over-optimisation](plots/overoptimisation.png)
 
-With {r['runs']['ppo_overopt']['label'].split(', ', 1)[1]} the policy is nearly free to leave the SFT model. Gold
-(mean of {o['window']} steps) peaks at **{o['gold_peak']:.3f}** at step {o['gold_peak_step']} (proxy
-{o['proxy_at_peak']:.3f}, KL {o['kl_at_peak']:.3f}) and ends at **{o['gold_final']:.3f}**, while the proxy
-goes on to **{o['proxy_final']:.3f}** at KL {o['kl_final']:.3f}: the policy is finding what the reward model
+With {r["runs"]["ppo_overopt"]["label"].split(", ", 1)[1]} the policy is nearly free to leave the SFT model. Gold
+(mean of {o["window"]} steps) peaks at **{o["gold_peak"]:.3f}** at step {o["gold_peak_step"]} (proxy
+{o["proxy_at_peak"]:.3f}, KL {o["kl_at_peak"]:.3f}) and ends at **{o["gold_final"]:.3f}**, while the proxy
+goes on to **{o["proxy_final"]:.3f}** at KL {o["kl_final"]:.3f}: the policy is finding what the reward model
 overrates, not what is good. On held-out prompts this policy scores gold
-{r['heldout']['ppo_overopt']['gold']:.3f} against the sane run's {r['heldout']['ppo']['gold']:.3f}, with
-proxy {r['heldout']['ppo_overopt']['proxy']:.3f} against {r['heldout']['ppo']['proxy']:.3f}.
+{r["heldout"]["ppo_overopt"]["gold"]:.3f} against the sane run's {r["heldout"]["ppo"]["gold"]:.3f}, with
+proxy {r["heldout"]["ppo_overopt"]["proxy"]:.3f} against {r["heldout"]["ppo"]["proxy"]:.3f}.
 
 ## 5. Samples, before and after
 
@@ -352,7 +468,9 @@ def write_report(out_dir: str | Path) -> dict:
     plot_overoptimisation(r, plots / "overoptimisation.png")
     plot_methods(r, plots / "methods.png")
     r["report"] = str(out / "report.md")
-    r["plots"] = [str(plots / n) for n in ("ppo_training.png", "overoptimisation.png", "methods.png")]
+    r["plots"] = [
+        str(plots / n) for n in ("ppo_training.png", "overoptimisation.png", "methods.png")
+    ]
     (out / "report.md").write_text(render_markdown(r, out))
     (out / "report.json").write_text(json.dumps(r, indent=1) + "\n")
     return r

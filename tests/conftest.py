@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for sub in ("", "ppo"):  # tests/multiprocess.py; reward functions are configured as 'ppo_support:<name>'
+for sub in (
+    "",
+    "ppo",
+):  # tests/multiprocess.py; reward functions are configured as 'ppo_support:<name>'
     if str(HERE / sub) not in sys.path:
         sys.path.insert(0, str(HERE / sub))
 
@@ -44,13 +47,13 @@ class Assets:
 
         return build_char_tokenizer(list(OTHER_ALPHABET), specials=OTHER_SPECIALS)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - one instance, alive for the whole session
     def policy(self, arch: str = "llama") -> Path:
         from proximal.models.tiny import build_tiny_causal_lm
 
         return build_tiny_causal_lm(self.root / f"policy_{arch}", self.tokenizer, arch=arch, seed=0)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - one instance, alive for the whole session
     def reward_model(self, arch: str = "llama") -> Path:
         from proximal.models.tiny import build_tiny_reward_model
 
@@ -61,13 +64,17 @@ class Assets:
         """A GPT-2 reward model whose tokenizer differs from the policy's in every id and special token."""
         from proximal.models.tiny import build_tiny_reward_model
 
-        return build_tiny_reward_model(self.root / "rm_other_tok", self.other_tokenizer, arch="gpt2", seed=2)
+        return build_tiny_reward_model(
+            self.root / "rm_other_tok", self.other_tokenizer, arch="gpt2", seed=2
+        )
 
     @functools.cached_property
     def two_label_reward_model(self) -> Path:
         from proximal.models.tiny import build_tiny_reward_model
 
-        return build_tiny_reward_model(self.root / "rm_2labels", self.tokenizer, arch="llama", num_labels=2)
+        return build_tiny_reward_model(
+            self.root / "rm_2labels", self.tokenizer, arch="llama", num_labels=2
+        )
 
     @functools.cached_property
     def no_pad_policy(self) -> Path:

@@ -33,11 +33,22 @@ def _child(rank: int, world: int, store: str, out: str, timeout_s: float, fn, ar
         import torch
         import torch.distributed as dist
 
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                           "LOCAL_WORLD_SIZE": str(world)})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),
+            }
+        )
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         result = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -58,8 +69,15 @@ def _child(rank: int, world: int, store: str, out: str, timeout_s: float, fn, ar
         os._exit(code)
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0,
-              expect_failure: bool = False, **kwargs):
+def run_ranks(
+    world: int,
+    fn,
+    *args,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+    expect_failure: bool = False,
+    **kwargs,
+):
     """``fn(*args, **kwargs)`` on ``world`` ranks; the list of their results (rank order).
 
     Raises RankFailed with every failing rank's traceback, or if the ranks are not done within
@@ -70,8 +88,13 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 120.0, collective_timeou
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         store = str(Path(tmp) / "store")
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world)]
-        procs = [ctx.Process(target=_child, args=(r, world, store, outs[r], collective_timeout_s, fn, args, kwargs))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(r, world, store, outs[r], collective_timeout_s, fn, args, kwargs),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = timeout_s

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ppo_support import ppo_main, read_jsonl, tiny_config, without_timing
+
 from proximal.cli import main
 from proximal.data.jsonl import write_jsonl
 
@@ -35,21 +35,59 @@ def _err(capsys) -> str:
 
 
 def _sft_argv(assets, train_file, out, *extra):
-    return ["sft", "--model.path", str(assets.policy("llama")), "--data.train_file", str(train_file),
-            "--data.max_length", "32", "--train.batch_size", "2", "--train.micro_batch_size", "1", "--train.steps", "1",
-            "--output.dir", str(out), "--output.progress", "false", *extra]
+    return [
+        "sft",
+        "--model.path",
+        str(assets.policy("llama")),
+        "--data.train_file",
+        str(train_file),
+        "--data.max_length",
+        "32",
+        "--train.batch_size",
+        "2",
+        "--train.micro_batch_size",
+        "1",
+        "--train.steps",
+        "1",
+        "--output.dir",
+        str(out),
+        "--output.progress",
+        "false",
+        *extra,
+    ]
 
 
 def _rm_argv(assets, train_file, out, *extra):
-    return ["rm", "--model.path", str(assets.policy("llama")), "--data.train_file", str(train_file),
-            "--data.max_length", "32", "--train.batch_size", "2", "--train.micro_batch_size", "1", "--train.steps", "1",
-            "--output.dir", str(out), "--output.progress", "false", *extra]
+    return [
+        "rm",
+        "--model.path",
+        str(assets.policy("llama")),
+        "--data.train_file",
+        str(train_file),
+        "--data.max_length",
+        "32",
+        "--train.batch_size",
+        "2",
+        "--train.micro_batch_size",
+        "1",
+        "--train.steps",
+        "1",
+        "--output.dir",
+        str(out),
+        "--output.progress",
+        "false",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------------------------- data files
 
+
 def test_non_utf8_bytes_name_the_file_and_line(assets, tmp_path, capsys):
-    bad = b'{"prompt": "ab 1", "response": "aa", "chosen": "a", "rejected": "b"}\n{"prompt": "caf\xe9", "response": "a", "chosen": "a", "rejected": "b"}\n'
+    bad = (
+        b'{"prompt": "ab 1", "response": "aa", "chosen": "a", "rejected": "b"}\n'
+        b'{"prompt": "caf\xe9", "response": "a", "chosen": "a", "rejected": "b"}\n'
+    )
     f = tmp_path / "latin1.jsonl"
     f.write_bytes(bad)
     for argv in (_sft_argv(assets, f, tmp_path / "sft"), _rm_argv(assets, f, tmp_path / "rm")):
@@ -62,68 +100,137 @@ def test_non_utf8_bytes_name_the_file_and_line(assets, tmp_path, capsys):
 
 def test_empty_prompt_is_an_error_or_skipped_and_counted(assets, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
-    write_jsonl(f, [{"prompt": "ab 1"}, {"prompt": ""}, {"prompt": "cd 2"}, {"prompt": "e 3"}, {"prompt": "f 4"}])
+    write_jsonl(
+        f,
+        [
+            {"prompt": "ab 1"},
+            {"prompt": ""},
+            {"prompt": "cd 2"},
+            {"prompt": "e 3"},
+            {"prompt": "f 4"},
+        ],
+    )
     assert ppo_main(tiny_config(assets.policy("llama"), f, tmp_path / "run")) == 2
     assert f"{f}:2: the prompt '' has no tokens after tokenisation" in _err(capsys)
-    assert ppo_main(tiny_config(assets.policy("llama"), f, tmp_path / "run",
-                                data={"on_empty_prompt": "skip"}, train={"steps": 1})) == 0
+    assert (
+        ppo_main(
+            tiny_config(
+                assets.policy("llama"),
+                f,
+                tmp_path / "run",
+                data={"on_empty_prompt": "skip"},
+                train={"steps": 1},
+            )
+        )
+        == 0
+    )
     [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert row["data/prompts_skipped_empty"] == 1
     only_empty = tmp_path / "empty.jsonl"
     write_jsonl(only_empty, [{"prompt": ""}] * 3)
-    assert ppo_main(tiny_config(assets.policy("llama"), only_empty, tmp_path / "run2",
-                                data={"on_empty_prompt": "skip"})) == 2
+    assert (
+        ppo_main(
+            tiny_config(
+                assets.policy("llama"),
+                only_empty,
+                tmp_path / "run2",
+                data={"on_empty_prompt": "skip"},
+            )
+        )
+        == 2
+    )
     assert f"{only_empty}: no prompts (3 were empty and skipped)" in _err(capsys)
 
 
 def test_empty_responses_are_errors_or_skipped_and_counted(assets, tmp_path, capsys):
     sft = tmp_path / "sft.jsonl"
-    write_jsonl(sft, [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}, {"prompt": "d", "response": "e"}])
+    write_jsonl(
+        sft,
+        [
+            {"prompt": "a", "response": "b"},
+            {"prompt": "c", "response": ""},
+            {"prompt": "d", "response": "e"},
+        ],
+    )
     assert main(_sft_argv(assets, sft, tmp_path / "s1")) == 2
     assert f"{sft}:2: the response is empty" in _err(capsys)
     assert main(_sft_argv(assets, sft, tmp_path / "s2", "--data.on_empty", "skip")) == 0
     assert read_jsonl(tmp_path / "s2" / "metrics.jsonl")[0]["data/train_skipped_empty"] == 1
     prefs = tmp_path / "prefs.jsonl"
-    write_jsonl(prefs, [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "", "rejected": "c"},
-                        {"prompt": "a", "chosen": "b", "rejected": "b"}, {"prompt": "d", "chosen": "e", "rejected": "f"}])
+    write_jsonl(
+        prefs,
+        [
+            {"prompt": "a", "chosen": "b", "rejected": "c"},
+            {"prompt": "a", "chosen": "", "rejected": "c"},
+            {"prompt": "a", "chosen": "b", "rejected": "b"},
+            {"prompt": "d", "chosen": "e", "rejected": "f"},
+        ],
+    )
     assert main(_rm_argv(assets, prefs, tmp_path / "r1")) == 2
     assert f"{prefs}:2: 'chosen' is empty" in _err(capsys)
     assert main(_rm_argv(assets, prefs, tmp_path / "r2", "--data.on_empty", "skip")) == 0
-    assert read_jsonl(tmp_path / "r2" / "metrics.jsonl")[0]["data/train_skipped_empty"] == 2  # empty, and same twice
+    assert (
+        read_jsonl(tmp_path / "r2" / "metrics.jsonl")[0]["data/train_skipped_empty"] == 2
+    )  # empty, and same twice
     write_jsonl(prefs, [{"prompt": "a", "chosen": "b", "rejected": "b"}])
     assert main(_rm_argv(assets, prefs, tmp_path / "r3")) == 2
-    assert f"{prefs}:1: 'chosen' and 'rejected' are the same response, so the pair teaches nothing" in _err(capsys)
+    assert (
+        f"{prefs}:1: 'chosen' and 'rejected' are the same response, so the pair teaches nothing"
+        in _err(capsys)
+    )
 
 
 # ---------------------------------------------------------------------------------- config
 
-@pytest.mark.parametrize("override, field", [
-    (("--ppo.clip_eps", "1.5"), "ppo.clip_eps = 1.5 must lie in (0, 1)"),
-    (("--ppo.lam", "1.2"), "ppo.lam = 1.2 must lie in [0, 1]"),
-    (("--kl.beta", "-0.1"), "kl.beta = -0.1 must lie in [0, ∞)"),
-    (("--rollout.temperature", "0"), "rollout.temperature = 0.0 must lie in (0, ∞)"),
-    (("--train.device", "gpu"), "train.device = 'gpu' is not one of auto, cpu, cuda, cuda:N"),
-])
-def test_out_of_range_values_are_refused_before_any_model_loads(override, field, assets, tmp_path, capsys, monkeypatch):
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        (("--ppo.clip_eps", "1.5"), "ppo.clip_eps = 1.5 must lie in (0, 1)"),
+        (("--ppo.lam", "1.2"), "ppo.lam = 1.2 must lie in [0, 1]"),
+        (("--kl.beta", "-0.1"), "kl.beta = -0.1 must lie in [0, ∞)"),
+        (("--rollout.temperature", "0"), "rollout.temperature = 0.0 must lie in (0, ∞)"),
+        (("--train.device", "gpu"), "train.device = 'gpu' is not one of auto, cpu, cuda, cuda:N"),
+    ],
+)
+def test_out_of_range_values_are_refused_before_any_model_loads(
+    override, field, assets, tmp_path, capsys, monkeypatch
+):
     from proximal.trainers import ppo
 
     monkeypatch.setattr(ppo, "build_models", lambda *a, **k: pytest.fail("models were loaded"))
-    assert ppo_main(tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run"), *override) == 2
+    assert (
+        ppo_main(tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run"), *override)
+        == 2
+    )
     assert field in _err(capsys)
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("override, message", [
-    (("--output.tensorboard", "true"), "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'"),
-    (("--output.wandb_project", "p"), "output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'"),
-])
-def test_a_missing_logging_extra_is_refused_before_overwrite_deletes_anything(override, message, assets, tmp_path,
-                                                                               capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            ("--output.tensorboard", "true"),
+            "output.tensorboard=true needs TensorBoard: pip install 'proximal-rlhf[tensorboard]'",
+        ),
+        (
+            ("--output.wandb_project", "p"),
+            "output.wandb_project needs Weights & Biases: pip install 'proximal-rlhf[wandb]'",
+        ),
+    ],
+)
+def test_a_missing_logging_extra_is_refused_before_overwrite_deletes_anything(
+    override, message, assets, tmp_path, capsys, monkeypatch
+):
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a),
+    )
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("earlier: run\n")
@@ -131,25 +238,41 @@ def test_a_missing_logging_extra_is_refused_before_overwrite_deletes_anything(ov
     cfg = tiny_config(assets.policy("llama"), assets.prompts, run)
     assert ppo_main(cfg, "--output.overwrite", "true", *override) == 2
     assert f"invalid configuration:\n  - {message}" in _err(capsys)
-    assert (run / "config.yaml").read_text() == "earlier: run\n" and (run / "metrics.jsonl").is_file()
+    assert (run / "config.yaml").read_text() == "earlier: run\n" and (
+        run / "metrics.jsonl"
+    ).is_file()
 
 
 def test_a_causal_lm_as_reward_model_is_named_as_such(assets, tmp_path, capsys):
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_model": str(assets.policy("gpt2"))})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_model": str(assets.policy("gpt2"))},
+    )
     assert ppo_main(cfg) == 2
     err = _err(capsys)
-    assert "is a GPT2LMHeadModel (a language model), not a reward model" in err and "proximal rm" in err
+    assert (
+        "is a GPT2LMHeadModel (a language model), not a reward model" in err
+        and "proximal rm" in err
+    )
     assert "labels" not in err
 
 
 def test_a_reward_model_as_the_policy_is_named_as_such(assets, tmp_path, capsys):
     """transformers would load the backbone into a causal LM with a fresh output layer and train it."""
-    cfg = tiny_config(assets.reward_model("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_model": str(assets.reward_model("llama"))})
+    cfg = tiny_config(
+        assets.reward_model("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_model": str(assets.reward_model("llama"))},
+    )
     assert ppo_main(cfg) == 2
     err = _err(capsys)
-    assert f"policy (model.path): {str(assets.reward_model('llama'))!r} is a LlamaForSequenceClassification (a classifier" in err
+    assert (
+        f"policy (model.path): {str(assets.reward_model('llama'))!r} is a LlamaForSequenceClassification (a classifier"
+        in err
+    )
     assert "not a language model" in err
 
 
@@ -181,18 +304,30 @@ def test_repeated_character_in_a_tiny_tokenizer(assets):
 
 # ---------------------------------------------------------------------------------- reward functions
 
+
 def test_a_reward_function_that_raises_is_named_with_the_step(assets, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     write_jsonl(f, [{"prompt": p} for p in ("ab 1", "cd 2", "h 3", "ef 4")])
-    cfg = tiny_config(assets.policy("llama"), f, tmp_path / "run", model={"reward_functions": ["ppo_support:raise_for_h"]})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        f,
+        tmp_path / "run",
+        model={"reward_functions": ["ppo_support:raise_for_h"]},
+    )
     assert ppo_main(cfg) == 2
-    assert ("reward function 'ppo_support:raise_for_h' at step 1 raised KeyError: \"no reference answer for 'h 3'\""
-            in _err(capsys))
+    assert (
+        "reward function 'ppo_support:raise_for_h' at step 1 raised KeyError: \"no reference answer for 'h 3'\""
+        in _err(capsys)
+    )
 
 
 def test_a_reward_function_returning_a_string_is_refused(assets, tmp_path, capsys):
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_functions": ["ppo_support:digits_as_string"]})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_functions": ["ppo_support:digits_as_string"]},
+    )
     assert ppo_main(cfg) == 2
     err = _err(capsys)
     assert "reward function 'ppo_support:digits_as_string' at step 1 returned str '" in err
@@ -201,14 +336,21 @@ def test_a_reward_function_returning_a_string_is_refused(assets, tmp_path, capsy
 
 # ---------------------------------------------------------------------------------- checkpoints
 
+
 @pytest.fixture(scope="module")
 def finished_run(assets, tmp_path_factory):
     """A 2-step PPO run with a checkpoint after each step, and the uninterrupted 3-step run."""
     root = tmp_path_factory.mktemp("ckpt")
+
     def cfg(name, steps):
-        return tiny_config(assets.policy("llama"), assets.prompts, root / name,
-                           model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                           train={"steps": steps, "save_every": 1, "keep_checkpoints": 3})
+        return tiny_config(
+            assets.policy("llama"),
+            assets.prompts,
+            root / name,
+            model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+            train={"steps": steps, "save_every": 1, "keep_checkpoints": 3},
+        )
+
     assert ppo_main(cfg("two", 2)) == 0
     assert ppo_main(cfg("three", 3)) == 0
     return root
@@ -219,13 +361,19 @@ def _copy(run: Path, to: Path) -> Path:
     return to
 
 
-def test_a_truncated_trainer_state_falls_back_to_the_intact_checkpoint(finished_run, tmp_path, capsys):
+def test_a_truncated_trainer_state_falls_back_to_the_intact_checkpoint(
+    finished_run, tmp_path, capsys
+):
     run = _copy(finished_run / "two", tmp_path / "run")
     state = run / "checkpoints" / "step_000002" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
     assert ppo_main(None, "--resume", str(run), "--train.steps", "3") == 0
     out = capsys.readouterr().out
-    assert "skipping checkpoint step_000002:" in out and "trainer_state.pt has" in out and "truncated" in out
+    assert (
+        "skipping checkpoint step_000002:" in out
+        and "trainer_state.pt has" in out
+        and "truncated" in out
+    )
     assert "resuming from step_000001, the newest intact checkpoint" in out
     resumed = [without_timing(r) for r in read_jsonl(run / "metrics.jsonl")]
     full = [without_timing(r) for r in read_jsonl(finished_run / "three" / "metrics.jsonl")]
@@ -238,7 +386,10 @@ def test_an_interrupted_save_is_cleaned_up_on_resume(finished_run, tmp_path, cap
     (left / "state").mkdir(parents=True)
     (left / "state" / "__0_0.distcp").write_bytes(b"\0" * 1000)
     assert ppo_main(None, "--resume", str(run), "--train.steps", "3") == 0
-    assert "removed 1 incomplete checkpoint(s) left by an interrupted save: .step_000003.tmp" in capsys.readouterr().out
+    assert (
+        "removed 1 incomplete checkpoint(s) left by an interrupted save: .step_000003.tmp"
+        in capsys.readouterr().out
+    )
     assert not left.exists()
 
 
@@ -248,7 +399,9 @@ def test_no_intact_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys):
         (ckpt / "state" / ".metadata").write_bytes(b"garbage")
     assert ppo_main(None, "--resume", str(run)) == 2
     err = _err(capsys)
-    assert f"--resume {run}: no intact checkpoint" in err and "skipping checkpoint step_000002" in err
+    assert (
+        f"--resume {run}: no intact checkpoint" in err and "skipping checkpoint step_000002" in err
+    )
 
 
 def test_damage_anywhere_in_a_checkpoint_is_detected(finished_run, tmp_path):
@@ -257,8 +410,11 @@ def test_damage_anywhere_in_a_checkpoint_is_detected(finished_run, tmp_path):
     from proximal.train.checkpoint import find_checkpoint
 
     src = finished_run / "two" / "checkpoints"
-    files = sorted(p.relative_to(src / "step_000002") for p in (src / "step_000002").rglob("*")
-                   if p.is_file() and p.name != "manifest.json")
+    files = sorted(
+        p.relative_to(src / "step_000002")
+        for p in (src / "step_000002").rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    )
     assert len(files) >= 10 and any(str(f).startswith("state/") for f in files)
     checked = 0
     for rel in files:
@@ -273,7 +429,7 @@ def test_damage_anywhere_in_a_checkpoint_is_detected(finished_run, tmp_path):
                 if not data:
                     continue
                 i = len(data) // 3
-                f.write_bytes(data[:i] + bytes([data[i] ^ 0x20]) + data[i + 1:])
+                f.write_bytes(data[:i] + bytes([data[i] ^ 0x20]) + data[i + 1 :])
             else:
                 cut = {"start": 0, "middle": size // 2, "end-1": max(size - 1, 0)}[damage]
                 if cut == size:
@@ -309,7 +465,10 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(finished_run, assets,
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     assert ppo_main(None, "--resume", str(run), "--train.steps", "3") == 2
     err = _err(capsys)
-    assert f"checkpoint {run / 'checkpoints' / 'step_000002'}: its weights do not fit the models being trained" in err
+    assert (
+        f"checkpoint {run / 'checkpoints' / 'step_000002'}: its weights do not fit the models being trained"
+        in err
+    )
     assert "Missing key" in err and "Traceback" not in err
 
 
@@ -319,7 +478,9 @@ def test_resuming_past_the_configured_steps(finished_run, tmp_path, capsys):
     before = (run / "metrics.jsonl").read_text()
     assert ppo_main(None, "--resume", str(run), "--train.steps", "1") == 2
     err = _err(capsys)
-    assert f"--resume {run}: its checkpoint is at step 2, past the 1 steps this config trains" in err
+    assert (
+        f"--resume {run}: its checkpoint is at step 2, past the 1 steps this config trains" in err
+    )
     assert "give --train.steps larger than 2" in err
     assert (run / "metrics.jsonl").read_text() == before
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())

@@ -21,45 +21,68 @@ from harness.works import MINI, SPECIALS, build_tokenizer, write_models, write_p
 
 
 def test_step_spans_come_from_wall_clock_differences(tmp_path):
-    rows = [{"step": 1, "time/step_s": 5.0, "time/wall_s": 5.5},
-            {"step": 2, "time/step_s": 1.0, "time/wall_s": 7.0},
-            {"step": 3, "time/step_s": 2.0, "time/wall_s": 9.5},
-            {"step": 4, "time/step_s": 1.5, "time/wall_s": 11.25}]
+    rows = [
+        {"step": 1, "time/step_s": 5.0, "time/wall_s": 5.5},
+        {"step": 2, "time/step_s": 1.0, "time/wall_s": 7.0},
+        {"step": 3, "time/step_s": 2.0, "time/wall_s": 9.5},
+        {"step": 4, "time/step_s": 1.5, "time/wall_s": 11.25},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = read_steps(tmp_path)
     assert got["period_s"] == [5.5, 1.5, 2.5, 1.75]
     assert got["step_s"] == [5.0, 1.0, 2.0, 1.5]
     assert median_from_step2(got["period_s"]) == 1.75  # steps 2-4: 1.5, 2.5, 1.75; step 1 left out
-    assert median_from_step2([3.0]) == 3.0             # one step: that step
+    assert median_from_step2([3.0]) == 3.0  # one step: that step
 
 
 def test_ratios_are_per_round_pairs_and_failed_runs_drop_their_pair():
     def run(side, k, step, wall, rss, rc=0):
-        return {"work": "tiny", "side": side, "round": k, "median_step_s": step, "wall_s": wall,
-                "peak_rss_mib": rss, "rc": rc}
+        return {
+            "work": "tiny",
+            "side": side,
+            "round": k,
+            "median_step_s": step,
+            "wall_s": wall,
+            "peak_rss_mib": rss,
+            "rc": rc,
+        }
 
-    runs = [run("proximal", 1, 1.0, 10.0, 100.0), run("trl", 1, 4.0, 20.0, 200.0),
-            run("proximal", 2, 3.0, 30.0, 300.0), run("trl", 2, 4.0, 40.0, 300.0),
-            run("proximal", 3, 2.0, 20.0, 100.0), run("trl", 3, 1.0, 10.0, 50.0, rc=1)]
+    runs = [
+        run("proximal", 1, 1.0, 10.0, 100.0),
+        run("trl", 1, 4.0, 20.0, 200.0),
+        run("proximal", 2, 3.0, 30.0, 300.0),
+        run("trl", 2, 4.0, 40.0, 300.0),
+        run("proximal", 3, 2.0, 20.0, 100.0),
+        run("trl", 3, 1.0, 10.0, 50.0, rc=1),
+    ]
     s = report.summarize(runs, ["tiny"])["tiny"]
-    assert s["ratio_median_step_s_all"] == [0.25, 0.75]      # round 3's anchor failed: no pair
+    assert s["ratio_median_step_s_all"] == [0.25, 0.75]  # round 3's anchor failed: no pair
     assert s["ratio_median_step_s"] == 0.5
     assert s["ratio_peak_rss_mib_all"] == [0.5, 1.0]
-    assert s["proximal_median_step_s"] == 2.0                # 1, 3, 2
-    assert s["anchor_median_step_s"] == 4.0                  # 4, 4 (the failed run left out)
+    assert s["proximal_median_step_s"] == 2.0  # 1, 3, 2
+    assert s["anchor_median_step_s"] == 4.0  # 4, 4 (the failed run left out)
     assert s["failed_runs"] == 1
 
 
 def test_more_rounds_for_some_works_keep_the_rounds_interleaved():
     import compare_trl
 
-    a = compare_trl.parse_args(["--works", "tiny,wide,grpo", "--rounds", "3", "--more-rounds", "tiny=5,grpo=4"])
+    a = compare_trl.parse_args(
+        ["--works", "tiny,wide,grpo", "--rounds", "3", "--more-rounds", "tiny=5,grpo=4"]
+    )
     assert a.rounds_of == {"tiny": 5, "wide": 3, "grpo": 4}
     order = compare_trl.schedule(a.works, a.rounds_of)
     assert order[:3] == [(1, "tiny"), (1, "wide"), (1, "grpo")]
     assert order[9:] == [(4, "tiny"), (4, "grpo"), (5, "tiny")]
-    assert sorted(order) == sorted({(k, w) for w, n in a.rounds_of.items() for k in range(1, n + 1)})
-    for bad in ("tiny=2", "wide-bf16=5", "tiny", "tiny=x"):  # fewer than --rounds, not a chosen work, no N
+    assert sorted(order) == sorted(
+        {(k, w) for w, n in a.rounds_of.items() for k in range(1, n + 1)}
+    )
+    for bad in (
+        "tiny=2",
+        "wide-bf16=5",
+        "tiny",
+        "tiny=x",
+    ):  # fewer than --rounds, not a chosen work, no N
         with pytest.raises(SystemExit):
             compare_trl.parse_args(["--works", "tiny,wide", "--more-rounds", bad])
     assert report._rounds({"rounds": 3, "rounds_of": a.rounds_of}) == "3 rounds (grpo: 4; tiny: 5)"
@@ -88,16 +111,34 @@ def test_benchmark_policy_cannot_sample_a_special_token_and_prompts_round_trip(t
     from proximal.models.loading import load_tokenizer
 
     loaded = load_tokenizer(m["policy"])
-    assert [encode_prompt(t, loaded) for t in texts] == ids_json   # TRL gets exactly what proximal tokenises
+    assert [
+        encode_prompt(t, loaded) for t in texts
+    ] == ids_json  # TRL gets exactly what proximal tokenises
 
 
 @pytest.mark.slow
 def test_compare_trl_smoke_mode_writes_its_results(tmp_path):
     """CI's run of the harness: 1 step, proximal only, no anchor installed, a minuscule model."""
     out = tmp_path / "results.md"
-    r = subprocess.run([sys.executable, str(BENCH / "compare_trl.py"), "--smoke", "--works", "mini", "--threads", "1",
-                        "--workdir", str(tmp_path / "work"), "--results", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "compare_trl.py"),
+            "--smoke",
+            "--works",
+            "mini",
+            "--threads",
+            "1",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--results",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["meta"]["smoke"] is True and data["meta"]["steps"] == 1
@@ -105,6 +146,8 @@ def test_compare_trl_smoke_mode_writes_its_results(tmp_path):
     assert run["side"] == "proximal" and run["rc"] == 0 and "error" not in run
     assert len(run["period_s"]) == 1 and run["median_step_s"] > 0
     assert run["peak_rss_mib"] > 0 and run["wall_s"] > 0
-    assert run["response_length_mean"] == [float(MINI.response_len)]  # exactly R tokens, no early stop
+    assert run["response_length_mean"] == [
+        float(MINI.response_len)
+    ]  # exactly R tokens, no early stop
     assert "| mini |" in out.read_text()
-    assert "[anchors]" not in r.stdout                                # nothing installed
+    assert "[anchors]" not in r.stdout  # nothing installed

@@ -26,16 +26,29 @@ from test_dpo import count_task, write_jsonl  # noqa: E402
 
 # Each method's config, as small as a step can be: the compare sets paths, seed, steps, checkpoints.
 CONFIGS = {
-    "ppo": {"rollout": {"batch_size": 4, "max_new_tokens": 6},
-            "ppo": {"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 2},
-            "optim": {"lr": 1e-3, "critic_lr": 1e-3}, "train": {"device": "cpu"}},
-    "dpo": {"data": {"max_length": 16}, "train": {"batch_size": 4, "micro_batch_size": 4, "device": "cpu"},
-            "optim": {"lr": 1e-3}},
+    "ppo": {
+        "rollout": {"batch_size": 4, "max_new_tokens": 6},
+        "ppo": {"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 2},
+        "optim": {"lr": 1e-3, "critic_lr": 1e-3},
+        "train": {"device": "cpu"},
+    },
+    "dpo": {
+        "data": {"max_length": 16},
+        "train": {"batch_size": 4, "micro_batch_size": 4, "device": "cpu"},
+        "optim": {"lr": 1e-3},
+    },
     # An absurd learning rate: step 1 is finite, Adam's ±lr moves make step 2's loss NaN — a run that fails.
-    "simpo": {"data": {"max_length": 16}, "train": {"batch_size": 4, "micro_batch_size": 4, "device": "cpu"},
-              "optim": {"lr": 1e30, "max_grad_norm": 0}},
-    "grpo": {"rollout": {"batch_size": 2, "group_size": 2, "max_new_tokens": 6}, "grpo": {"micro_batch_size": 4},
-             "optim": {"lr": 1e-3}, "train": {"device": "cpu"}},
+    "simpo": {
+        "data": {"max_length": 16},
+        "train": {"batch_size": 4, "micro_batch_size": 4, "device": "cpu"},
+        "optim": {"lr": 1e30, "max_grad_norm": 0},
+    },
+    "grpo": {
+        "rollout": {"batch_size": 2, "group_size": 2, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "train": {"device": "cpu"},
+    },
 }
 
 
@@ -53,19 +66,39 @@ def inputs(assets, tmp_path_factory):
         _write(configs / f"{name}.yaml", cfg)
     eval_prompts = root / "eval_prompts.jsonl"
     write_jsonl(eval_prompts, [{"prompt": p} for p in prompt_texts(6)])
-    return {"configs": configs, "pairs": write_jsonl(root / "pairs.jsonl", count_task(16, seed=5)),
-            "eval_prompts": eval_prompts, "policy": assets.policy("llama"), "rm": assets.reward_model("llama"),
-            "prompts": assets.prompts}
+    return {
+        "configs": configs,
+        "pairs": write_jsonl(root / "pairs.jsonl", count_task(16, seed=5)),
+        "eval_prompts": eval_prompts,
+        "policy": assets.policy("llama"),
+        "rm": assets.reward_model("llama"),
+        "prompts": assets.prompts,
+    }
 
 
 def compare_yaml(inputs, out: Path, methods, **compare) -> Path:
-    cfg = {"compare": {"methods": methods, "seeds": 1, "responses": 8, "pairs": 8, "evaluations": 2,
-                       "eval_samples_per_prompt": 2, "max_new_tokens": 6, "configs": str(inputs["configs"]),
-                       **compare},
-           "data": {"sft_model": str(inputs["policy"]), "reward_model": str(inputs["rm"]),
-                    "prompts": str(inputs["prompts"]), "pairs": str(inputs["pairs"]),
-                    "eval_prompts": str(inputs["eval_prompts"]), "gold": "ppo_support:length"},
-           "output": {"dir": str(out), "progress": False}}
+    cfg = {
+        "compare": {
+            "methods": methods,
+            "seeds": 1,
+            "responses": 8,
+            "pairs": 8,
+            "evaluations": 2,
+            "eval_samples_per_prompt": 2,
+            "max_new_tokens": 6,
+            "configs": str(inputs["configs"]),
+            **compare,
+        },
+        "data": {
+            "sft_model": str(inputs["policy"]),
+            "reward_model": str(inputs["rm"]),
+            "prompts": str(inputs["prompts"]),
+            "pairs": str(inputs["pairs"]),
+            "eval_prompts": str(inputs["eval_prompts"]),
+            "gold": "ppo_support:length",
+        },
+        "output": {"dir": str(out), "progress": False},
+    }
     return _write(out.parent / f"{out.name}.yaml", cfg)
 
 
@@ -87,8 +120,15 @@ def comparison(inputs, tmp_path_factory):
     err, std = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         code = main(["compare", "--config", str(config)])
-    return {"out": out, "config": config, "code": code, "stdout": std.getvalue(), "stderr": err.getvalue(),
-            "json": json.loads((out / "compare.json").read_text()), "md": (out / "compare.md").read_text()}
+    return {
+        "out": out,
+        "config": config,
+        "code": code,
+        "stdout": std.getvalue(),
+        "stderr": err.getvalue(),
+        "json": json.loads((out / "compare.json").read_text()),
+        "md": (out / "compare.md").read_text(),
+    }
 
 
 def test_every_number_of_the_table_is_recomputed_from_the_run_directories(comparison, inputs):
@@ -101,33 +141,55 @@ def test_every_number_of_the_table_is_recomputed_from_the_run_directories(compar
         run, row = out / "runs" / f"{group}-seed0", table[group]
         assert row["finished"] == row["runs"] == 1 and row["failed"] == []
         # one seed: the mean is the run's number, and there is no spread
-        assert row["models_resident"] == [models, None] and row["param_bytes"] == [param_bytes, None]
+        assert row["models_resident"] == [models, None] and row["param_bytes"] == [
+            param_bytes,
+            None,
+        ]
         metrics = [m for m in rows(run / "metrics.jsonl") if m["step"] >= 1]
-        assert [m["step"] for m in metrics] == [1, 2]  # 8 responses / 4 per step; 8 pairs / 4 per step
-        assert row["peak_bytes"][0] == max(m["memory/peak_bytes"] for m in metrics if m["step"] >= 2)
+        assert [m["step"] for m in metrics] == [
+            1,
+            2,
+        ]  # 8 responses / 4 per step; 8 pairs / 4 per step
+        assert row["peak_bytes"][0] == max(
+            m["memory/peak_bytes"] for m in metrics if m["step"] >= 2
+        )
         assert row["wall_s"][0] == metrics[-1]["time/wall_s"]
         if group.startswith("ppo"):
-            assert row["tokens_generated"][0] == round(sum(m["response/length_mean"] * 4 for m in metrics))
-            assert row["optimizer_steps"][0] == sum(m["policy/epochs_run"] for m in metrics) * 2  # 4 / 2 minis
+            assert row["tokens_generated"][0] == round(
+                sum(m["response/length_mean"] * 4 for m in metrics)
+            )
+            assert (
+                row["optimizer_steps"][0] == sum(m["policy/epochs_run"] for m in metrics) * 2
+            )  # 4 / 2 minis
         else:
             assert row["tokens_generated"][0] == 0 and row["optimizer_steps"][0] == 2
         ev = json.loads((run / "eval.json").read_text())
         assert [p["step"] for p in ev["curve"]] == [0, 1, 2]  # the SFT model, then every checkpoint
         final = ev["final"]["rows"]
         assert len(final) == 12  # 6 held-out prompts × 2 samples
-        gold = statistics.fmean(length([r["prompt"] for r in final], [r["response"] for r in final]))
+        gold = statistics.fmean(
+            length([r["prompt"] for r in final], [r["response"] for r in final])
+        )
         assert row["gold"][0] == pytest.approx(gold, abs=1e-12)
         for key in ("proxy", "kl", "length"):
             assert row[key][0] == pytest.approx(statistics.fmean(r[key] for r in final), abs=1e-12)
         curve = [p["mean"]["gold"] for p in ev["curve"]]
-        swing = abs(curve[2] - curve[1])  # between the run's own two checkpoints (the SFT model excluded)
+        swing = abs(
+            curve[2] - curve[1]
+        )  # between the run's own two checkpoints (the SFT model excluded)
         run_record = next(r for r in result["runs"] if r["name"] == f"{group}-seed0")
-        assert run_record["max_swing"] == pytest.approx(swing) and row["max_swing"] == pytest.approx(swing)
+        assert run_record["max_swing"] == pytest.approx(swing) and row[
+            "max_swing"
+        ] == pytest.approx(swing)
         assert row["collapse_frac"] == float(max(curve) - curve[-1] > 0.05)
         # the markdown shows the same numbers
-        line = next(ln for ln in comparison["md"].splitlines()
-                    if ln.startswith(f"| {'PPO (reward model)' if group.startswith('ppo') else 'DPO'} |")
-                    and "±" not in ln and "/" not in ln.split("|")[2])
+        line = next(
+            ln
+            for ln in comparison["md"].splitlines()
+            if ln.startswith(f"| {'PPO (reward model)' if group.startswith('ppo') else 'DPO'} |")
+            and "±" not in ln
+            and "/" not in ln.split("|")[2]
+        )
         assert f"{row['gold'][0]:.3f}" in line and f"{row['kl'][0]:.3f}" in line, line
     assert result["sft"]["kl"] == 0.0  # the SFT model against itself
 
@@ -138,7 +200,10 @@ def test_a_failed_run_is_a_row_with_its_error_and_the_exit_status_says_so(compar
     [failed] = row["failed"]
     assert failed["name"] == "simpo-seed0"
     assert failed["error"].startswith("FloatingPointError: step 2: the SIMPO loss is nan"), failed
-    assert "## Runs that failed" in comparison["md"] and f"| simpo-seed0 | {failed['error']} |" in comparison["md"]
+    assert (
+        "## Runs that failed" in comparison["md"]
+        and f"| simpo-seed0 | {failed['error']} |" in comparison["md"]
+    )
     assert "Traceback" in (comparison["out"] / "runs" / "simpo-seed0" / "error.txt").read_text()
     assert "SimPO |" in comparison["md"]  # the method keeps its rows, with dashes
     assert comparison["code"] == 1
@@ -149,22 +214,34 @@ def test_a_failed_run_is_a_row_with_its_error_and_the_exit_status_says_so(compar
 
 def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comparison, capsys):
     out = comparison["out"]
-    before = {p: (out / "runs" / p / "eval.json").stat().st_mtime_ns for p in ("ppo@reward_model-seed0", "dpo-seed0")}
+    before = {
+        p: (out / "runs" / p / "eval.json").stat().st_mtime_ns
+        for p in ("ppo@reward_model-seed0", "dpo-seed0")
+    }
     assert main(["compare", "--config", str(comparison["config"])]) == 1
     text = capsys.readouterr().out
-    assert "ppo@reward_model-seed0: finished earlier, kept" in text and "dpo-seed0: finished earlier, kept" in text
+    assert (
+        "ppo@reward_model-seed0: finished earlier, kept" in text
+        and "dpo-seed0: finished earlier, kept" in text
+    )
     assert "simpo-seed0: SimPO" in text  # tried again
     assert before == {p: (out / "runs" / p / "eval.json").stat().st_mtime_ns for p in before}
     assert json.loads((out / "compare.json").read_text())["table"] == comparison["json"]["table"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"methods": ["ppx"]}, "compare.methods: 'ppx': unknown method"),
-    ({"methods": ["dpo@verifier"]}, "DPO cannot use reward source 'verifier'"),
-    ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
-    ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
-    ({"responses": 2}, "compare.responses = 2 is less than one step of PPO (rollout.batch_size = 4)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"methods": ["ppx"]}, "compare.methods: 'ppx': unknown method"),
+        ({"methods": ["dpo@verifier"]}, "DPO cannot use reward source 'verifier'"),
+        ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
+        ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
+        (
+            {"responses": 2},
+            "compare.responses = 2 is less than one step of PPO (rollout.batch_size = 4)",
+        ),
+    ],
+)
 def test_config_mistakes_are_one_line_and_exit_status_2(inputs, tmp_path, capsys, change, message):
     methods = change.pop("methods", ["ppo"])
     config = compare_yaml(inputs, tmp_path / "out", methods, **change)
@@ -187,12 +264,18 @@ def test_a_directory_that_is_not_a_comparison_is_not_written_into(inputs, tmp_pa
 # Resident models, counted on the live modules
 # ----------------------------------------------------------------------------------------------
 
+
 def live_models(before: weakref.WeakSet) -> list[torch.nn.Module]:
     """The top-level modules with parameters alive now that were not alive ``before`` (a module
     inside another is part of it)."""
     gc.collect()
-    found = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module) and o not in before
-             and next(o.parameters(), None) is not None]
+    found = [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), torch.nn.Module)
+        and o not in before
+        and next(o.parameters(), None) is not None
+    ]
     inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
     return [m for m in found if id(m) not in inner]
 
@@ -209,36 +292,70 @@ def param_bytes(modules: list[torch.nn.Module]) -> int:
 
 RESIDENT = [  # (method, overrides, models resident)
     ("ppo", {}, 4),
-    ("ppo", {"model.lora_r": 4}, 3),            # the reference is the policy with its adapters disabled
+    ("ppo", {"model.lora_r": 4}, 3),  # the reference is the policy with its adapters disabled
     ("dpo", {}, 2),
     ("dpo", {"train.precompute_ref_logprobs": True}, 1),
     ("grpo", {}, 2),
-    ("grpo", {"grpo.beta": 0.0}, 1),             # no KL term: no reference
+    ("grpo", {"grpo.beta": 0.0}, 1),  # no KL term: no reference
     ("simpo", {"optim.lr": 1e-3, "optim.max_grad_norm": 1.0}, 1),
 ]
 
 
-@pytest.mark.parametrize("method, overrides, expected", RESIDENT,
-                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for m, o, _ in RESIDENT])
-def test_resident_models_are_counted_on_the_live_modules(inputs, tmp_path, monkeypatch, method, overrides, expected):
-    from proximal.compare import CompareConfig, CompareData, CompareOutput, CompareSection, Inputs, RunSpec, run_config
+@pytest.mark.parametrize(
+    "method, overrides, expected",
+    RESIDENT,
+    ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for m, o, _ in RESIDENT],
+)
+def test_resident_models_are_counted_on_the_live_modules(
+    inputs, tmp_path, monkeypatch, method, overrides, expected
+):
+    from proximal.compare import (
+        CompareConfig,
+        CompareData,
+        CompareOutput,
+        CompareSection,
+        Inputs,
+        RunSpec,
+        run_config,
+    )
     from proximal.compare_report import collect_run
     from proximal.methods import METHODS, trainer
     from proximal.train.run import Run
 
     # PPO against the reward model (its four models); GRPO on a verifier (actor and reference only)
     source = {"ppo": "reward_model", "grpo": "verifier"}.get(method, "pairs")
-    cfg = CompareConfig(compare=CompareSection(methods=[method], seeds=1, responses=8, pairs=8, evaluations=1,
-                                               configs=str(inputs["configs"])),
-                        data=CompareData(sft_model=str(inputs["policy"]), reward_model=str(inputs["rm"]),
-                                         prompts=str(inputs["prompts"]), pairs=str(inputs["pairs"]),
-                                         eval_prompts=str(inputs["eval_prompts"])),
-                        output=CompareOutput(progress=False))
-    shared = Inputs(sft=str(inputs["policy"]), reward_model=str(inputs["rm"]), prompts=str(inputs["prompts"]),
-                    pairs=str(inputs["pairs"]), eval_pairs=None, eval_prompts=str(inputs["eval_prompts"]),
-                    verifier="ppo_support:frac_a", gold=None)
+    cfg = CompareConfig(
+        compare=CompareSection(
+            methods=[method],
+            seeds=1,
+            responses=8,
+            pairs=8,
+            evaluations=1,
+            configs=str(inputs["configs"]),
+        ),
+        data=CompareData(
+            sft_model=str(inputs["policy"]),
+            reward_model=str(inputs["rm"]),
+            prompts=str(inputs["prompts"]),
+            pairs=str(inputs["pairs"]),
+            eval_prompts=str(inputs["eval_prompts"]),
+        ),
+        output=CompareOutput(progress=False),
+    )
+    shared = Inputs(
+        sft=str(inputs["policy"]),
+        reward_model=str(inputs["rm"]),
+        prompts=str(inputs["prompts"]),
+        pairs=str(inputs["pairs"]),
+        eval_pairs=None,
+        eval_prompts=str(inputs["eval_prompts"]),
+        verifier="ppo_support:frac_a",
+        gold=None,
+    )
     run_dir = tmp_path / "run"
-    run_cfg, _, _ = run_config(RunSpec(METHODS[method], source, 0), cfg, shared, inputs["configs"], run_dir)
+    run_cfg, _, _ = run_config(
+        RunSpec(METHODS[method], source, 0), cfg, shared, inputs["configs"], run_dir
+    )
     for key, value in overrides.items():  # the trainer validates the result
         section_name, name = key.split(".")
         setattr(getattr(run_cfg, section_name), name, value)
@@ -260,8 +377,12 @@ def test_resident_models_are_counted_on_the_live_modules(inputs, tmp_path, monke
     models = json.loads((run_dir / "models.json").read_text())
     assert count == expected == len(models), (count, sorted(models))
     assert nbytes_live == sum(m["bytes"] for m in models.values())
-    record = collect_run(run_dir, RunSpec(METHODS[method], source, 0).record, collapse_margin=0.05,
-                         stability_score="gold")
+    record = collect_run(
+        run_dir,
+        RunSpec(METHODS[method], source, 0).record,
+        collapse_margin=0.05,
+        stability_score="gold",
+    )
     assert record["models_resident"] == expected and record["param_bytes"] == nbytes_live
 
 
@@ -269,5 +390,5 @@ def test_mean_and_spread_are_the_sample_statistics():
     from proximal.compare_report import mean_std
 
     m, s = mean_std([0.5, 0.7, 0.9])
-    assert m == pytest.approx(0.7) and s == pytest.approx(math.sqrt(((0.2 ** 2) * 2) / 2))
+    assert m == pytest.approx(0.7) and s == pytest.approx(math.sqrt(((0.2**2) * 2) / 2))
     assert mean_std([0.3]) == (0.3, None) and mean_std([None]) == (None, None)

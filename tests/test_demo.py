@@ -41,15 +41,46 @@ def _jsonl(path: Path) -> list[dict]:
 def test_every_artifact_exists(demo):
     out, _ = demo
     expected = [
-        "task/task.json", "task/tokenizer/tokenizer.json", "task/base_model/model.safetensors",
+        "task/task.json",
+        "task/tokenizer/tokenizer.json",
+        "task/base_model/model.safetensors",
         *(f"task/{k}_{s}.jsonl" for k in ("sft", "prefs", "prompts") for s in ("train", "eval")),
-        "sft/model.safetensors", "sft/config.json", "sft/tokenizer.json", "sft/metrics.jsonl", "sft/config.yaml",
-        "rm/model.safetensors", "rm/config.json", "rm/metrics.jsonl", "rm/config.yaml",
-        *(f"{run}/{f}" for run in ("ppo", "ppo_overopt", "grpo", "rloo")
-          for f in ("metrics.jsonl", "samples.jsonl", "config.yaml", "models.json", "checkpoints/latest")),
-        *(f"{run}/{f}" for run in ("dpo", "simpo")
-          for f in ("model.safetensors", "metrics.jsonl", "config.yaml", "models.json", "checkpoints/latest")),
-        "eval.json", "demo.json", "report.md", "report.json", *PLOTS,
+        "sft/model.safetensors",
+        "sft/config.json",
+        "sft/tokenizer.json",
+        "sft/metrics.jsonl",
+        "sft/config.yaml",
+        "rm/model.safetensors",
+        "rm/config.json",
+        "rm/metrics.jsonl",
+        "rm/config.yaml",
+        *(
+            f"{run}/{f}"
+            for run in ("ppo", "ppo_overopt", "grpo", "rloo")
+            for f in (
+                "metrics.jsonl",
+                "samples.jsonl",
+                "config.yaml",
+                "models.json",
+                "checkpoints/latest",
+            )
+        ),
+        *(
+            f"{run}/{f}"
+            for run in ("dpo", "simpo")
+            for f in (
+                "model.safetensors",
+                "metrics.jsonl",
+                "config.yaml",
+                "models.json",
+                "checkpoints/latest",
+            )
+        ),
+        "eval.json",
+        "demo.json",
+        "report.md",
+        "report.json",
+        *PLOTS,
     ]
     missing = [p for p in expected if not (out / p).is_file()]
     assert not missing
@@ -66,7 +97,12 @@ def test_checkpoints_load_with_plain_transformers(demo):
 
     from proximal.demo import final_policy
 
-    for path in (out / "sft", *(final_policy(out / p) for p in POLICIES), out / "dpo", out / "simpo"):
+    for path in (
+        out / "sft",
+        *(final_policy(out / p) for p in POLICIES),
+        out / "dpo",
+        out / "simpo",
+    ):
         AutoModelForCausalLM.from_pretrained(path)
         AutoTokenizer.from_pretrained(path)
     rm = AutoModelForSequenceClassification.from_pretrained(out / "rm")
@@ -86,9 +122,11 @@ def test_ppo_curves_in_report_are_the_metrics_files(demo):
         assert got["beta"] == [row["kl/beta"] for row in rows]
     # the gold column PPO logged is the task's gold score of the logged samples
     from proximal.tasks.digits import gold_score
+
     samples = _jsonl(out / "ppo" / "samples.jsonl")
-    assert [s[GOLD] for s in samples] == pytest.approx(gold_score([s["prompt"] for s in samples],
-                                                                  [s["response"] for s in samples]), abs=1e-6)
+    assert [s[GOLD] for s in samples] == pytest.approx(
+        gold_score([s["prompt"] for s in samples], [s["response"] for s in samples]), abs=1e-6
+    )
     # the over-optimisation summary: trailing means over `window` steps, recomputed here by hand
     o, w = r["overopt"], r["overopt"]["window"]
     gold = [row[GOLD] for row in _jsonl(out / "ppo_overopt" / "metrics.jsonl")]
@@ -104,8 +142,10 @@ def test_reward_model_and_sft_numbers_are_the_metrics_files(demo):
     assert r["rm"]["eval_accuracy"] == rm_evals[-1]["eval/accuracy"]
     assert f"Held-out accuracy **{rm_evals[-1]['eval/accuracy']:.3f}**" in report
     sft_evals = [row for row in _jsonl(out / "sft" / "metrics.jsonl") if "eval/loss" in row]
-    assert (r["sft"]["eval_loss_start"], r["sft"]["eval_loss_end"]) == (sft_evals[0]["eval/loss"],
-                                                                          sft_evals[-1]["eval/loss"])
+    assert (r["sft"]["eval_loss_start"], r["sft"]["eval_loss_end"]) == (
+        sft_evals[0]["eval/loss"],
+        sft_evals[-1]["eval/loss"],
+    )
     assert f"from {sft_evals[0]['eval/loss']:.3f} to {sft_evals[-1]['eval/loss']:.3f}" in report
     assert sft_evals[-1]["eval/loss"] < sft_evals[0]["eval/loss"]
 
@@ -114,37 +154,77 @@ def test_heldout_table_is_eval_json(demo):
     out, stdout = demo
     evaluation = json.loads((out / "eval.json").read_text())
     report = (out / "report.md").read_text()
-    table = [line for line in report.splitlines() if line.startswith("| ") and "KL to reference" not in line]
+    table = [
+        line
+        for line in report.splitlines()
+        if line.startswith("| ") and "KL to reference" not in line
+    ]
     r = json.loads((out / "report.json").read_text())
-    labels = {"sft": "SFT", "ppo": "PPO, β = 1", "ppo_overopt": "PPO over-optimised, β = 0.01", "dpo": "DPO, β = 0.3",
-              "simpo": "SimPO, β = 2, γ/β = 1", "grpo": "GRPO (grpo loss, β = 0.04), exact-sort verifier",
-              "rloo": "RLOO (dr_grpo loss, β = 0.04), exact-sort verifier"}
+    labels = {
+        "sft": "SFT",
+        "ppo": "PPO, β = 1",
+        "ppo_overopt": "PPO over-optimised, β = 0.01",
+        "dpo": "DPO, β = 0.3",
+        "simpo": "SimPO, β = 2, γ/β = 1",
+        "grpo": "GRPO (grpo loss, β = 0.04), exact-sort verifier",
+        "rloo": "RLOO (dr_grpo loss, β = 0.04), exact-sort verifier",
+    }
     timings = json.loads((out / "demo.json").read_text())["timings_s"]
     for policy, label in labels.items():
         rows = evaluation[policy]["rows"]
         assert evaluation[policy]["n"] == len(rows) == 64
         # means recomputed from the individual responses
-        mean = {k: sum(float(x[k]) for x in rows) / len(rows) for k in ("gold", "proxy", "kl", "length", "eos")}
+        mean = {
+            k: sum(float(x[k]) for x in rows) / len(rows)
+            for k in ("gold", "proxy", "kl", "length", "eos")
+        }
         assert evaluation[policy]["mean"] == pytest.approx(mean, abs=1e-12)
         held = len(json.loads((out / policy / "models.json").read_text()))
         assert r["models_held"][policy] == held
-        cells = [f"{mean[k]:.3f}" for k in ("gold", "proxy", "kl", "length", "eos")] + [str(held),
-                                                                                      f"{timings[policy]:.0f}"]
+        cells = [f"{mean[k]:.3f}" for k in ("gold", "proxy", "kl", "length", "eos")] + [
+            str(held),
+            f"{timings[policy]:.0f}",
+        ]
         line = next(t for t in table if t.startswith(f"| {label}"))
         assert [c.strip() for c in line.strip("|").split("|")][1:] == cells
         # the terminal ends with the same table
-        assert any(s.startswith(label) and re.split(r"\s{2,}", s.strip())[1:] == cells for s in stdout.splitlines())
+        assert any(
+            s.startswith(label) and re.split(r"\s{2,}", s.strip())[1:] == cells
+            for s in stdout.splitlines()
+        )
     # PPO holds actor, reference, reward model and critic; DPO policy and reference; GRPO/RLOO at β > 0
     # actor and reference; SimPO the policy alone
-    assert r["models_held"] == {"sft": 1, "ppo": 4, "ppo_overopt": 4, "dpo": 2, "simpo": 1, "grpo": 2, "rloo": 2}
-    assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the SFT model
+    assert r["models_held"] == {
+        "sft": 1,
+        "ppo": 4,
+        "ppo_overopt": 4,
+        "dpo": 2,
+        "simpo": 1,
+        "grpo": 2,
+        "rloo": 2,
+    }
+    assert evaluation["sft"]["mean"]["kl"] == pytest.approx(
+        0.0, abs=1e-6
+    )  # the reference is the SFT model
     from proximal.tasks.digits import gold
+
     assert all(x["gold"] == gold(x["prompt"], x["response"]) for x in evaluation["ppo"]["rows"])
 
 
 def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
     out, stdout = demo
-    stages = ("task", "sft", "rm", "ppo", "ppo_overopt", "dpo", "simpo", "grpo", "rloo", "eval + report")
+    stages = (
+        "task",
+        "sft",
+        "rm",
+        "ppo",
+        "ppo_overopt",
+        "dpo",
+        "simpo",
+        "grpo",
+        "rloo",
+        "eval + report",
+    )
     for n, name in enumerate(stages, start=1):
         assert f"[{n}/10] {name}:" in stdout
     assert "same as: proximal sft --config" in stdout and "same as: proximal ppo --config" in stdout
@@ -155,24 +235,35 @@ def test_evaluation_is_deterministic_given_the_seed(demo):
     out, _ = demo
     from proximal.demo import evaluate_policy, final_policy
 
-    kwargs = dict(reference=out / "sft", reward_model=out / "rm", prompts_file=out / "task" / "prompts_eval.jsonl",
-                  max_new_tokens=12)
+    kwargs = dict(
+        reference=out / "sft",
+        reward_model=out / "rm",
+        prompts_file=out / "task" / "prompts_eval.jsonl",
+        max_new_tokens=12,
+    )
     a = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)
     b = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)
     c = evaluate_policy(final_policy(out / "ppo"), seed=4, **kwargs)
     assert a == b
     assert [x["response"] for x in a["rows"]] != [x["response"] for x in c["rows"]]
     # and the demo's own evaluation (seed 0) is reproduced exactly
-    assert evaluate_policy(final_policy(out / "ppo"), seed=0, **kwargs)["rows"] == \
-        json.loads((out / "eval.json").read_text())["ppo"]["rows"]
+    assert (
+        evaluate_policy(final_policy(out / "ppo"), seed=0, **kwargs)["rows"]
+        == json.loads((out / "eval.json").read_text())["ppo"]["rows"]
+    )
 
 
 def test_missing_configs_is_a_clear_error(tmp_path, capsys):
-    rc = main(["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(tmp_path / "nowhere")])
+    rc = main(
+        ["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(tmp_path / "nowhere")]
+    )
     assert rc == 2
     err = capsys.readouterr().err
-    assert ("sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml not found"
-            in err and "--configs" in err)
+    assert (
+        "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml not found"
+        in err
+        and "--configs" in err
+    )
 
 
 def test_config_mistakes_stop_the_demo_before_training(tmp_path, capsys):
@@ -183,7 +274,9 @@ def test_config_mistakes_stop_the_demo_before_training(tmp_path, capsys):
     configs = tmp_path / "configs"
     shutil.copytree(DEFAULT_CONFIGS, configs)
     ppo = configs / "ppo.yaml"
-    ppo.write_text(ppo.read_text().replace("reward_function_weights: [0.0]", "reward_function_weights: [1.0]"))
+    ppo.write_text(
+        ppo.read_text().replace("reward_function_weights: [0.0]", "reward_function_weights: [1.0]")
+    )
     overopt = configs / "ppo_overopt.yaml"
     overopt.write_text(overopt.read_text().replace("  beta: 0.01", "  beta: 0.01\n  betta: 0.02"))
     rc = main(["demo", "--quick", "--out", str(tmp_path / "o"), "--configs", str(configs)])

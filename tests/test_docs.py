@@ -21,8 +21,12 @@ from proximal.trainers.reward import RMConfig
 from proximal.trainers.sft import SFTConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = {"sft": (SFTConfig, "sft.md"), "rm": (RMConfig, "rm.md"), "ppo": (PPOConfig, "ppo.md"),
-         "compare": (CompareConfig, "compare.md")}
+PAGES = {
+    "sft": (SFTConfig, "sft.md"),
+    "rm": (RMConfig, "rm.md"),
+    "ppo": (PPOConfig, "ppo.md"),
+    "compare": (CompareConfig, "compare.md"),
+}
 
 
 def render_default(value) -> str:
@@ -56,14 +60,22 @@ def test_every_field_is_in_its_page_with_its_current_default(command):
         elif not any(f"`{render_default(default)}`" in line for line in lines):
             wrong_default.append(f"{name} (default now `{render_default(default)}`)")
     assert not missing, f"docs/{page} has no table row for: {', '.join(missing)}"
-    assert not wrong_default, f"docs/{page}: the row does not show the current default of: {', '.join(wrong_default)}"
+    assert not wrong_default, (
+        f"docs/{page}: the row does not show the current default of: {', '.join(wrong_default)}"
+    )
 
 
 def test_the_check_catches_a_changed_default():
     rows = table_rows("| `optim.lr` | float | `1e-05` | Peak AdamW learning rate. | advice |\n")
     assert any("`1e-05`" in line for line in rows["`optim.lr`"])
     assert not any(f"`{render_default(2e-5)}`" in line for line in rows["`optim.lr`"])
-    assert [render_default(v) for v in (None, True, "x", 0.0, [])] == ["null", "true", "'x'", "0.0", "[]"]
+    assert [render_default(v) for v in (None, True, "x", 0.0, [])] == [
+        "null",
+        "true",
+        "'x'",
+        "0.0",
+        "[]",
+    ]
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -93,8 +105,9 @@ def anchors(text: str) -> set[str]:
 
 
 def test_anchor_rule_matches_github():
-    assert anchors("## Run directory and `--resume`\n## Metrics (`metrics.jsonl`)\n## A\n## A\n") == {
-        "run-directory-and---resume", "metrics-metricsjsonl", "a", "a-1"}
+    assert anchors(
+        "## Run directory and `--resume`\n## Metrics (`metrics.jsonl`)\n## A\n## A\n"
+    ) == {"run-directory-and---resume", "metrics-metricsjsonl", "a", "a-1"}
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
@@ -117,7 +130,9 @@ def test_relative_links_point_to_existing_files(page):
 def test_no_page_cites_the_design_document(page):
     text = (DOCS / page).read_text()
     hits = [m.group(0) for m in re.finditer(r"seed(?:'s|’s)?\s*\(?§", text)]
-    assert not hits, f"docs/{page} cites the design document (a § of it): {hits[:5]}; cite the paper or docs/formulas.md"
+    assert not hits, (
+        f"docs/{page} cites the design document (a § of it): {hits[:5]}; cite the paper or docs/formulas.md"
+    )
 
 
 def test_errors_page_names_every_exception_of_the_exit_code_map():
@@ -126,9 +141,17 @@ def test_errors_page_names_every_exception_of_the_exit_code_map():
     from proximal.train.command import EXIT_TRAINING, EXIT_USER, TRAINING_ERRORS, USER_ERRORS
 
     text = (DOCS / "errors.md").read_text()
-    missing = [cls.__name__ for cls in USER_ERRORS + TRAINING_ERRORS if f"`{cls.__name__}`" not in text]
+    missing = [
+        cls.__name__ for cls in USER_ERRORS + TRAINING_ERRORS if f"`{cls.__name__}`" not in text
+    ]
     assert not missing, f"docs/errors.md does not name {missing}; add them to its exit-status table"
-    table = {line.split("|")[1].strip(): line for line in text.splitlines() if re.match(r"\| \d+ \|", line)}
+    table = {
+        line.split("|")[1].strip(): line
+        for line in text.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    }
     for status, classes in ((EXIT_USER, USER_ERRORS), (EXIT_TRAINING, TRAINING_ERRORS)):
         row = table.get(str(status), "")
-        assert all(f"`{c.__name__}`" in row for c in classes), f"exit status {status}'s row must name {classes}"
+        assert all(f"`{c.__name__}`" in row for c in classes), (
+            f"exit status {status}'s row must name {classes}"
+        )

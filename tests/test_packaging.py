@@ -27,12 +27,31 @@ def test_demo_configs_are_package_data():
 def test_the_wheel_ships_the_demo_configs(tmp_path):
     import shutil
 
-    src = tmp_path / "src"  # a clean copy: setuptools' build/ would otherwise keep files deleted since
-    shutil.copytree(ROOT / "proximal", src / "proximal", ignore=shutil.ignore_patterns("__pycache__"))
+    src = (
+        tmp_path / "src"
+    )  # a clean copy: setuptools' build/ would otherwise keep files deleted since
+    shutil.copytree(
+        ROOT / "proximal", src / "proximal", ignore=shutil.ignore_patterns("__pycache__")
+    )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     [wheel] = tmp_path.glob("proximal_rlhf-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

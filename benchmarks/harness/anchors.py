@@ -22,8 +22,8 @@ TORCH = "torch==2.13.0"
 
 @dataclass(frozen=True)
 class Anchor:
-    name: str          # trl-ppo | trl-grpo
-    runner: str        # the script it runs, in benchmarks/
+    name: str  # trl-ppo | trl-grpo
+    runner: str  # the script it runs, in benchmarks/
 
     @property
     def venv(self) -> Path:
@@ -41,15 +41,24 @@ class Anchor:
         return hashlib.sha256((TORCH + "\n" + self.lock.read_text()).encode()).hexdigest()[:16]
 
 
-ANCHORS = {"trl-ppo": Anchor("trl-ppo", "trl_ppo_run.py"), "trl-grpo": Anchor("trl-grpo", "trl_grpo_run.py")}
+ANCHORS = {
+    "trl-ppo": Anchor("trl-ppo", "trl_ppo_run.py"),
+    "trl-grpo": Anchor("trl-grpo", "trl_grpo_run.py"),
+}
 
 
 def ensure(anchor: Anchor, log=print, python: str | None = None) -> Path:
     """The anchor's Python, creating or refreshing its environment first if its stamp is not the pins'."""
     stamp_file = anchor.venv / ".pins"
-    if anchor.python.exists() and stamp_file.is_file() and stamp_file.read_text().strip() == anchor.stamp():
+    if (
+        anchor.python.exists()
+        and stamp_file.is_file()
+        and stamp_file.read_text().strip() == anchor.stamp()
+    ):
         return anchor.python
-    log(f"[anchors] installing {anchor.name} into {anchor.venv} (torch first, then {anchor.lock.name}) ...")
+    log(
+        f"[anchors] installing {anchor.name} into {anchor.venv} (torch first, then {anchor.lock.name}) ..."
+    )
     base = python or _base_python()
     if not anchor.python.exists():
         subprocess.run([base, "-m", "venv", str(anchor.venv)], check=True)
@@ -69,12 +78,14 @@ def _base_python() -> str:
 
 def versions(python: Path) -> dict:
     """torch / transformers / trl / accelerate / datasets versions of an environment."""
-    code = ("import json, importlib.metadata as m\n"
-            "out = {}\n"
-            "for n in ('torch', 'transformers', 'trl', 'accelerate', 'datasets'):\n"
-            "    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: pass\n"
-            "print(json.dumps(out))")
+    code = (
+        "import json, importlib.metadata as m\n"
+        "out = {}\n"
+        "for n in ('torch', 'transformers', 'trl', 'accelerate', 'datasets'):\n"
+        "    try: out[n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
     import json
 
     r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 def cpu_busy(seconds: float = 1.0) -> float:
     """Busy CPUs (0..cores) over ``seconds`` from /proc/stat: the load of everything else on the machine,
     read while the harness itself sleeps."""
+
     def snap():
         with open("/proc/stat") as fh:
             v = [int(x) for x in fh.readline().split()[1:]]
@@ -44,14 +45,18 @@ def loadavg() -> list[float]:
         return []
 
 
-def run_measured(cmd: list[str], *, env: dict, log_path: Path, timeout_s: float, cwd: str | None = None) -> dict:
+def run_measured(
+    cmd: list[str], *, env: dict, log_path: Path, timeout_s: float, cwd: str | None = None
+) -> dict:
     """Run ``cmd`` to the end; return its exit code, wall seconds and peak RSS (MiB), output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        p = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
         timer = threading.Timer(timeout_s, lambda: os.killpg(p.pid, signal.SIGKILL))
         timer.start()
         try:
@@ -60,8 +65,14 @@ def run_measured(cmd: list[str], *, env: dict, log_path: Path, timeout_s: float,
             timer.cancel()
         wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    return {"rc": p.returncode, "wall_s": wall, "peak_rss_mib": ru.ru_maxrss / 1024.0,
-            "user_s": ru.ru_utime, "sys_s": ru.ru_stime, "timed_out": p.returncode == -signal.SIGKILL}
+    return {
+        "rc": p.returncode,
+        "wall_s": wall,
+        "peak_rss_mib": ru.ru_maxrss / 1024.0,
+        "user_s": ru.ru_utime,
+        "sys_s": ru.ru_stime,
+        "timed_out": p.returncode == -signal.SIGKILL,
+    }
 
 
 def machine() -> dict:
@@ -73,17 +84,31 @@ def machine() -> dict:
             if line.startswith("Model name:"):
                 model = line.split(":", 1)[1].strip()
                 break
-        flags = next((l for l in out.splitlines() if l.startswith("Flags:")), "")
+        flags = next((ln for ln in out.splitlines() if ln.startswith("Flags:")), "")
     except OSError:
         flags = ""
     mem = ""
     try:
-        mem = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split(":")[1].strip()
+        mem = (
+            next(
+                ln
+                for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")
+            )
+            .split(":")[1]
+            .strip()
+        )
     except (OSError, StopIteration):
         pass
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "memory": mem,
-            "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "os": platform.platform(), "python": platform.python_version()}
+    return {
+        "cpu": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 BUSY_NOTE = "other processes share the cores; this run's times are not meaningful"

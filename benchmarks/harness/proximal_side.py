@@ -26,37 +26,71 @@ GRPO_REWARD = "grpo_reward:distinct_chars"
 def ppo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path) -> dict:
     B = work.batch
     return {
-        "model": {"path": model["policy"], "reward_model": model["reward"], "critic": "reward_model"},
+        "model": {
+            "path": model["policy"],
+            "reward_model": model["reward"],
+            "critic": "reward_model",
+        },
         "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
-        "rollout": {"batch_size": B, "max_new_tokens": work.response_len, "temperature": 1.0, "top_p": 1.0,
-                    "top_k": 0},
+        "rollout": {
+            "batch_size": B,
+            "max_new_tokens": work.response_len,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+        },
         "ppo": {"epochs": 4, "mini_batch_size": B, "micro_batch_size": B},
         "optim": {"lr": 1.0e-5, "critic_lr": 1.0e-5},
-        "train": {"steps": steps, "save_every": 0, "seed": 0, "device": "cpu", "precision": work.precision},
+        "train": {
+            "steps": steps,
+            "save_every": 0,
+            "seed": 0,
+            "device": "cpu",
+            "precision": work.precision,
+        },
         "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
     }
 
 
-def grpo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path, beta: float,
-                loss: str) -> dict:
+def grpo_config(
+    work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path, beta: float, loss: str
+) -> dict:
     """``proximal grpo``: rollout.batch_size prompts a step, rollout.group_size completions each, one
     pass (grpo.iterations), grpo.loss in grpo|dr_grpo|dapo, β = grpo.beta; the whole batch in one
     micro-batch, as TRL's per_device_train_batch_size = the batch does."""
     return {
         "model": {"path": model["policy"], "reward_functions": [GRPO_REWARD]},
         "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
-        "rollout": {"batch_size": work.batch // work.group_size, "group_size": work.group_size,
-                    "max_new_tokens": work.response_len, "temperature": 1.0},
-        "grpo": {"iterations": 1, "loss": loss, "beta": beta, "clip_eps": 0.2, "micro_batch_size": work.batch},
+        "rollout": {
+            "batch_size": work.batch // work.group_size,
+            "group_size": work.group_size,
+            "max_new_tokens": work.response_len,
+            "temperature": 1.0,
+        },
+        "grpo": {
+            "iterations": 1,
+            "loss": loss,
+            "beta": beta,
+            "clip_eps": 0.2,
+            "micro_batch_size": work.batch,
+        },
         "optim": {"lr": 1.0e-5},
-        "train": {"steps": steps, "save_every": 0, "seed": 0, "device": "cpu", "precision": work.precision},
+        "train": {
+            "steps": steps,
+            "save_every": 0,
+            "seed": 0,
+            "device": "cpu",
+            "precision": work.precision,
+        },
         "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
     }
 
 
 def has_command(name: str) -> bool:
     """Whether this tree's proximal has ``proximal <name>`` (GRPO may not exist yet)."""
-    code = f"import sys; from proximal.cli import COMMANDS; sys.exit(0 if {name!r} in COMMANDS else 1)"
+    code = (
+        f"import sys; from proximal.cli import COMMANDS; sys.exit(0 if {name!r} in COMMANDS else 1)"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env).returncode == 0
 
@@ -80,14 +114,23 @@ def read_steps(run_dir: Path) -> dict:
     TRL's ``on_step_end`` to ``on_step_end``. ``step_s`` is proximal's own ``time/step_s`` (step start
     to metrics, no logging). The last checkpoint is written after step N's log line, so neither holds it.
     """
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     rows = [r for r in rows if "time/step_s" in r]
     wall = [float(r["time/wall_s"]) for r in rows]
     period = [wall[0]] + [b - a for a, b in zip(wall, wall[1:])]
     lengths = [float(r.get("response/length_mean", float("nan"))) for r in rows]
     eos = [float(r.get("response/eos_frac", float("nan"))) for r in rows]
-    return {"step_s": [float(r["time/step_s"]) for r in rows], "period_s": period, "wall_s": wall,
-            "response_length_mean": lengths, "eos_frac": eos}
+    return {
+        "step_s": [float(r["time/step_s"]) for r in rows],
+        "period_s": period,
+        "wall_s": wall,
+        "response_length_mean": lengths,
+        "eos_frac": eos,
+    }
 
 
 def median_from_step2(xs: list[float]) -> float | None:

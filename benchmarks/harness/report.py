@@ -24,15 +24,27 @@ def summarize(runs: list[dict], works: list[str]) -> dict:
         rounds = sorted({r["round"] for r in runs if r["work"] == w})
         pairs = []
         for k in rounds:
-            p = next((r for r in runs if r["work"] == w and r["round"] == k and r["side"] == "proximal"), None)
-            t = next((r for r in runs if r["work"] == w and r["round"] == k and r["side"] != "proximal"), None)
+            p = next(
+                (r for r in runs if r["work"] == w and r["round"] == k and r["side"] == "proximal"),
+                None,
+            )
+            t = next(
+                (r for r in runs if r["work"] == w and r["round"] == k and r["side"] != "proximal"),
+                None,
+            )
             pairs.append((p, t))
         s: dict = {"rounds": len(rounds)}
         for key, _ in METRICS:
             for side, idx in (("proximal", 0), ("anchor", 1)):
-                vals = [pair[idx][key] for pair in pairs if _ok(pair[idx]) and pair[idx].get(key) is not None]
+                vals = [
+                    pair[idx][key]
+                    for pair in pairs
+                    if _ok(pair[idx]) and pair[idx].get(key) is not None
+                ]
                 s[f"{side}_{key}"] = statistics.median(vals) if vals else None
-            ratios = [p[key] / t[key] for p, t in pairs if _ok(p) and _ok(t) and p.get(key) and t.get(key)]
+            ratios = [
+                p[key] / t[key] for p, t in pairs if _ok(p) and _ok(t) and p.get(key) and t.get(key)
+            ]
             s[f"ratio_{key}"] = statistics.median(ratios) if ratios else None
             s[f"ratio_{key}_all"] = ratios
         s["failed_runs"] = sum(1 for pair in pairs for r in pair if r is not None and not _ok(r))
@@ -51,7 +63,7 @@ def _f(x, nd=3) -> str:
 
 
 def _rounds(meta: dict) -> str:
-    """"3 rounds", or "3 rounds (tiny, grpo: 7)" where some works had more."""
+    """ "3 rounds", or "3 rounds (tiny, grpo: 7)" where some works had more."""
     more: dict[int, list[str]] = {}
     for w, n in meta.get("rounds_of", {}).items():
         if n != meta["rounds"]:
@@ -73,47 +85,94 @@ def write(results_md: Path, data: dict, notes: str) -> None:
         f"{meta['threads']} torch threads a process; every run a fresh process; proximal and the anchor alternate "
         "A B A B within each work).",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} memory (AMX-BF16: {'yes' if m['amx_bf16'] else 'no'}, "
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} memory "
+        f"(AMX-BF16: {'yes' if m['amx_bf16'] else 'no'}, "
         f"AVX512-BF16: {'yes' if m['avx512_bf16'] else 'no'}); {m['os']}.",
         f"- proximal: commit {meta['proximal']['commit']}, torch {meta['proximal']['torch']}, "
         f"transformers {meta['proximal']['transformers']}.",
     ]
     for name, v in meta.get("anchors", {}).items():
-        lines.append(f"- {name}: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl", "accelerate")
-                                                 if k in v) + ".")
+        lines.append(
+            f"- {name}: "
+            + ", ".join(
+                f"{k} {v[k]}" for k in ("torch", "transformers", "trl", "accelerate") if k in v
+            )
+            + "."
+        )
     busy = [r.get("cpu_busy_before") or 0.0 for r in runs]
     worst = max(busy) if busy else 0.0
     if worst > BUSY_WARN:
-        lines += ["", f"**Warning: the machine was not quiet.** Before some runs other processes kept up to {worst:.2f} "
-                      f"CPUs busy (of {m['cores']}); with the cores oversubscribed a tiny model's step slows many "
-                      "times over, so these numbers measure the load, not the code. Rerun on a quiet machine."]
-    lines += ["", "## Summary", "",
-              "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
-              "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
-              "whole process, spawn to exit; peak RSS = the process's peak resident set.", "",
-              "| work | rounds | s/step proximal | s/step TRL | ratio | per-round ratios | target | met | "
-              "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**Warning: the machine was not quiet.** Before some runs other processes kept up to {worst:.2f} "
+            f"CPUs busy (of {m['cores']}); with the cores oversubscribed a tiny model's step slows many "
+            "times over, so these numbers measure the load, not the code. Rerun on a quiet machine.",
+        ]
+    lines += [
+        "",
+        "## Summary",
+        "",
+        "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
+        "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
+        "whole process, spawn to exit; peak RSS = the process's peak resident set.",
+        "",
+        "| work | rounds | s/step proximal | s/step TRL | ratio | per-round ratios | target | met | "
+        "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for w, s in summary.items():
         ratio = s["ratio_median_step_s"]
         met = "—" if w not in TARGETS or ratio is None else ("yes" if ratio <= TARGETS[w] else "no")
-        lines.append("| " + " | ".join([
-            w, str(s["rounds"]), _f(s["proximal_median_step_s"]), _f(s["anchor_median_step_s"]), _f(ratio, 3),
-            " ".join(f"{x:.3f}" for x in s["ratio_median_step_s_all"]) or "—",
-            f"≤ {TARGETS[w]}" if w in TARGETS else "—", met,
-            _f(s["proximal_wall_s"]), _f(s["anchor_wall_s"]), _f(s["ratio_wall_s"], 2),
-            _f(s["proximal_peak_rss_mib"], 4), _f(s["anchor_peak_rss_mib"], 4), _f(s["ratio_peak_rss_mib"], 2),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    w,
+                    str(s["rounds"]),
+                    _f(s["proximal_median_step_s"]),
+                    _f(s["anchor_median_step_s"]),
+                    _f(ratio, 3),
+                    " ".join(f"{x:.3f}" for x in s["ratio_median_step_s_all"]) or "—",
+                    f"≤ {TARGETS[w]}" if w in TARGETS else "—",
+                    met,
+                    _f(s["proximal_wall_s"]),
+                    _f(s["anchor_wall_s"]),
+                    _f(s["ratio_wall_s"], 2),
+                    _f(s["proximal_peak_rss_mib"], 4),
+                    _f(s["anchor_peak_rss_mib"], 4),
+                    _f(s["ratio_peak_rss_mib"], 2),
+                ]
+            )
+            + " |"
+        )
     for w, why in meta.get("skipped", {}).items():
         lines.append(f"| {w} | skipped: {why} |" + " |" * 12)
-    lines += ["", "## Every run", "",
-              "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
-              "note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
+        "note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         note = r.get("error", "")[:160].replace("|", "/")
-        lines.append("| " + " | ".join([r["work"], str(r["round"]), r["side"], _f(r.get("median_step_s")),
-                                        _f(r.get("wall_s")), _f(r.get("peak_rss_mib"), 4),
-                                        _f(r.get("cpu_busy_before"), 2),
-                                        " ".join(f"{x:.2f}" for x in r.get("loadavg_before", [])), note]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["work"],
+                    str(r["round"]),
+                    r["side"],
+                    _f(r.get("median_step_s")),
+                    _f(r.get("wall_s")),
+                    _f(r.get("peak_rss_mib"), 4),
+                    _f(r.get("cpu_busy_before"), 2),
+                    " ".join(f"{x:.2f}" for x in r.get("loadavg_before", [])),
+                    note,
+                ]
+            )
+            + " |"
+        )
     lines += ["", notes.strip(), ""]
     results_md.write_text("\n".join(lines))

@@ -40,12 +40,12 @@ class Work:
     heads: int
     intermediate: int
     tied: bool
-    prompt_len: int      # P: every prompt is exactly this many tokens
-    batch: int           # B: sequences sampled per step (PPO); prompts per step x group_size (GRPO)
-    response_len: int    # R: every response is exactly this many tokens
-    precision: str = "32-true"   # proximal's train.precision; TRL bf16 = precision != "32-true"
-    method: str = "ppo"          # ppo | grpo
-    group_size: int = 1          # GRPO: completions per prompt
+    prompt_len: int  # P: every prompt is exactly this many tokens
+    batch: int  # B: sequences sampled per step (PPO); prompts per step x group_size (GRPO)
+    response_len: int  # R: every response is exactly this many tokens
+    precision: str = "32-true"  # proximal's train.precision; TRL bf16 = precision != "32-true"
+    method: str = "ppo"  # ppo | grpo
+    group_size: int = 1  # GRPO: completions per prompt
     seed: int = 0
 
     @property
@@ -54,21 +54,53 @@ class Work:
 
     def model_key(self) -> str:
         """The fields that decide the checkpoints: works that share them share the files."""
-        return f"llama-v{self.vocab}-h{self.hidden}-l{self.layers}-a{self.heads}-i{self.intermediate}" \
-               f"-{'tied' if self.tied else 'untied'}-s{self.seed}"
+        return (
+            f"llama-v{self.vocab}-h{self.hidden}-l{self.layers}-a{self.heads}-i{self.intermediate}"
+            f"-{'tied' if self.tied else 'untied'}-s{self.seed}"
+        )
 
 
-TINY = Work("tiny", vocab=2048, hidden=256, layers=4, heads=4, intermediate=1024, tied=True, prompt_len=16,
-            batch=16, response_len=48)
+TINY = Work(
+    "tiny",
+    vocab=2048,
+    hidden=256,
+    layers=4,
+    heads=4,
+    intermediate=1024,
+    tied=True,
+    prompt_len=16,
+    batch=16,
+    response_len=48,
+)
 # The issue does not say whether wide-vocab ties its embeddings; Llama's default (and Llama-2's 32000-token
 # checkpoints) is untied, so the vocabulary-sized output layer is a separate 32000 x 512 matrix.
-WIDE = Work("wide", vocab=32000, hidden=512, layers=6, heads=8, intermediate=2048, tied=False, prompt_len=32,
-            batch=32, response_len=64)
+WIDE = Work(
+    "wide",
+    vocab=32000,
+    hidden=512,
+    layers=6,
+    heads=8,
+    intermediate=2048,
+    tied=False,
+    prompt_len=32,
+    batch=32,
+    response_len=64,
+)
 # GRPO on tiny: 4 prompts x 4 completions = 16 sequences a step, the same sequence count and lengths as PPO tiny.
 GRPO_TINY = replace(TINY, name="grpo", method="grpo", group_size=4)
 # A minuscule work for CI's smoke run (tests/test_benchmarks.py): seconds, not a measurement.
-MINI = Work("mini", vocab=256, hidden=32, layers=2, heads=2, intermediate=64, tied=True, prompt_len=8, batch=4,
-            response_len=8)
+MINI = Work(
+    "mini",
+    vocab=256,
+    hidden=32,
+    layers=2,
+    heads=2,
+    intermediate=64,
+    tied=True,
+    prompt_len=8,
+    batch=4,
+    response_len=8,
+)
 
 WORKS: dict[str, Work] = {
     "tiny": TINY,
@@ -84,10 +116,14 @@ DEFAULT_WORKS = ("tiny", "wide", "tiny-bf16", "wide-bf16", "grpo")
 #: Context of every benchmark model (prompt + response must fit; the scaling sweep goes to 16 + 256).
 MAX_POSITIONS = 1024
 
-SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")   # ids 0..3, as in proximal.models.tiny
+SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0..3, as in proximal.models.tiny
 # The characters prompts are written in: printable ASCII without '<' and '>' (the extra vocabulary
 # entries are spelled "<tN>", so a prompt can never contain one by accident).
-ALPHABET = [c for c in string.ascii_letters + string.digits + " .,;:!?-+*/=()[]{}'\"#$%&@^_`|~" if c not in "<>"]
+ALPHABET = [
+    c
+    for c in string.ascii_letters + string.digits + " .,;:!?-+*/=()[]{}'\"#$%&@^_`|~"
+    if c not in "<>"
+]
 
 
 def with_precision(work: Work, precision: str) -> Work:
@@ -103,7 +139,9 @@ def build_tokenizer(vocab: int):
     tok = build_char_tokenizer(ALPHABET, specials=SPECIALS)
     extra = vocab - len(tok)
     if extra < 0:
-        raise ValueError(f"vocab {vocab} is smaller than the {len(tok)} ids of the character alphabet")
+        raise ValueError(
+            f"vocab {vocab} is smaller than the {len(tok)} ids of the character alphabet"
+        )
     if extra:
         tok.add_tokens([f"<t{i}>" for i in range(extra)])
     if len(tok) != vocab:
@@ -115,12 +153,20 @@ def llama_config(work: Work, tok, *, num_labels: int | None = None):
     from transformers import LlamaConfig
 
     kw = {} if num_labels is None else {"num_labels": num_labels}
-    return LlamaConfig(vocab_size=work.vocab, hidden_size=work.hidden, num_hidden_layers=work.layers,
-                       num_attention_heads=work.heads, num_key_value_heads=work.heads,
-                       intermediate_size=work.intermediate, tie_word_embeddings=work.tied,
-                       max_position_embeddings=MAX_POSITIONS,
-                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                       bos_token_id=tok.bos_token_id, **kw)
+    return LlamaConfig(
+        vocab_size=work.vocab,
+        hidden_size=work.hidden,
+        num_hidden_layers=work.layers,
+        num_attention_heads=work.heads,
+        num_key_value_heads=work.heads,
+        intermediate_size=work.intermediate,
+        tie_word_embeddings=work.tied,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        **kw,
+    )
 
 
 def forbid_tokens(model, token_ids: list[int], *, big: float = 1000.0) -> float:
@@ -134,15 +180,17 @@ def forbid_tokens(model, token_ids: list[int], *, big: float = 1000.0) -> float:
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
     with torch.no_grad():
-        c = float(emb.std()) * math.sqrt(d)       # about as large as the rest of a token's embedding together
+        c = float(emb.std()) * math.sqrt(
+            d
+        )  # about as large as the rest of a token's embedding together
         emb[:, k] = c
         if out.data_ptr() != emb.data_ptr():
             out[:, k] = c
-        out[token_ids, k] = -big                    # tied: the input rows of the specials too (never read:
-        for layer in inner.layers:                  # they occur only as masked padding)
+        out[token_ids, k] = -big  # tied: the input rows of the specials too (never read:
+        for layer in inner.layers:  # they occur only as masked padding)
             layer.self_attn.o_proj.weight[k, :] = 0  # no layer writes dimension k ...
             layer.mlp.down_proj.weight[k, :] = 0
-            layer.input_layernorm.weight[k] = 0      # ... or reads it
+            layer.input_layernorm.weight[k] = 0  # ... or reads it
             layer.post_attention_layernorm.weight[k] = 0
         inner.norm.weight[k] = 1.0
         g = torch.Generator().manual_seed(0)
@@ -154,7 +202,9 @@ def forbid_tokens(model, token_ids: list[int], *, big: float = 1000.0) -> float:
 
 
 def _fingerprint(work: Work) -> str:
-    return hashlib.sha256(json.dumps([work.model_key(), ALPHABET, SPECIALS, MAX_POSITIONS, 3]).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps([work.model_key(), ALPHABET, SPECIALS, MAX_POSITIONS, 3]).encode()
+    ).hexdigest()[:16]
 
 
 def write_models(work: Work, root: Path) -> dict:
@@ -178,7 +228,9 @@ def write_models(work: Work, root: Path) -> dict:
     policy = AutoModelForCausalLM.from_config(llama_config(work, tok))
     gap = forbid_tokens(policy, specials)
     if gap < 200:
-        raise AssertionError(f"{work.name}: the special tokens are only {gap:.0f} nats below the rest")
+        raise AssertionError(
+            f"{work.name}: the special tokens are only {gap:.0f} nats below the rest"
+        )
     policy.generation_config.pad_token_id = tok.pad_token_id
     policy.generation_config.eos_token_id = tok.eos_token_id
     policy.save_pretrained(out / "policy")
@@ -187,10 +239,15 @@ def write_models(work: Work, root: Path) -> dict:
     rm = AutoModelForSequenceClassification.from_config(llama_config(work, tok, num_labels=1))
     rm.save_pretrained(out / "reward")
     tok.save_pretrained(out / "reward")
-    m = {"fingerprint": _fingerprint(work), "policy": str(out / "policy"), "reward": str(out / "reward"),
-         "special_ids": specials, "min_logit_gap": gap,
-         "params_policy": sum(p.numel() for p in policy.parameters()),
-         "params_reward": sum(p.numel() for p in rm.parameters())}
+    m = {
+        "fingerprint": _fingerprint(work),
+        "policy": str(out / "policy"),
+        "reward": str(out / "reward"),
+        "special_ids": specials,
+        "min_logit_gap": gap,
+        "params_policy": sum(p.numel() for p in policy.parameters()),
+        "params_reward": sum(p.numel() for p in rm.parameters()),
+    }
     manifest.write_text(json.dumps(m, indent=1))
     return m
 
@@ -201,14 +258,18 @@ def write_prompts(work: Work, root: Path, n_prompts: int, policy_dir: str) -> di
     from transformers import AutoTokenizer
 
     rng = random.Random(1000 + work.seed)
-    texts = ["".join(rng.choice(ALPHABET) for _ in range(work.prompt_len)) for _ in range(n_prompts)]
+    texts = [
+        "".join(rng.choice(ALPHABET) for _ in range(work.prompt_len)) for _ in range(n_prompts)
+    ]
     tok = AutoTokenizer.from_pretrained(policy_dir)
     if len(tok) != work.vocab:
         raise AssertionError(f"the saved tokenizer has {len(tok)} ids, the model {work.vocab}")
     ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
     bad = [i for i, x in enumerate(ids) if len(x) != work.prompt_len]
     if bad:
-        raise AssertionError(f"prompt {bad[0]} tokenizes to {len(ids[bad[0]])} ids, not {work.prompt_len}")
+        raise AssertionError(
+            f"prompt {bad[0]} tokenizes to {len(ids[bad[0]])} ids, not {work.prompt_len}"
+        )
     d = root / "prompts" / f"{work.model_key()}-p{work.prompt_len}-n{n_prompts}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))

@@ -10,8 +10,16 @@ Conventions, stated once (each module's docstring repeats the notation):
 - ``docs/formulas.md`` writes out every equation and names the function that implements it.
 """
 
-from proximal.core.advantages import gae, last_valid_index, shape_rewards, whiten
-from proximal.core.advantages import GROUP_SCALES, group_advantages, rloo_advantages, uniform_groups
+from proximal.core.advantages import (
+    GROUP_SCALES,
+    gae,
+    group_advantages,
+    last_valid_index,
+    rloo_advantages,
+    shape_rewards,
+    uniform_groups,
+    whiten,
+)
 from proximal.core.grpo import grpo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,

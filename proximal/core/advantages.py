@@ -27,8 +27,14 @@ def last_valid_index(response_mask: Tensor) -> Tensor:
     return torch.where(response_mask, cols, -1).max(dim=-1).values
 
 
-def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor,
-                  beta: float, estimator: str = "k1") -> tuple[Tensor, Tensor]:
+def shape_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    beta: float,
+    estimator: str = "k1",
+) -> tuple[Tensor, Tensor]:
     """The augmented token rewards of Ziegler et al. (2019) (docs/formulas.md, "Per-token KL shaping and
     the KL controllers")::
 
@@ -54,12 +60,16 @@ def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, respon
     check_mask(logprobs, response_mask, "response_mask")
     check_mask(ref_logprobs, response_mask, "response_mask")
     if scores.shape != logprobs.shape[:1]:
-        raise ValueError(f"scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}"
+        )
     check("beta", float(beta))
     last = last_valid_index(response_mask)  # (B,)
     empty = (last < 0).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"shape_rewards: rows {empty} have no valid response token to carry the score")
+        raise ValueError(
+            f"shape_rewards: rows {empty} have no valid response token to carry the score"
+        )
     logprobs = torch.where(response_mask, logprobs, 0.0)
     ref_logprobs = torch.where(response_mask, ref_logprobs, 0.0)
     kl = torch.where(response_mask, kl_penalty(logprobs, ref_logprobs, estimator), 0.0)
@@ -69,8 +79,9 @@ def shape_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, respon
     return rewards, kl
 
 
-def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[Tensor, Tensor]:
+def gae(
+    rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2015), the backward recurrence::
 
         δ_t = R_t + γ·V(s_{t+1}) − V(s_t),        V(s_{T+1}) ≡ 0
@@ -117,8 +128,14 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1
     return advantages, returns
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, keep_mean: bool = False, *,
-           all_reduce: AllReduce | None = None) -> Tensor:
+def whiten(
+    x: Tensor,
+    mask: Tensor,
+    eps: float = 1e-8,
+    keep_mean: bool = False,
+    *,
+    all_reduce: AllReduce | None = None,
+) -> Tensor:
     """Advantage normalisation over all valid positions (docs/formulas.md, "Generalised advantage
     estimation")::
 
@@ -163,14 +180,18 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, keep_mean: bool = False, 
 GROUP_SCALES = ("group", "batch", "none")
 
 
-def _groups(scores: Tensor, group_size: int, valid: Tensor | None, what: str) -> tuple[Tensor, Tensor]:
+def _groups(
+    scores: Tensor, group_size: int, valid: Tensor | None, what: str
+) -> tuple[Tensor, Tensor]:
     """``scores`` and ``valid`` as (n_groups, G), in at least float32; ValueError for a bad layout."""
     if scores.dim() != 1:
         raise ValueError(f"{what}: scores must be (B,), got shape {tuple(scores.shape)}")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"{what}: group_size must be a positive int, got {group_size!r}")
     if scores.numel() == 0 or scores.numel() % group_size:
-        raise ValueError(f"{what}: {scores.numel()} scores do not split into groups of {group_size}")
+        raise ValueError(
+            f"{what}: {scores.numel()} scores do not split into groups of {group_size}"
+        )
     if valid is None:
         valid = torch.ones_like(scores, dtype=torch.bool)
     check_mask(scores, valid, "valid")
@@ -197,8 +218,14 @@ def uniform_groups(scores: Tensor, group_size: int, *, valid: Tensor | None = No
     return (m.sum(1) < 2) | (hi == lo)
 
 
-def group_advantages(scores: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4, *,
-                     valid: Tensor | None = None) -> Tensor:
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-4,
+    *,
+    valid: Tensor | None = None,
+) -> Tensor:
     """GRPO's group-relative advantage of each response (Shao et al. 2024, DeepSeekMath, §4.1.2,
     outcome supervision): with r_1 … r_G the scores of the G responses to one prompt,
 
@@ -234,9 +261,9 @@ def group_advantages(scores: Tensor, group_size: int, scale: str = "group", eps:
     check("group_eps", eps)
     s, m = _groups(scores, group_size, valid, "group_advantages")
     s = torch.where(m, s, 0.0)
-    n = m.sum(1, keepdim=True)                                           # (n_groups, 1)
+    n = m.sum(1, keepdim=True)  # (n_groups, 1)
     mean = s.sum(1, keepdim=True) / n.clamp_min(1)
-    centred = torch.where(m, s - mean, 0.0)                              # (n_groups, G)
+    centred = torch.where(m, s - mean, 0.0)  # (n_groups, G)
     if scale == "none":
         adv = centred
     else:
@@ -271,11 +298,13 @@ def rloo_advantages(scores: Tensor, group_size: int, *, valid: Tensor | None = N
         (B,) advantages in at least float32.
     """
     if isinstance(group_size, int) and group_size < 2:
-        raise ValueError(f"rloo_advantages: group_size must be ≥ 2 (a leave-one-out baseline needs another "
-                         f"response), got {group_size}")
+        raise ValueError(
+            f"rloo_advantages: group_size must be ≥ 2 (a leave-one-out baseline needs another "
+            f"response), got {group_size}"
+        )
     s, m = _groups(scores, group_size, valid, "rloo_advantages")
     s = torch.where(m, s, 0.0)
     n = m.sum(1, keepdim=True)
-    others = (s.sum(1, keepdim=True) - s) / (n - 1).clamp_min(1)        # mean of the other valid rows
+    others = (s.sum(1, keepdim=True) - s) / (n - 1).clamp_min(1)  # mean of the other valid rows
     keep = m & ~uniform_groups(scores, group_size, valid=valid)[:, None]
     return torch.where(keep, s - others, 0.0).reshape(-1)

@@ -24,11 +24,20 @@ from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_aggregate, stat_mean
 
 
-def grpo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
-                     response_mask: Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                     beta: float = 0.04, aggregation: str = "seq-mean-token-mean",
-                     max_response_length: int | None = None, *,
-                     normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def grpo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    beta: float = 0.04,
+    aggregation: str = "seq-mean-token-mean",
+    max_response_length: int | None = None,
+    *,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated GRPO objective (DeepSeekMath eq. 3), per token i, t::
 
         ρ_{i,t} = exp(log π_θ(o_{i,t} | q, o_{i,<t}) − log π_old(o_{i,t} | q, o_{i,<t}))
@@ -77,45 +86,68 @@ def grpo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tenso
     """
     check_mask(logprobs, response_mask, "response_mask")
     if old_logprobs.shape != logprobs.shape:
-        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+        raise ValueError(
+            f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+        )
     if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
-        raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+        raise ValueError(
+            f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+        )
     if advantages.shape == logprobs.shape[:1]:
         advantages = advantages[:, None].expand_as(logprobs)
     elif advantages.shape != logprobs.shape:
-        raise ValueError(f"advantages must be (B,) or (B, T) = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be (B,) or (B, T) = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
+        )
     check("clip_eps", clip_eps)
     clip_eps_high = clip_eps if clip_eps_high is None else check("clip_eps_high", clip_eps_high)
     check("beta", float(beta))
     if beta > 0 and ref_logprobs is None:
-        raise ValueError(f"grpo_policy_loss: beta = {beta} needs ref_logprobs (pass beta=0 to train without a reference)")
+        raise ValueError(
+            f"grpo_policy_loss: beta = {beta} needs ref_logprobs (pass beta=0 to train without a reference)"
+        )
 
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
     advantages = torch.where(response_mask, advantages.to(log_ratio.dtype), 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
-    surrogate = -torch.minimum(unclipped, clipped)                                   # (B, T)
-    pg_loss = masked_aggregate(surrogate, response_mask, aggregation, max_length=max_response_length,
-                               normalizer=normalizer)
+    surrogate = -torch.minimum(unclipped, clipped)  # (B, T)
+    pg_loss = masked_aggregate(
+        surrogate, response_mask, aggregation, max_length=max_response_length, normalizer=normalizer
+    )
     kl = None
     if ref_logprobs is not None:
         # both sides replaced at masked positions first: k3 of (0, 0) is 0, so garbage there can
         # reach neither the value nor, through torch.where's backward, the gradient (0·inf = NaN)
-        kl = kl_penalty(torch.where(response_mask, logprobs, 0.0), torch.where(response_mask, ref_logprobs, 0.0), "k3")
-    kl_loss = (beta * masked_aggregate(kl, response_mask, aggregation, max_length=max_response_length,
-                                       normalizer=normalizer) if beta > 0 else torch.zeros_like(pg_loss))
+        kl = kl_penalty(
+            torch.where(response_mask, logprobs, 0.0),
+            torch.where(response_mask, ref_logprobs, 0.0),
+            "k3",
+        )
+    kl_loss = (
+        beta
+        * masked_aggregate(
+            kl, response_mask, aggregation, max_length=max_response_length, normalizer=normalizer
+        )
+        if beta > 0
+        else torch.zeros_like(pg_loss)
+    )
     loss = pg_loss + kl_loss
 
     with torch.no_grad():
-        flattened = clipped < unclipped                 # the min chose the clipped branch: zero gradient
+        flattened = clipped < unclipped  # the min chose the clipped branch: zero gradient
         ratio, log_ratio = ratio.detach(), log_ratio.detach()
         zeros = torch.zeros_like(log_ratio)
         stats = {
             "pg_loss": pg_loss.detach(),
             "kl_loss": kl_loss.detach(),
-            "clipfrac_low": stat_mean((flattened & (advantages < 0)).to(ratio.dtype), response_mask),
-            "clipfrac_high": stat_mean((flattened & (advantages > 0)).to(ratio.dtype), response_mask),
+            "clipfrac_low": stat_mean(
+                (flattened & (advantages < 0)).to(ratio.dtype), response_mask
+            ),
+            "clipfrac_high": stat_mean(
+                (flattened & (advantages > 0)).to(ratio.dtype), response_mask
+            ),
             "ratio_mean": stat_mean(ratio, response_mask),
             "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
             "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),

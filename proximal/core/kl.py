@@ -44,8 +44,10 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
     if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"logprobs shape {tuple(logprobs.shape)} != ref_logprobs shape "
-                         f"{tuple(ref_logprobs.shape)}")
+        raise ValueError(
+            f"logprobs shape {tuple(logprobs.shape)} != ref_logprobs shape "
+            f"{tuple(ref_logprobs.shape)}"
+        )
     log_ratio = logprobs - ref_logprobs  # log π_θ − log π_ref = −log r
     if estimator == "k1":
         return log_ratio

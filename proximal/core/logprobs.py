@@ -81,13 +81,17 @@ class _Workspace:
 
     def __init__(self, like: Tensor, shape, chunk_tokens: int):
         B, T = shape
-        pairs = min(max(1, chunk_tokens // max(T, 1)), B) * T if T <= chunk_tokens else chunk_tokens  # largest block
+        pairs = (
+            min(max(1, chunk_tokens // max(T, 1)), B) * T if T <= chunk_tokens else chunk_tokens
+        )  # largest block
         self.numel, self.like, self.buffers = pairs * like.shape[-1], like, {}
 
     def get(self, name: str, shape) -> Tensor:
         buf = self.buffers.get(name)
         if buf is None:
-            buf = self.buffers[name] = self.like.new_empty(self.numel, dtype=_compute_dtype(self.like))
+            buf = self.buffers[name] = self.like.new_empty(
+                self.numel, dtype=_compute_dtype(self.like)
+            )
         n = 1
         for d in shape:
             n *= d
@@ -134,11 +138,13 @@ class _TokenLogprobs(torch.autograd.Function):
         shape = logits.shape[:2]
         lp = logits.new_empty(shape, dtype=_compute_dtype(logits))
         ent = torch.empty_like(lp) if with_entropy else None
-        safe_tokens = tokens if mask is None else torch.where(mask, tokens, 0)  # -100 etc. never indexes
+        safe_tokens = (
+            tokens if mask is None else torch.where(mask, tokens, 0)
+        )  # -100 etc. never indexes
         ws = _Workspace(logits, shape, chunk_tokens)
         floor = torch.finfo(lp.dtype).min
         for block in _blocks(shape, chunk_tokens):
-            z = _z(logits, block, temperature)                                  # (b, t, V)
+            z = _z(logits, block, temperature)  # (b, t, V)
             logp = _log_softmax(z, ws)  # one fused kernel (torch.logsumexp is slower)
             lp[block] = logp.gather(-1, safe_tokens[block][..., None]).squeeze(-1)
             if with_entropy:  # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
@@ -168,7 +174,9 @@ class _TokenLogprobs(torch.autograd.Function):
         ws = _Workspace(logits, logits.shape[:2], ctx.chunk_tokens)
         for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
             z = _z(logits, block, tau)
-            direct = z.dtype == grad.dtype  # else (bfloat16 logits at τ ≠ 1) through a float32 workspace
+            direct = (
+                z.dtype == grad.dtype
+            )  # else (bfloat16 logits at τ ≠ 1) through a float32 workspace
             # d(z_y − lse)/dz = onehot(y) − softmax(z); then d/dlogits = d/dz / τ.
             g = torch.softmax(z, dim=-1, out=grad[block] if direct else ws.get("g", z.shape))
             _zero_masked(g, mask, block)
@@ -193,7 +201,9 @@ class _TokenEntropy(torch.autograd.Function):
             z = _z(logits, block, temperature)
             # H = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
             logp = _log_softmax(z, ws).clamp_(min=floor)
-            ent[block] = -torch.einsum("btv,btv->bt", torch.exp(logp, out=ws.get("p", z.shape)), logp)
+            ent[block] = -torch.einsum(
+                "btv,btv->bt", torch.exp(logp, out=ws.get("p", z.shape)), logp
+            )
         ctx.save_for_backward(logits, mask, ent)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return ent if mask is None else torch.where(mask, ent, 0.0)
@@ -233,15 +243,25 @@ def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if mask is not None:
         if mask.dtype != torch.bool:
-            raise ValueError(f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}")
+            raise ValueError(
+                f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}"
+            )
         if mask.shape != logits.shape[:2]:
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not match logits (B, T) "
-                             f"{tuple(logits.shape[:2])}")
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} does not match logits (B, T) "
+                f"{tuple(logits.shape[:2])}"
+            )
 
 
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
-                         mask: Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                         with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def logprobs_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] for each position — the policy
     π_θ(a_t | s_t) = P(y_t | x, y_<t) of docs/formulas.md, "The MDP of autoregressive generation",
     evaluated on the sampled tokens (and the clipped surrogate's log π_θ, log π_old).
@@ -270,15 +290,23 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
     """
     _check(logits, mask, temperature, chunk_tokens)
     if tokens.shape != logits.shape[:2]:
-        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match logits (B, T) "
-                         f"{tuple(logits.shape[:2])}")
-    out, entropy = _TokenLogprobs.apply(logits, tokens.long(), mask, float(temperature), int(chunk_tokens),
-                                        bool(with_entropy))
+        raise ValueError(
+            f"tokens shape {tuple(tokens.shape)} does not match logits (B, T) "
+            f"{tuple(logits.shape[:2])}"
+        )
+    out, entropy = _TokenLogprobs.apply(
+        logits, tokens.long(), mask, float(temperature), int(chunk_tokens), bool(with_entropy)
+    )
     return (out, entropy) if with_entropy else out
 
 
-def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def token_entropy(
+    logits: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """Per-position entropy S[π](s_t) = −Σ_a π(a|s_t) log π(a|s_t) of softmax(logits_t / τ) (the
     entropy bonus of Schulman et al. 2017).
 
@@ -295,8 +323,14 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, *, mask: Tensor | No
     return _TokenEntropy.apply(logits, mask, float(temperature), int(chunk_tokens))
 
 
-def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0, *, mask: Tensor | None = None,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def token_kl(
+    logits: Tensor,
+    ref_logits: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """The exact per-position KL(π(·|s_t) ‖ π_ref(·|s_t)) = Σ_a π(a|s_t)·(log π(a|s_t) − log π_ref(a|s_t)),
     summed over the whole vocabulary (not a sampled-token estimate like :func:`~proximal.core.kl_penalty`).
 
@@ -317,18 +351,28 @@ def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0, *, ma
     """
     _check(logits, mask, temperature, chunk_tokens)
     if ref_logits.shape != logits.shape:
-        raise ValueError(f"ref_logits shape {tuple(ref_logits.shape)} != logits shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"ref_logits shape {tuple(ref_logits.shape)} != logits shape {tuple(logits.shape)}"
+        )
     out = logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
     for sl in _chunks(logits, chunk_tokens):
         logp = torch.log_softmax(_scaled(logits, sl, mask, temperature), -1)  # (B, c, V)
         logq = torch.log_softmax(_scaled(ref_logits, sl, mask, temperature).to(logp.dtype), -1)
         p = torch.exp(logp)
-        out[:, sl] = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)  # 0·log 0 = 0 for banned tokens
+        out[:, sl] = torch.where(p > 0, p * (logp - logq), 0.0).sum(
+            -1
+        )  # 0·log 0 = 0 for banned tokens
     return out if mask is None else torch.where(mask, out, 0.0)
 
 
-def sequence_logprobs(logits: Tensor, labels: Tensor, mask: Tensor, average: bool = False, *,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def sequence_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    average: bool = False,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """The log-likelihood of each row's response, log π(y | x) = Σ_t log π(y_t | x, y_<t), summed over
     the response tokens only — or, with ``average``, divided by their number |y| (SimPO's
     length-normalised (1/|y|)·log π(y | x), Meng et al. 2024, eq. 4; IPO's normalisation).

@@ -22,15 +22,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from proximal.core.kl import kl_penalty
-from proximal.core.ranges import RANGES, check
 from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
+from proximal.core.ranges import RANGES, check
 from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean_var, stat_mean
 
 
-def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                    response_mask: Tensor, clip_eps: float = 0.2,
-                    aggregation: str = "token-mean", *, max_length: int | None = None,
-                    normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_eps: float = 0.2,
+    aggregation: str = "token-mean",
+    *,
+    max_length: int | None = None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated clipped surrogate of Schulman et al. (2017) (docs/formulas.md, "The clipped surrogate")::
 
         r_t = exp(log π_θ(y_t|s_t) − log π_old(y_t|s_t))
@@ -60,7 +67,9 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     """
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
         if t.shape != logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}"
+            )
     check_mask(logprobs, response_mask, "response_mask")
     check("clip_eps", clip_eps)
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
@@ -68,8 +77,13 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    loss = masked_aggregate(-torch.minimum(unclipped, clipped), response_mask, aggregation,
-                            max_length=max_length, normalizer=normalizer)
+    loss = masked_aggregate(
+        -torch.minimum(unclipped, clipped),
+        response_mask,
+        aggregation,
+        max_length=max_length,
+        normalizer=normalizer,
+    )
 
     with torch.no_grad():
         # k1/k3 of KL(π_old ‖ π_θ): samples come from π_old, so kl_penalty's "policy" is π_old.
@@ -77,8 +91,12 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         ratio = ratio.detach()
         stats = {
             "clipfrac": stat_mean((clipped < unclipped).to(ratio.dtype), response_mask),
-            "approx_kl_k1": stat_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"), response_mask),
-            "approx_kl_k3": stat_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"), response_mask),
+            "approx_kl_k1": stat_mean(
+                kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"), response_mask
+            ),
+            "approx_kl_k3": stat_mean(
+                kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"), response_mask
+            ),
             "ratio_mean": stat_mean(ratio, response_mask),
             "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
             "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
@@ -86,10 +104,17 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     return loss, stats
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
-               clip_eps: float = 0.2,
-               aggregation: str = "token-mean", *, max_length: int | None = None,
-               normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_eps: float = 0.2,
+    aggregation: str = "token-mean",
+    *,
+    max_length: int | None = None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped value loss (docs/formulas.md, "The value loss, PTX and the joint objective")::
 
         V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
@@ -123,21 +148,32 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     err = (values - returns) ** 2
     err_clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_aggregate(torch.maximum(err, err_clipped), response_mask, aggregation,
-                                  max_length=max_length, normalizer=normalizer)
+    loss = 0.5 * masked_aggregate(
+        torch.maximum(err, err_clipped),
+        response_mask,
+        aggregation,
+        max_length=max_length,
+        normalizer=normalizer,
+    )
 
     with torch.no_grad():
         stats = {
-            "vf_clipfrac": stat_mean(((err_clipped > err) & ((values - old_values).abs() > clip_eps)).to(err.dtype),
-                                     response_mask),
-            "explained_variance": (explained_variance(values.detach(), returns.detach(), response_mask)
-                                   if response_mask.any() else torch.tensor(math.nan)),
+            "vf_clipfrac": stat_mean(
+                ((err_clipped > err) & ((values - old_values).abs() > clip_eps)).to(err.dtype),
+                response_mask,
+            ),
+            "explained_variance": (
+                explained_variance(values.detach(), returns.detach(), response_mask)
+                if response_mask.any()
+                else torch.tensor(math.nan)
+            ),
         }
     return loss, stats
 
 
-def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor, *,
-                       all_reduce: AllReduce | None = None) -> Tensor:
+def explained_variance(
+    values: Tensor, returns: Tensor, response_mask: Tensor, *, all_reduce: AllReduce | None = None
+) -> Tensor:
     """How much of the return the critic predicts: 1 − Var[R − V] / Var[R] over valid tokens.
 
     1 is a perfect critic, 0 one no better than the mean return, negative worse than that; NaN when
@@ -154,13 +190,23 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor, *
     """
     _, var_returns = masked_mean_var(returns, response_mask, all_reduce=all_reduce)
     _, var_residual = masked_mean_var(returns - values, response_mask, all_reduce=all_reduce)
-    return 1 - var_residual / var_returns if var_returns > 0 else torch.full_like(var_returns, math.nan)
+    return (
+        1 - var_residual / var_returns
+        if var_returns > 0
+        else torch.full_like(var_returns, math.nan)
+    )
 
 
-def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: float = 1.0, *,
-                        aggregation: str = "token-mean", max_length: int | None = None,
-                        normalizer: float | Tensor | None = None,
-                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def entropy_from_logits(
+    logits: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    *,
+    aggregation: str = "token-mean",
+    max_length: int | None = None,
+    normalizer: float | Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """Mean policy entropy S[π_θ](s_t) = −Σ_a π_θ(a|s_t) log π_θ(a|s_t) over valid tokens (the
     entropy bonus of Schulman et al. 2017, weighted by c2 in the trainer). Computed a chunk of the
     sequence at a time with a recomputing backward (:func:`~proximal.core.logprobs.token_entropy`),
@@ -177,11 +223,19 @@ def entropy_from_logits(logits: Tensor, response_mask: Tensor, temperature: floa
         Scalar entropy in nats (differentiable).
     """
     per_token = token_entropy(logits, temperature, mask=response_mask, chunk_tokens=chunk_tokens)
-    return masked_aggregate(per_token, response_mask, aggregation, max_length=max_length, normalizer=normalizer)
+    return masked_aggregate(
+        per_token, response_mask, aggregation, max_length=max_length, normalizer=normalizer
+    )
 
 
-def token_nll(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float | Tensor | None = None,
-              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def token_nll(
+    logits: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    *,
+    normalizer: float | Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """Mean negative log-likelihood of the masked tokens (temperature 1: the model's likelihood)::
 
         loss = −(1/n) Σ_{(b,t) ∈ mask} log softmax(logits[b, t])[labels[b, t]]
@@ -206,18 +260,32 @@ def token_nll(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float
     return -masked_aggregate(logprobs, mask, "token-mean", normalizer=normalizer)
 
 
-def sft_loss(logits: Tensor, labels: Tensor, response_mask: Tensor, *,
-             normalizer: float | Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def sft_loss(
+    logits: Tensor,
+    labels: Tensor,
+    response_mask: Tensor,
+    *,
+    normalizer: float | Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """Supervised fine-tuning's objective: the mean NLL of the **response** tokens (and their EOS)
     given the prompt and the response prefix, −(1/n) Σ_t log π_θ(y_t | x, y_<t) — maximum likelihood
     on the demonstrations (Ouyang et al. 2022, §3.5). The prompt is given, never learned: its
     positions are False in ``response_mask``. Same alignment and arguments as :func:`token_nll`.
     """
-    return token_nll(logits, labels, response_mask, normalizer=normalizer, chunk_tokens=chunk_tokens)
+    return token_nll(
+        logits, labels, response_mask, normalizer=normalizer, chunk_tokens=chunk_tokens
+    )
 
 
-def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float | Tensor | None = None,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def ptx_loss(
+    logits: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    *,
+    normalizer: float | Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
     """Negative log-likelihood of pre-training text: −L^PTX, with InstructGPT's (Ouyang et al. 2022)
     L^PTX(θ) = E_{x ~ D_pretrain}[log π_θ(x)], as a mean over valid tokens. Same alignment and
     arguments as :func:`token_nll`.
@@ -225,9 +293,13 @@ def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor, *, normalizer: float 
     return token_nll(logits, labels, mask, normalizer=normalizer, chunk_tokens=chunk_tokens)
 
 
-def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
-                       margin: float | Tensor = 0.0, *,
-                       normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def bradley_terry_loss(
+    chosen_scores: Tensor,
+    rejected_scores: Tensor,
+    margin: float | Tensor = 0.0,
+    *,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the Bradley–Terry preference model (Bradley & Terry 1952; Christiano
     et al. 2017; Ouyang et al. 2022)::
 
@@ -250,8 +322,10 @@ def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor,
         ``score_gap`` = mean of r_w − r_l.
     """
     if chosen_scores.shape != rejected_scores.shape or chosen_scores.dim() != 1:
-        raise ValueError(f"chosen_scores and rejected_scores must both be (B,), got "
-                         f"{tuple(chosen_scores.shape)} and {tuple(rejected_scores.shape)}")
+        raise ValueError(
+            f"chosen_scores and rejected_scores must both be (B,), got "
+            f"{tuple(chosen_scores.shape)} and {tuple(rejected_scores.shape)}"
+        )
     if chosen_scores.numel() == 0:
         raise ValueError("bradley_terry_loss: empty batch")
     gap = chosen_scores - rejected_scores

@@ -60,8 +60,9 @@ def _check_pairs(**tensors: Tensor) -> None:
         raise ValueError("empty batch of pairs")
 
 
-def _reward_stats(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor,
-                  rejected_logps: Tensor) -> dict[str, Tensor]:
+def _reward_stats(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor, rejected_logps: Tensor
+) -> dict[str, Tensor]:
     margin = chosen_rewards - rejected_rewards
     return {
         "reward_chosen": chosen_rewards.mean(),
@@ -74,9 +75,17 @@ def _reward_stats(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps
     }
 
 
-def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-             beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0, *,
-             normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    *,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The DPO loss of the module docstring, for minimisation.
 
     The gradient of ``sigmoid`` (ε = 0) on a pair's log-probabilities is the paper's (§4): ∂loss/∂log
@@ -99,34 +108,51 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
         log π_ref(y_w)), ``reward_rejected``, ``reward_margin`` (their difference), ``accuracy`` (share
         with margin > 0 strictly), ``logp_chosen`` and ``logp_rejected`` (the policy's inputs).
     """
-    _check_pairs(policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen,
-                 ref_rejected=ref_rejected)
+    _check_pairs(
+        policy_chosen=policy_chosen,
+        policy_rejected=policy_rejected,
+        ref_chosen=ref_chosen,
+        ref_rejected=ref_rejected,
+    )
     check("dpo_beta", beta)
     check("label_smoothing", label_smoothing)
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"unknown DPO loss_type {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
     if loss_type == "ipo" and label_smoothing != 0:
-        raise ValueError(f"label_smoothing = {label_smoothing}: the ipo loss has no label-noise variant; use 0")
-    chosen_ratio = policy_chosen - ref_chosen        # log π_θ(y_w)/π_ref(y_w), (B,)
+        raise ValueError(
+            f"label_smoothing = {label_smoothing}: the ipo loss has no label-noise variant; use 0"
+        )
+    chosen_ratio = policy_chosen - ref_chosen  # log π_θ(y_w)/π_ref(y_w), (B,)
     rejected_ratio = policy_rejected - ref_rejected  # (B,)
-    gap = chosen_ratio - rejected_ratio              # h / β
+    gap = chosen_ratio - rejected_ratio  # h / β
     eps = label_smoothing
     if loss_type == "ipo":
         per_pair = (gap - 1 / (2 * beta)) ** 2
     elif loss_type == "sigmoid":
         per_pair = -(1 - eps) * F.logsigmoid(beta * gap) - eps * F.logsigmoid(-beta * gap)
     else:  # robust
-        per_pair = (-(1 - eps) * F.logsigmoid(beta * gap) + eps * F.logsigmoid(-beta * gap)) / (1 - 2 * eps)
+        per_pair = (-(1 - eps) * F.logsigmoid(beta * gap) + eps * F.logsigmoid(-beta * gap)) / (
+            1 - 2 * eps
+        )
     loss = pair_mean(per_pair, normalizer)
     with torch.no_grad():
-        stats = _reward_stats(beta * chosen_ratio.detach(), beta * rejected_ratio.detach(),
-                              policy_chosen.detach(), policy_rejected.detach())
+        stats = _reward_stats(
+            beta * chosen_ratio.detach(),
+            beta * rejected_ratio.detach(),
+            policy_chosen.detach(),
+            policy_rejected.detach(),
+        )
     return loss, stats
 
 
-def simpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float = 2.0,
-               gamma_beta_ratio: float = 0.5, *,
-               normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def simpo_loss(
+    chosen_avg_logps: Tensor,
+    rejected_avg_logps: Tensor,
+    beta: float = 2.0,
+    gamma_beta_ratio: float = 0.5,
+    *,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """SimPO's loss (Meng et al. 2024, eq. 6), for minimisation::
 
         loss = −log σ(β·avg log π_θ(y_w | x) − β·avg log π_θ(y_l | x) − γ),   γ = gamma_beta_ratio·β

@@ -30,7 +30,7 @@ device sync per call).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -49,14 +49,20 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 def check_mask(x: Tensor, mask: Tensor, name: str = "mask") -> None:
     """Raise ``ValueError`` unless ``mask`` is a bool tensor of exactly ``x``'s shape."""
     if mask.dtype != torch.bool:
-        raise ValueError(f"{name} must be a bool tensor (True = real token), got dtype {mask.dtype}")
+        raise ValueError(
+            f"{name} must be a bool tensor (True = real token), got dtype {mask.dtype}"
+        )
     if mask.shape != x.shape:
-        raise ValueError(f"{name} shape {tuple(mask.shape)} does not match tensor shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} shape {tuple(mask.shape)} does not match tensor shape {tuple(x.shape)}"
+        )
 
 
 def _count(n: Tensor, what: str) -> None:
     if (n <= 0).any():
-        raise ValueError(f"{what}: the mask has no valid (True) position, so the statistic is undefined")
+        raise ValueError(
+            f"{what}: the mask has no valid (True) position, so the statistic is undefined"
+        )
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -76,8 +82,9 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return x.sum() if dim is None else x.sum(dim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, *,
-                all_reduce: AllReduce | None = None) -> Tensor:
+def masked_mean(
+    x: Tensor, mask: Tensor, dim: int | None = None, *, all_reduce: AllReduce | None = None
+) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True: μ = Σ_{mask} x / n.
 
     This is the empirical mean μ(Â) over all valid token positions of advantage whitening and the
@@ -122,8 +129,9 @@ def stat_mean(x: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(x, mask) / n.clamp_min(1).to(_acc_dtype(x))
 
 
-def masked_mean_var(x: Tensor, mask: Tensor, *,
-                    all_reduce: AllReduce | None = None) -> tuple[Tensor, Tensor]:
+def masked_mean_var(
+    x: Tensor, mask: Tensor, *, all_reduce: AllReduce | None = None
+) -> tuple[Tensor, Tensor]:
     """``(μ, σ²)`` over valid positions in two small reductions; see :func:`masked_var`."""
     check_mask(x, mask)
     acc = _acc_dtype(x)
@@ -178,14 +186,22 @@ def aggregation_units(mask: Tensor, aggregation: str = "token-mean") -> Tensor:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
     if mask.dtype != torch.bool or mask.dim() != 2:
-        raise ValueError(f"mask must be a bool (B, T) tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask must be a bool (B, T) tensor, got {mask.dtype} of shape {tuple(mask.shape)}"
+        )
     if aggregation == "token-mean":
         return mask.sum().to(torch.float32)
     return mask.any(1).sum().to(torch.float32)
 
 
-def masked_aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", *,
-                     max_length: int | None = None, normalizer: float | Tensor | None = None) -> Tensor:
+def masked_aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: str = "token-mean",
+    *,
+    max_length: int | None = None,
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
     """Reduce a per-token loss to a scalar, over valid tokens only.
 
     Aggregations (verl's names; algorithms differ on this, so it is an explicit argument). With n_b
@@ -222,7 +238,9 @@ def masked_aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-
     if per_token.dim() != 2:
         raise ValueError(f"per_token must be (B, T), got shape {tuple(per_token.shape)}")
     if aggregation == "seq-mean-token-sum-norm" and not (max_length is not None and max_length > 0):
-        raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs max_length > 0, got {max_length}")
+        raise ValueError(
+            f"aggregation 'seq-mean-token-sum-norm' needs max_length > 0, got {max_length}"
+        )
     if normalizer is None:
         _count(units, "masked_aggregate")
         denominator = units

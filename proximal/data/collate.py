@@ -10,34 +10,43 @@ from __future__ import annotations
 import torch
 
 
-def pad_left(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu",
-             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(
+    rows: list[list[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and attention mask (long), shape (B, L) with L = ``length`` or the longest row."""
     L = max([len(r) for r in rows] + [length or 0])
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), L), dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
-            ids[i, L - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, L - len(r):] = 1
+            ids[i, L - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, L - len(r) :] = 1
     return ids.to(device), mask.to(device)
 
 
-def pad_right(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu",
-              length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_right(
+    rows: list[list[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and attention mask (long), shape (B, L) with L = ``length`` or the longest row."""
     L = max([len(r) for r in rows] + [length or 0])
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), L), dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
-            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            mask[i, :len(r)] = 1
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = 1
     return ids.to(device), mask.to(device)
 
 
-def right_padded_with_spans(rows: list[list[int]], starts: list[int], pad_id: int,
-                            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def right_padded_with_spans(
+    rows: list[list[int]], starts: list[int], pad_id: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Right-padded sequences with a bool mask over each row's tokens from ``starts[i]`` to its end.
 
     Used for prompt + response rows (SFT, preference pairs): ``starts[i]`` is the prompt length, so

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class DataError(ValueError):
@@ -31,26 +32,36 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                "save the file as UTF-8") from None
+                raise DataError(
+                    f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(
+                    f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(record, dict):
-                raise DataError(f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                raise DataError(
+                    f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}"
+                )
             yield lineno, record
 
 
 def require_str(record: dict, key: str, where: str) -> str:
     """``record[key]`` as a string, or a DataError naming ``where`` (``file:line``) and the key."""
     if key not in record:
-        raise DataError(f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'})")
+        raise DataError(
+            f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'})"
+        )
     value = record[key]
     if not isinstance(value, str):
-        raise DataError(f"{where}: field {key!r} must be a string, got {type(value).__name__} {value!r:.60}")
+        raise DataError(
+            f"{where}: field {key!r} must be a string, got {type(value).__name__} {value!r:.60}"
+        )
     return value
 
 

@@ -29,9 +29,15 @@ from pathlib import Path
 
 import torch
 
-from proximal.data.chat import apply_template, check_messages, encode_prompt, encode_response, prompt_context
-from proximal.data.jsonl import DataError, read_jsonl
+from proximal.data.chat import (
+    apply_template,
+    check_messages,
+    encode_prompt,
+    encode_response,
+    prompt_context,
+)
 from proximal.data.collate import right_padded_with_spans
+from proximal.data.jsonl import DataError, read_jsonl
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, LoadReport, empty_error, too_long_error
 
 #: ``on_too_long`` for preference pairs: the SFT choices, and truncating both sides to max_length.
@@ -40,11 +46,11 @@ ON_TOO_LONG_PAIRS = ON_TOO_LONG + ("truncate",)
 
 @dataclass
 class PreferencePair:
-    chosen_ids: list[int]     # prompt ids + chosen response ids + EOS
-    rejected_ids: list[int]   # prompt ids + rejected response ids + EOS
-    margin: float | None      # the row's 'margin', if it has one
-    where: str                # "file:line"
-    prompt_len: int = 0       # prompt ids at the front of both sides
+    chosen_ids: list[int]  # prompt ids + chosen response ids + EOS
+    rejected_ids: list[int]  # prompt ids + rejected response ids + EOS
+    margin: float | None  # the row's 'margin', if it has one
+    where: str  # "file:line"
+    prompt_len: int = 0  # prompt ids at the front of both sides
 
 
 def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, str]:
@@ -52,15 +58,21 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
     sides = {}
     for key in ("chosen", "rejected"):
         if key not in record:
-            raise DataError(f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'})")
+            raise DataError(
+                f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'})"
+            )
         value = record[key]
         if not isinstance(value, (str, list)):
-            raise DataError(f"{where}: field {key!r} must be a string or a list of messages, got "
-                            f"{type(value).__name__} {value!r:.60}")
+            raise DataError(
+                f"{where}: field {key!r} must be a string or a list of messages, got "
+                f"{type(value).__name__} {value!r:.60}"
+            )
         sides[key] = value
     chosen, rejected = sides["chosen"], sides["rejected"]
     if isinstance(chosen, str) != isinstance(rejected, str):
-        raise DataError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists")
+        raise DataError(
+            f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists"
+        )
 
     has_context = "prompt" in record or "messages" in record
     context = prompt_context(record, where) if has_context else []
@@ -68,28 +80,38 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
         for key, turns in sides.items():
             check_messages(turns, where, key)
             if turns[-1]["role"] != "assistant":
-                raise DataError(f"{where}: the last message of {key!r} must be the assistant's response, "
-                                f"got role {turns[-1]['role']!r}")
+                raise DataError(
+                    f"{where}: the last message of {key!r} must be the assistant's response, "
+                    f"got role {turns[-1]['role']!r}"
+                )
         if chosen[:-1] != rejected[:-1]:
-            raise DataError(f"{where}: 'chosen' and 'rejected' must share every turn but the last "
-                            "(the shared turns are the prompt)")
+            raise DataError(
+                f"{where}: 'chosen' and 'rejected' must share every turn but the last "
+                "(the shared turns are the prompt)"
+            )
         if chosen[:-1]:
             if isinstance(context, str):
-                raise DataError(f"{where}: a string 'prompt' cannot be followed by shared message turns "
-                                "in 'chosen'/'rejected'; give the prompt as messages")
+                raise DataError(
+                    f"{where}: a string 'prompt' cannot be followed by shared message turns "
+                    "in 'chosen'/'rejected'; give the prompt as messages"
+                )
             context = context + chosen[:-1]
         chosen, rejected = chosen[-1]["content"], rejected[-1]["content"]
     if isinstance(context, list):
         if not context:
-            raise DataError(f"{where}: missing field 'prompt' (or 'messages') "
-                            f"(fields present: {', '.join(sorted(record))})")
+            raise DataError(
+                f"{where}: missing field 'prompt' (or 'messages') "
+                f"(fields present: {', '.join(sorted(record))})"
+            )
         context = apply_template(context, tokenizer, where)
     return context, chosen, rejected
 
 
 def same_response_error(where: str, detail: str = "") -> DataError:
-    return DataError(f"{where}: 'chosen' and 'rejected' are the same response{detail}, so the pair teaches nothing; "
-                     "fix the row or set data.on_empty: skip to drop such rows")
+    return DataError(
+        f"{where}: 'chosen' and 'rejected' are the same response{detail}, so the pair teaches nothing; "
+        "fix the row or set data.on_empty: skip to drop such rows"
+    )
 
 
 def _margin(record: dict, where: str) -> float | None:
@@ -97,12 +119,20 @@ def _margin(record: dict, where: str) -> float | None:
         return None
     m = record["margin"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
-        raise DataError(f"{where}: field 'margin' must be a finite number, got {type(m).__name__} {m!r:.60}")
+        raise DataError(
+            f"{where}: field 'margin' must be a finite number, got {type(m).__name__} {m!r:.60}"
+        )
     return float(m)
 
 
-def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_too_long: str = "error",
-                          on_empty: str = "error") -> tuple[list[PreferencePair], LoadReport]:
+def load_preference_pairs(
+    path: str | Path,
+    tokenizer,
+    *,
+    max_length: int,
+    on_too_long: str = "error",
+    on_empty: str = "error",
+) -> tuple[list[PreferencePair], LoadReport]:
     """Read and tokenise a JSONL file of preference pairs.
 
     Raises DataError naming ``file:line`` for a malformed row, a side longer than ``max_length`` (when
@@ -113,8 +143,10 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
     loss would mean different things for different rows). ``report.truncated`` counts truncated pairs.
     """
     if on_too_long not in ON_TOO_LONG_PAIRS or on_empty not in ON_EMPTY:
-        raise ValueError(f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected one of "
-                         f"{ON_TOO_LONG_PAIRS} and one of {ON_EMPTY}")
+        raise ValueError(
+            f"on_too_long = {on_too_long!r}, on_empty = {on_empty!r}: expected one of "
+            f"{ON_TOO_LONG_PAIRS} and one of {ON_EMPTY}"
+        )
     report = LoadReport(str(path))
     pairs: list[PreferencePair] = []
     first_margin: tuple[str, bool] | None = None  # (where, has margin) of the first row
@@ -126,15 +158,21 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
         if first_margin is None:
             first_margin = (where, margin is not None)
         elif first_margin[1] != (margin is not None):
-            raise DataError(f"{where}: this row {'has' if margin is not None else 'has no'} 'margin' but "
-                            f"{first_margin[0]} {'has' if first_margin[1] else 'has none'}; give a margin on "
-                            "every row or on none")
+            raise DataError(
+                f"{where}: this row {'has' if margin is not None else 'has no'} 'margin' but "
+                f"{first_margin[0]} {'has' if first_margin[1] else 'has none'}; give a margin on "
+                "every row or on none"
+            )
         prompt_ids = encode_prompt(prompt, tokenizer)
         if not prompt_ids:
-            raise DataError(f"{where}: the prompt is empty after tokenisation (and the tokenizer adds no BOS), so "
-                            "the first response token has nothing to be predicted from")
-        responses = {name: encode_response(text, tokenizer) for name, text in (("chosen", chosen),
-                                                                                ("rejected", rejected))}
+            raise DataError(
+                f"{where}: the prompt is empty after tokenisation (and the tokenizer adds no BOS), so "
+                "the first response token has nothing to be predicted from"
+            )
+        responses = {
+            name: encode_response(text, tokenizer)
+            for name, text in (("chosen", chosen), ("rejected", rejected))
+        }
         empty = next((f"'{name}'" for name, ids in responses.items() if len(ids) <= 1), None)
         if empty is not None or responses["chosen"] == responses["rejected"]:
             if on_empty == "skip":
@@ -142,9 +180,11 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
                 continue
             raise empty_error(where, empty) if empty else same_response_error(where)
         if on_too_long == "truncate" and len(prompt_ids) >= max_length:
-            raise DataError(f"{where}: the prompt is {len(prompt_ids)} tokens, which leaves no room for a response "
-                            f"within data.max_length = {max_length}; raise data.max_length, shorten the prompt, or "
-                            "set data.on_too_long: skip to drop such rows")
+            raise DataError(
+                f"{where}: the prompt is {len(prompt_ids)} tokens, which leaves no room for a response "
+                f"within data.max_length = {max_length}; raise data.max_length, shorten the prompt, or "
+                "set data.on_too_long: skip to drop such rows"
+            )
         sides = []
         for name, ids in responses.items():
             full = prompt_ids + ids
@@ -152,7 +192,9 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
                 if on_too_long == "skip":
                     break
                 if on_too_long == "error":
-                    raise too_long_error(where, f"prompt + {name}", len(full), len(prompt_ids), max_length)
+                    raise too_long_error(
+                        where, f"prompt + {name}", len(full), len(prompt_ids), max_length
+                    )
                 full = full[:max_length]  # the whole prompt and the response's first tokens
             sides.append(full)
         if len(sides) < 2:
@@ -163,7 +205,9 @@ def load_preference_pairs(path: str | Path, tokenizer, *, max_length: int, on_to
                 report.skipped_empty += 1
                 continue
             raise same_response_error(where, f" once cut to data.max_length = {max_length}")
-        if any(len(side) < len(prompt_ids) + len(ids) for side, ids in zip(sides, responses.values())):
+        if any(
+            len(side) < len(prompt_ids) + len(ids) for side, ids in zip(sides, responses.values())
+        ):
             report.truncated += 1
         pairs.append(PreferencePair(sides[0], sides[1], margin, where, len(prompt_ids)))
     if report.rows == 0:

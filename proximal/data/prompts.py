@@ -36,12 +36,16 @@ def _records(path: str):
         try:
             import datasets
         except ImportError as e:
-            raise DataError(f"{p}: a dataset directory needs the `datasets` package "
-                            "(pip install 'proximal-rlhf[datasets]')") from e
+            raise DataError(
+                f"{p}: a dataset directory needs the `datasets` package "
+                "(pip install 'proximal-rlhf[datasets]')"
+            ) from e
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
-                raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+                raise DataError(
+                    f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})"
+                )
             ds = ds["train"]
         for i, row in enumerate(ds):
             yield f"{p}[row {i}]", dict(row)
@@ -50,8 +54,14 @@ def _records(path: str):
             yield f"{p}:{lineno}", record
 
 
-def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "truncate_left",
-                 on_empty: str = "error") -> PromptSet:
+def load_prompts(
+    path: str,
+    tokenizer,
+    *,
+    max_length: int,
+    on_too_long: str = "truncate_left",
+    on_empty: str = "error",
+) -> PromptSet:
     """Read, render and tokenize every prompt. Raises DataError for bad rows or an empty set.
 
     A prompt that tokenizes to nothing (an empty string, or text the tokenizer drops) would have the
@@ -67,8 +77,10 @@ def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "t
             if on_empty == "skip":
                 empty += 1
                 continue
-            raise DataError(f"{where}: the prompt {text!r:.60} has no tokens after tokenisation; give it some text "
-                            "or set data.on_empty_prompt: skip")
+            raise DataError(
+                f"{where}: the prompt {text!r:.60} has no tokens after tokenisation; give it some text "
+                "or set data.on_empty_prompt: skip"
+            )
         if len(tok) > max_length:
             if on_too_long == "skip":
                 skipped += 1
@@ -82,12 +94,16 @@ def load_prompts(path: str, tokenizer, *, max_length: int, on_too_long: str = "t
     if not texts:
         why = []
         if skipped:
-            why.append(f"{skipped} {'was' if skipped == 1 else 'were'} longer than data.max_prompt_length = "
-                       f"{max_length} and skipped")
+            why.append(
+                f"{skipped} {'was' if skipped == 1 else 'were'} longer than data.max_prompt_length = "
+                f"{max_length} and skipped"
+            )
         if empty:
             why.append(f"{empty} {'was' if empty == 1 else 'were'} empty and skipped")
         raise DataError(f"{path}: no prompts" + (f" ({'; '.join(why)})" if why else ""))
-    return PromptSet(texts, ids, messages, skipped_too_long=skipped, truncated=truncated, skipped_empty=empty)
+    return PromptSet(
+        texts, ids, messages, skipped_too_long=skipped, truncated=truncated, skipped_empty=empty
+    )
 
 
 def load_texts(path: str, *, key: str = "text") -> list[str]:
@@ -103,8 +119,10 @@ def load_texts(path: str, *, key: str = "text") -> list[str]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                "save the file as UTF-8") from None
+                raise DataError(
+                    f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if line.strip():
                 texts.append(line)
     if not texts:

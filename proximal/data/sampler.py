@@ -39,10 +39,14 @@ class Sampler:
         if self.n < 1:
             raise ValueError("Sampler: an empty data set")
         if self.batch_size < 1 or self.batch_size % self.world_size:
-            raise ValueError(f"Sampler: batch_size {self.batch_size} must be a positive multiple of the "
-                             f"{self.world_size} processes")
+            raise ValueError(
+                f"Sampler: batch_size {self.batch_size} must be a positive multiple of the "
+                f"{self.world_size} processes"
+            )
         if self.drop_last and self.batch_size > self.n:
-            raise ValueError(f"Sampler: batch_size {self.batch_size} is larger than the {self.n} rows")
+            raise ValueError(
+                f"Sampler: batch_size {self.batch_size} is larger than the {self.n} rows"
+            )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -68,14 +72,14 @@ class Sampler:
                 self._order = self._perm()
                 continue
             take = min(self.batch_size - len(out), left)
-            out.extend(self._order[self.position: self.position + take])
+            out.extend(self._order[self.position : self.position + take])
             self.position += take
         return out
 
     def local_part(self, global_batch: list) -> list:
         """This rank's contiguous share of a global batch (or of any list as long as it)."""
         per = len(global_batch) // self.world_size
-        return global_batch[self.rank * per:(self.rank + 1) * per]
+        return global_batch[self.rank * per : (self.rank + 1) * per]
 
     def next_batch(self) -> list[int]:
         """This rank's rows of the next global batch."""
@@ -89,7 +93,9 @@ class Sampler:
         self._order = self._perm()
 
 
-def shard_for_eval(n: int, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+def shard_for_eval(
+    n: int, micro_batch_size: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
     """This rank's micro-batches of row indices for a pass over ``n`` rows (evaluation).
 
     Rows are split into contiguous, disjoint parts, one per rank. Every rank gets the same number of
@@ -99,4 +105,4 @@ def shard_for_eval(n: int, micro_batch_size: int, rank: int = 0, world_size: int
     per = -(-n // world_size)
     mine = list(range(rank * per, min(n, (rank + 1) * per)))
     n_batches = max(1, -(-per // micro_batch_size))
-    return [mine[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(n_batches)]
+    return [mine[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n_batches)]

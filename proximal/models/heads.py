@@ -31,8 +31,12 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
 
     with autocast(model):
         inner = unwrap(model)
-        hidden = backbone(inner)(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        hidden = backbone(inner)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
         head = score_head(inner)
         return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
 
@@ -48,7 +52,9 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
-def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def lm_logits(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, stop: int
+) -> torch.Tensor:
     """A causal LM's logits at positions ``start … stop − 1`` only, (B, stop − start, V), contiguous.
 
     The output layer runs on those positions alone (``logits_to_keep`` as a tensor of positions, in
@@ -62,6 +68,11 @@ def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, star
     keep = accepts_logits_to_keep(model)
     extra = {"logits_to_keep": torch.arange(start, stop, device=input_ids.device)} if keep else {}
     with autocast(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False, **extra).logits
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            **extra,
+        ).logits
     return logits if keep else logits[:, start:stop]

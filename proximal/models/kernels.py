@@ -62,8 +62,12 @@ def default_on(machine: str, cpuinfo: str) -> bool:
         return False
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.M)
     flags = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
-    return (vendor is not None and vendor.group(1) != "GenuineIntel"
-            and flags is not None and "avx512f" in flags.group(1).split())
+    return (
+        vendor is not None
+        and vendor.group(1) != "GenuineIntel"
+        and flags is not None
+        and "avx512f" in flags.group(1).split()
+    )
 
 
 def _read_cpuinfo() -> str:
@@ -91,7 +95,12 @@ def _mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _applies(x: Tensor, weight: Tensor) -> bool:
-    if _OP is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if (
+        _OP is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+    ):
         return False
     if torch.is_autocast_enabled("cpu") or type(weight) not in (Tensor, torch.nn.Parameter):
         return False
@@ -139,8 +148,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by oneDNN where that applies (module docstring)."""
     if not _applies(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _Linear.apply(x, weight, bias)
     return _mm(x, weight, bias)
 
@@ -150,8 +160,9 @@ def _forward(module: torch.nn.Module, x: Tensor) -> Tensor:
     if dtype is not None and not torch.is_grad_enabled() and _packs(dtype, x):
         packed = module.__dict__.get("_proximal_packed")
         if packed is None:  # the first call inside packed_weights reorders the weight, once
-            packed = module._proximal_packed = _pack([module.weight], [module.bias], dtype,
-                                                     module._proximal_pack_rows)
+            packed = module._proximal_packed = _pack(
+                [module.weight], [module.bias], dtype, module._proximal_pack_rows
+            )
         return packed_linear(x, *packed)
     return linear(x, module.weight, module.bias)
 
@@ -208,8 +219,12 @@ def packed_weights(model: torch.nn.Module, rows: int):
     if _OP is not None and enabled() and dtype in (torch.float32, torch.bfloat16):
         for m in model.modules():
             w = getattr(m, "weight", None)
-            if (isinstance(m.__dict__.get("forward"), partial) and type(w) in (Tensor, torch.nn.Parameter)
-                    and w.dtype == torch.float32 and w.device.type == "cpu"):
+            if (
+                isinstance(m.__dict__.get("forward"), partial)
+                and type(w) in (Tensor, torch.nn.Parameter)
+                and w.dtype == torch.float32
+                and w.device.type == "cpu"
+            ):
                 modules.append(m)
     if sum(m.weight.numel() * dtype.itemsize for m in modules) > MAX_PACKED_BYTES:
         modules = []
@@ -232,11 +247,18 @@ def fused_packed(modules: list[torch.nn.Module]) -> tuple[Tensor, Tensor | None]
     bound) and they all have a bias or none has; the weights must not change while it is used."""
     if not modules or any("_proximal_pack_dtype" not in m.__dict__ for m in modules):
         return None
-    if len({m.weight.shape[1] for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
+    if (
+        len({m.weight.shape[1] for m in modules}) != 1
+        or len({m.bias is None for m in modules}) != 1
+    ):
         return None
     m = modules[0]
-    return _pack([m.weight for m in modules], [m.bias for m in modules], m._proximal_pack_dtype,
-                 m._proximal_pack_rows)
+    return _pack(
+        [m.weight for m in modules],
+        [m.bias for m in modules],
+        m._proximal_pack_dtype,
+        m._proximal_pack_rows,
+    )
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

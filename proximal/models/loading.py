@@ -50,7 +50,9 @@ def load_tokenizer(path: str, *, role: str = "tokenizer", padding_side: str = "l
         raise ModelLoadError(f"{role}: cannot load a tokenizer from {path!r}: {e}") from e
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
-            raise ModelLoadError(f"{role}: tokenizer at {path!r} has neither a pad nor an EOS token")
+            raise ModelLoadError(
+                f"{role}: tokenizer at {path!r} has neither a pad nor an EOS token"
+            )
         tok.pad_token = tok.eos_token
     tok.padding_side = padding_side
     return tok
@@ -71,8 +73,10 @@ def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
     architectures = getattr(model.config, "architectures", None) or []
     if architectures and all(a.endswith(_NOT_LANGUAGE_MODELS) for a in architectures):
         # transformers would load the backbone and initialise a fresh output layer, silently
-        raise ModelLoadError(f"{role}: {path!r} is a {architectures[0]} (a classifier, such as the output of "
-                             "`proximal rm`), not a language model; give a causal LM checkpoint (the SFT model)")
+        raise ModelLoadError(
+            f"{role}: {path!r} is a {architectures[0]} (a classifier, such as the output of "
+            "`proximal rm`), not a language model; give a causal LM checkpoint (the SFT model)"
+        )
     return model
 
 
@@ -84,18 +88,34 @@ def _merged_adapters(path: str, dtype: str):
 
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
     if base and not Path(base).exists() and Path(base).is_absolute():
-        raise ModelLoadError(f"{path!r} holds LoRA adapters over {base!r}, which does not exist (any more)")
+        raise ModelLoadError(
+            f"{path!r} holds LoRA adapters over {base!r}, which does not exist (any more)"
+        )
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return AutoPeftModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).merge_and_unload()
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
+        return AutoPeftModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype)
+        ).merge_and_unload()
 
 
 #: Architecture-name endings of checkpoints that are not language models.
-_NOT_LANGUAGE_MODELS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+_NOT_LANGUAGE_MODELS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+)
 
 
-def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = "float32",
-                         pad_token_id: int | None = None, new_head: bool = False):
+def load_sequence_scorer(
+    path: str,
+    *,
+    role: str = "reward model",
+    dtype: str = "float32",
+    pad_token_id: int | None = None,
+    new_head: bool = False,
+):
     """An ``AutoModelForSequenceClassification`` with exactly one label (a scalar score).
 
     With ``new_head=True`` (a critic initialised from a policy checkpoint) the one-label head is
@@ -106,17 +126,29 @@ def load_sequence_scorer(path: str, *, role: str = "reward model", dtype: str = 
     try:
         with warnings.catch_warnings(), _quiet_load_report(new_head):
             warnings.simplefilter("ignore")
-            model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(dtype), **kwargs)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=resolve_dtype(dtype), **kwargs
+            )
     except Exception as e:
-        raise ModelLoadError(f"{role}: cannot load a sequence-classification model from {path!r}: {e}") from e
+        raise ModelLoadError(
+            f"{role}: cannot load a sequence-classification model from {path!r}: {e}"
+        ) from e
     architectures = getattr(model.config, "architectures", None) or []
-    if not new_head and architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise ModelLoadError(f"{role}: {path!r} is a {architectures[0]} (a language model), not a reward model; a "
-                             "reward model is an AutoModelForSequenceClassification with one label, such as the "
-                             "output of `proximal rm`")
+    if (
+        not new_head
+        and architectures
+        and not any(a.endswith("ForSequenceClassification") for a in architectures)
+    ):
+        raise ModelLoadError(
+            f"{role}: {path!r} is a {architectures[0]} (a language model), not a reward model; a "
+            "reward model is an AutoModelForSequenceClassification with one label, such as the "
+            "output of `proximal rm`"
+        )
     if model.config.num_labels != 1:
-        raise ModelLoadError(f"{role}: {path!r} has {model.config.num_labels} labels; a reward model must "
-                             "have exactly one (a scalar score)")
+        raise ModelLoadError(
+            f"{role}: {path!r} has {model.config.num_labels} labels; a reward model must "
+            "have exactly one (a scalar score)"
+        )
     if new_head:
         with torch.no_grad():
             head = score_head(model)
@@ -154,7 +186,9 @@ def score_head(model) -> torch.nn.Module:
         head = getattr(model, name, None)
         if isinstance(head, torch.nn.Linear) or hasattr(head, "modules_to_save"):
             return head
-    raise ModelLoadError(f"{type(model).__name__}: no scalar head found (looked for score, classifier)")
+    raise ModelLoadError(
+        f"{type(model).__name__}: no scalar head found (looked for score, classifier)"
+    )
 
 
 def unwrap(model):
@@ -165,14 +199,20 @@ def unwrap(model):
 def check_fits(model, tokenizer, max_length: int, path: str, field: str = "model.path") -> None:
     """ConfigError-like ModelLoadError if ``max_length`` exceeds the model's context, or the tokenizer's
     ids exceed its embedding."""
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None
+    )
     if limit is not None and max_length > limit:
-        raise ModelLoadError(f"data.max_length = {max_length} is longer than the context of {field} = {path} "
-                             f"({limit} positions)")
+        raise ModelLoadError(
+            f"data.max_length = {max_length} is longer than the context of {field} = {path} "
+            f"({limit} positions)"
+        )
     n_embed = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > n_embed:
-        raise ModelLoadError(f"{field} = {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
-                             f"embedding has only {n_embed} rows")
+        raise ModelLoadError(
+            f"{field} = {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"embedding has only {n_embed} rows"
+        )
 
 
 def accepts_logits_to_keep(model) -> bool:

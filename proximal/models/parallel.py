@@ -60,25 +60,39 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     models in eval mode (no dropout: the rollout and the update must see one policy), so the blocks
     are wrapped instead. The wrapper's state-dict hooks keep every parameter name unchanged.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             checkpoint_wrapper)
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
-        apply_activation_checkpointing as apply
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as apply,
+    )
 
     blocks = set(map(id, block_modules(model)))
     if not blocks:
-        raise ValueError(f"{type(unwrap(model)).__name__}: no transformer blocks found for activation checkpointing")
-    apply(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-          check_fn=lambda m: id(m) in blocks)
+        raise ValueError(
+            f"{type(unwrap(model)).__name__}: no transformer blocks found for activation checkpointing"
+        )
+    apply(
+        model,
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: id(m) in blocks,
+    )
 
 
-def shard(model: torch.nn.Module, *, mixed_precision: bool = False, trained: bool = True) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module, *, mixed_precision: bool = False, trained: bool = True
+) -> torch.nn.Module:
     """FSDP2 over the default device mesh: each block, then (scorers) backbone and head, then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
     if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     units = [(b, True) for b in block_modules(model)]
     if _is_scorer(model):
         units += [(_backbone(model), True), (score_head(unwrap(model)), True)]
@@ -96,19 +110,31 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def choose_attention(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> None:
+def choose_attention(
+    model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype
+) -> None:
     """On a CPU computing in bfloat16, use plain ("eager") attention: torch's fused CPU attention kernel
     is about 3× slower than two bfloat16 matmuls there (measured: 32 × 8 heads × 96 tokens, forward
     and backward, 31.8 ms against 9.3 ms); in float32 and on GPUs the model's own choice is kept."""
-    if device.type == "cpu" and compute_dtype == torch.bfloat16 and hasattr(unwrap(model), "set_attn_implementation"):
+    if (
+        device.type == "cpu"
+        and compute_dtype == torch.bfloat16
+        and hasattr(unwrap(model), "set_attn_implementation")
+    ):
         try:
             unwrap(model).set_attn_implementation("eager")
         except (ValueError, ImportError):  # an architecture without it keeps its default
             pass
 
 
-def prepare_trained(model: torch.nn.Module, *, device: torch.device, precision: str, world_size: int,
-                    activation_checkpointing: bool = False) -> torch.nn.Module:
+def prepare_trained(
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    precision: str,
+    world_size: int,
+    activation_checkpointing: bool = False,
+) -> torch.nn.Module:
     """Move, optionally checkpoint, and (several processes) shard a model that will be trained."""
     model.to(device)
     choose_attention(model, device, torch.float32 if precision == "32-true" else torch.bfloat16)
@@ -123,8 +149,9 @@ def prepare_trained(model: torch.nn.Module, *, device: torch.device, precision: 
     return model
 
 
-def prepare_frozen(model: torch.nn.Module, *, device: torch.device, world_size: int,
-                   sharding: str = "shard") -> torch.nn.Module:
+def prepare_frozen(
+    model: torch.nn.Module, *, device: torch.device, world_size: int, sharding: str = "shard"
+) -> torch.nn.Module:
     """Freeze (eval mode, no gradients), move, and with several processes shard or replicate."""
     freeze(model)
     model.to(device)
@@ -176,10 +203,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
-def export_pretrained(model: torch.nn.Module, tokenizer, directory, *, is_main: bool = True) -> None:
+def export_pretrained(
+    model: torch.nn.Module, tokenizer, directory, *, is_main: bool = True
+) -> None:
     """A plain Hugging Face checkpoint (``save_pretrained``, safetensors + tokenizer) that loads on one
     device; for a peft model, its adapters. Every rank calls it; rank 0 writes."""
     sharded = is_sharded(model)

@@ -27,7 +27,9 @@ def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str])
     from peft import LoraConfig
 
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
-    return LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    return LoraConfig(
+        task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets
+    )
 
 
 def with_adapters(model, config):
@@ -36,7 +38,9 @@ def with_adapters(model, config):
     from peft import get_peft_model
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         return get_peft_model(model, config)
 
 
@@ -69,22 +73,51 @@ class Reference:
             yield self.model
 
 
-def build_policy(path: str, *, lora: dict | None, precision: str, device: torch.device, world_size: int,
-                 activation_checkpointing: bool = False, reference: bool = True, frozen_sharding: str = "shard"):
+def build_policy(
+    path: str,
+    *,
+    lora: dict | None,
+    precision: str,
+    device: torch.device,
+    world_size: int,
+    activation_checkpointing: bool = False,
+    reference: bool = True,
+    frozen_sharding: str = "shard",
+):
     """``(tokenizer, actor, reference or None)``, placed and (several processes) sharded."""
     tokenizer = load_tokenizer(path, role="policy tokenizer (model.path)")
     actor = build_actor(path, dtype=load_dtype(precision, trained=True), lora=lora)
     ref = None
     if reference:
-        ref = load_reference(actor, path, lora=lora is not None, precision=precision, device=device,
-                             world_size=world_size, frozen_sharding=frozen_sharding)
-    prepare_trained(actor, device=device, precision=precision, world_size=world_size,
-                    activation_checkpointing=activation_checkpointing)
+        ref = load_reference(
+            actor,
+            path,
+            lora=lora is not None,
+            precision=precision,
+            device=device,
+            world_size=world_size,
+            frozen_sharding=frozen_sharding,
+        )
+    prepare_trained(
+        actor,
+        device=device,
+        precision=precision,
+        world_size=world_size,
+        activation_checkpointing=activation_checkpointing,
+    )
     return tokenizer, actor, ref
 
 
-def load_reference(actor, path: str, *, lora: bool, precision: str, device: torch.device, world_size: int,
-                   frozen_sharding: str = "shard") -> Reference:
+def load_reference(
+    actor,
+    path: str,
+    *,
+    lora: bool,
+    precision: str,
+    device: torch.device,
+    world_size: int,
+    frozen_sharding: str = "shard",
+) -> Reference:
     """π_ref for ``actor``: with ``lora``, the actor itself with its adapters disabled (nothing is loaded);
     otherwise a frozen copy of ``path`` in train.precision's frozen dtype, placed and (several
     processes) sharded or replicated. Every rank calls it."""
@@ -94,17 +127,35 @@ def load_reference(actor, path: str, *, lora: bool, precision: str, device: torc
     return ref
 
 
-def build_critic(source: str, *, policy_path: str, reward_model_path: str | None, dtype: str,
-                 pad_token_id: int, lora: dict | None = None):
+def build_critic(
+    source: str,
+    *,
+    policy_path: str,
+    reward_model_path: str | None,
+    dtype: str,
+    pad_token_id: int,
+    lora: dict | None = None,
+):
     """V_φ. ``source``: 'reward_model', 'policy' or a checkpoint path."""
     if source == "reward_model":
-        model = load_sequence_scorer(reward_model_path, role="critic (from model.reward_model)", dtype=dtype,
-                                     pad_token_id=pad_token_id)
+        model = load_sequence_scorer(
+            reward_model_path,
+            role="critic (from model.reward_model)",
+            dtype=dtype,
+            pad_token_id=pad_token_id,
+        )
     elif source == "policy":
-        model = load_sequence_scorer(policy_path, role="critic (from model.path)", dtype=dtype,
-                                     pad_token_id=pad_token_id, new_head=True)
+        model = load_sequence_scorer(
+            policy_path,
+            role="critic (from model.path)",
+            dtype=dtype,
+            pad_token_id=pad_token_id,
+            new_head=True,
+        )
     else:
-        model = load_sequence_scorer(source, role="critic (model.critic)", dtype=dtype, pad_token_id=pad_token_id)
+        model = load_sequence_scorer(
+            source, role="critic (model.critic)", dtype=dtype, pad_token_id=pad_token_id
+        )
     if lora:
         model = with_adapters(model, lora_config("SEQ_CLS", **lora))
     model.eval()

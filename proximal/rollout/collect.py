@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from proximal import dist
 from proximal.data.collate import pad_left
 from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import Rollout, sample
 from proximal.rollout.scoring import Scorer
-from proximal.train import dist
 
 
 @dataclass
@@ -26,16 +26,23 @@ class Collected:
     """A scored rollout: this rank's rows of the step's global batch."""
 
     rollout: Rollout
-    prompts: list[str]                     # (B,) prompt texts, one per row (repeated within a group)
-    scores: torch.Tensor                   # (B,) total score, float32 (penalty included; may be non-finite)
-    components: dict[str, torch.Tensor]    # each reward source's (B,) score
-    valid: torch.Tensor                    # (B,) bool: finite score (rows to train on)
-    positions: list[int]                   # each row's index in the global batch of rows
-    generate_s: float                      # seconds spent generating
+    prompts: list[str]  # (B,) prompt texts, one per row (repeated within a group)
+    scores: torch.Tensor  # (B,) total score, float32 (penalty included; may be non-finite)
+    components: dict[str, torch.Tensor]  # each reward source's (B,) score
+    valid: torch.Tensor  # (B,) bool: finite score (rows to train on)
+    positions: list[int]  # each row's index in the global batch of rows
+    generate_s: float  # seconds spent generating
 
 
-def load_inputs(reward_functions: list[str], prompts_path: str, policy_path: str, *, max_prompt_length: int,
-                on_long_prompt: str, on_empty_prompt: str):
+def load_inputs(
+    reward_functions: list[str],
+    prompts_path: str,
+    policy_path: str,
+    *,
+    max_prompt_length: int,
+    on_long_prompt: str,
+    on_empty_prompt: str,
+):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported
     (:func:`~proximal.rollout.scoring.load_reward_function`), and the prompts rendered and tokenised
@@ -45,15 +52,36 @@ def load_inputs(reward_functions: list[str], prompts_path: str, policy_path: str
     from proximal.rollout.scoring import load_reward_function
 
     functions = {spec: load_reward_function(spec) for spec in reward_functions}
-    prompt_set = load_prompts(prompts_path, load_tokenizer(policy_path, role="policy tokenizer (model.path)"),
-                              max_length=max_prompt_length, on_too_long=on_long_prompt, on_empty=on_empty_prompt)
+    prompt_set = load_prompts(
+        prompts_path,
+        load_tokenizer(policy_path, role="policy tokenizer (model.path)"),
+        max_length=max_prompt_length,
+        on_too_long=on_long_prompt,
+        on_empty=on_empty_prompt,
+    )
     return functions, prompt_set
 
 
-def collect(step: int, *, prompt_set, sampler, engine: RolloutEngine, scorer: Scorer, tokenizer, seed: int,
-            device: torch.device, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-            stop_token_ids: list[int] | None = None, stop_strings: list[str] | None = None,
-            missing_eos_penalty: float | None = None, nonfinite: str = "skip", group_size: int = 1) -> Collected:
+def collect(
+    step: int,
+    *,
+    prompt_set,
+    sampler,
+    engine: RolloutEngine,
+    scorer: Scorer,
+    tokenizer,
+    seed: int,
+    device: torch.device,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: list[int] | None = None,
+    stop_strings: list[str] | None = None,
+    missing_eos_penalty: float | None = None,
+    nonfinite: str = "skip",
+    group_size: int = 1,
+) -> Collected:
     """Take the next global batch of prompts from ``sampler``, sample ``group_size`` responses to each
     of this rank's prompts, score them, and guard non-finite scores (:func:`finite_rows`).
 
@@ -62,14 +90,26 @@ def collect(step: int, *, prompt_set, sampler, engine: RolloutEngine, scorer: Sc
     """
     t0 = time.perf_counter()
     batch = sampler.next_global_batch()
-    mine = sampler.local_part(list(range(len(batch))))           # this rank's prompt positions
+    mine = sampler.local_part(list(range(len(batch))))  # this rank's prompt positions
     positions = [p * group_size + j for p in mine for j in range(group_size)]
     idx = [batch[p] for p in mine for _ in range(group_size)]
-    prompt_ids, prompt_mask = pad_left([prompt_set.token_ids[i] for i in idx], tokenizer.pad_token_id, device)
+    prompt_ids, prompt_mask = pad_left(
+        [prompt_set.token_ids[i] for i in idx], tokenizer.pad_token_id, device
+    )
     texts, messages = [prompt_set.texts[i] for i in idx], [prompt_set.messages[i] for i in idx]
-    rollout = sample(engine, tokenizer, prompt_ids, prompt_mask, seeds=[row_seed(seed, step, r) for r in positions],
-                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                     stop_token_ids=stop_token_ids, stop_strings=stop_strings)
+    rollout = sample(
+        engine,
+        tokenizer,
+        prompt_ids,
+        prompt_mask,
+        seeds=[row_seed(seed, step, r) for r in positions],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        stop_strings=stop_strings,
+    )
     generate_s = time.perf_counter() - t0
     scores, components = scorer(rollout, texts, messages, step=step)
     if missing_eos_penalty is not None:
@@ -78,8 +118,9 @@ def collect(step: int, *, prompt_set, sampler, engine: RolloutEngine, scorer: Sc
     return Collected(rollout, texts, scores, components, valid, positions, generate_s)
 
 
-def finite_rows(scores: torch.Tensor, prompts: list[str], *, step: int, policy: str,
-                device: torch.device) -> torch.Tensor:
+def finite_rows(
+    scores: torch.Tensor, prompts: list[str], *, step: int, policy: str, device: torch.device
+) -> torch.Tensor:
     """(B,) bool: which scores are finite. With ``policy='error'`` a non-finite score on any rank stops
     every rank (FloatingPointError); with 'skip' the rows are masked out of training (kept, so every
     rank runs the same passes) — unless no row of the whole batch is left."""
@@ -87,8 +128,11 @@ def finite_rows(scores: torch.Tensor, prompts: list[str], *, step: int, policy: 
     bad = (~finite).nonzero().flatten().tolist()
     stop = policy == "error" and bool(bad)
     if dist.any_rank(stop, device):
-        where = (f"non-finite scores {scores[bad].tolist()} for prompts {[prompts[i][:60] for i in bad]}" if stop
-                 else "a non-finite score on another rank")
+        where = (
+            f"non-finite scores {scores[bad].tolist()} for prompts {[prompts[i][:60] for i in bad]}"
+            if stop
+            else "a non-finite score on another rank"
+        )
         raise FloatingPointError(f"step {step}: {where} (set rollout.nonfinite_scores: skip)")
     if dist.global_sum(int(finite.sum()), device) == 0:
         raise FloatingPointError(f"step {step}: every score in the batch is non-finite")

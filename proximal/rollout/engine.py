@@ -27,12 +27,12 @@ from typing import Protocol
 
 import torch
 
+from proximal import dist
 from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
 from proximal.models.loading import accepts_logits_to_keep, cache_argument
 from proximal.models.parallel import autocast, gathered, is_sharded
 from proximal.rollout.decode import LeanDecoder, unsupported
-from proximal.train import dist
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,13 @@ def row_seed(*parts: int) -> int:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int],
-                 params: SamplingParams) -> torch.Tensor:
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        seeds: list[int],
+        params: SamplingParams,
+    ) -> torch.Tensor:
         """(B, T) sampled ids for (B, P) left-padded prompts; T ≤ max_new_tokens; after a row's stop
         token the ids are meaningless (the caller masks them)."""
 
@@ -79,7 +84,9 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     return z
 
 
-def categorical_sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
+def categorical_sample(
+    logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams
+) -> torch.Tensor:
     """One token per row from softmax(filter(logits / τ)), row b's randomness from ``generators[b]``. (B,).
 
     Inverse-CDF sampling: the cumulative sum (in float64, so that rounding cannot move a boundary
@@ -90,8 +97,12 @@ def categorical_sample(logits: torch.Tensor, generators: list[torch.Generator], 
     z = logits.float()
     if params.temperature != 1.0:
         z = z / params.temperature
-    cdf = torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)  # (B, V)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=cdf.device) for g in generators])
+    cdf = (
+        torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)
+    )  # (B, V)
+    u = torch.cat(
+        [torch.rand(1, generator=g, dtype=torch.float64, device=cdf.device) for g in generators]
+    )
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
     return token.clamp_max_(cdf.shape[-1] - 1)
 
@@ -109,8 +120,14 @@ class HFEngine:
     log-probabilities the losses recompute.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, *, gather_weights: bool = True,
-                 lean_decode: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        *,
+        gather_weights: bool = True,
+        lean_decode: bool = True,
+    ):
         self.model = model
         self.pad_token_id = pad_token_id
         self.gather_weights = gather_weights
@@ -119,8 +136,13 @@ class HFEngine:
         self._cache_kw = cache_argument(model)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int],
-                 params: SamplingParams) -> torch.Tensor:
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        seeds: list[int],
+        params: SamplingParams,
+    ) -> torch.Tensor:
         B = prompt_ids.shape[0]
         if len(seeds) != B:
             raise ValueError(f"generate: {len(seeds)} seeds for {B} prompts")
@@ -130,20 +152,30 @@ class HFEngine:
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         model = self.model
         sharded_steps = not self.gather_weights and is_sharded(model)
-        with (gathered(model) if self.gather_weights else contextlib.nullcontext()), autocast(model):
+        with gathered(model) if self.gather_weights else contextlib.nullcontext(), autocast(model):
             mask = prompt_mask.long()
-            out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                        use_cache=True, **extra)
+            out = model(
+                input_ids=prompt_ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=True,
+                **extra,
+            )
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
-            position = mask.sum(1, keepdim=True)  # (B, 1): the next token's position counts real tokens only
+            position = mask.sum(
+                1, keepdim=True
+            )  # (B, 1): the next token's position counts real tokens only
             done = torch.zeros(B, dtype=torch.bool, device=device)
             tokens = []
             # The prompt's pass has many rows (oneDNN's per-call reordering costs little there); the decode
             # steps have B rows each and multiply by weights reordered once (packed_weights).
             with packed_weights(model, rows=B):
                 # Weights gathered block by block need the model's own forward (its FSDP hooks) at every step.
-                lean = (LeanDecoder.start(model, cache, mask, params.max_new_tokens)
-                        if self.lean_reason() is None and not sharded_steps else None)
+                lean = (
+                    LeanDecoder.start(model, cache, mask, params.max_new_tokens)
+                    if self.lean_reason() is None and not sharded_steps
+                    else None
+                )
                 if lean is not None:
                     cache = out = None  # its keys and values were copied into the decoder's buffers
                 for t in range(params.max_new_tokens):
@@ -151,16 +183,25 @@ class HFEngine:
                     token = torch.where(done, self.pad_token_id, token)
                     tokens.append(token)
                     done = done | torch.isin(token, stop)
-                    finished = (not dist.any_rank(not bool(done.all()), device) if sharded_steps
-                                else bool(done.all()))
+                    finished = (
+                        not dist.any_rank(not bool(done.all()), device)
+                        if sharded_steps
+                        else bool(done.all())
+                    )
                     if t + 1 == params.max_new_tokens or finished:
                         break
                     if lean is not None:
                         logits = lean.step(token, position)
                     else:
                         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                                    use_cache=True, **{self._cache_kw: cache}, **extra)
+                        out = model(
+                            input_ids=token[:, None],
+                            attention_mask=mask,
+                            position_ids=position,
+                            use_cache=True,
+                            **{self._cache_kw: cache},
+                            **extra,
+                        )
                         cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
                     position = position + 1
         return torch.stack(tokens, dim=1)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from proximal import dist
 from proximal.core import logprobs_from_logits
 from proximal.models.heads import token_values
 from proximal.rollout.sampling import Rollout, response_logits
-from proximal.train import dist
 
 
 @dataclass
@@ -37,14 +37,16 @@ class Experience:
     """
 
     rollout: Rollout
-    scores: torch.Tensor                      # (B,) float32, 0 where not valid
-    valid: torch.Tensor                       # (B,) bool
-    logprobs: torch.Tensor | None = None      # (B, T) log π_old(y_t | s_t); None: π_old is the policy about to
-                                              # take its one optimiser step on this batch (see compute_experience)
+    scores: torch.Tensor  # (B,) float32, 0 where not valid
+    valid: torch.Tensor  # (B,) bool
+    logprobs: torch.Tensor | None = (
+        None  # (B, T) log π_old(y_t | s_t); None: π_old is the policy about to
+    )
+    # take its one optimiser step on this batch (see compute_experience)
     ref_logprobs: torch.Tensor | None = None  # (B, T) log π_ref(y_t | s_t)
-    values: torch.Tensor | None = None        # (B, T) V_old(s_t)
-    advantages: torch.Tensor | None = None    # (B, T) per token, or (B,) per sequence
-    returns: torch.Tensor | None = None       # (B, T) V^targ
+    values: torch.Tensor | None = None  # (B, T) V_old(s_t)
+    advantages: torch.Tensor | None = None  # (B, T) per token, or (B,) per sequence
+    returns: torch.Tensor | None = None  # (B, T) V^targ
 
     def __len__(self) -> int:
         return len(self.rollout)
@@ -54,10 +56,10 @@ class Experience:
         """The training mask, (B, T) bool: real response tokens of valid rows."""
         return self.rollout.response_mask & self.valid[:, None]
 
-    def replace(self, **changes) -> "Experience":
+    def replace(self, **changes) -> Experience:
         return dataclasses.replace(self, **changes)
 
-    def select(self, idx: torch.Tensor) -> "Experience":
+    def select(self, idx: torch.Tensor) -> Experience:
         """Rows ``idx``, with the columns none of them uses trimmed (as :meth:`Rollout.select`)."""
         r = self.rollout.select(idx)
         T = r.response_ids.shape[1]
@@ -81,13 +83,17 @@ def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sequence_token_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def sequence_token_logprobs(
+    model, rollout: Rollout, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
     """log π(y_t | s_t) of the sampled tokens under ``model``, (B, T), 0 after the stop; micro-batched."""
     T = rollout.response_ids.shape[1]
     out = []
     for idx in _micro_batches(len(rollout), micro_batch_size):
         r = rollout.select(idx)
-        lp = logprobs_from_logits(response_logits(model, r), r.response_ids, temperature, mask=r.response_mask)
+        lp = logprobs_from_logits(
+            response_logits(model, r), r.response_ids, temperature, mask=r.response_mask
+        )
         out.append(_pad_to(lp, T))
     return torch.cat(out)
 
@@ -95,13 +101,22 @@ def sequence_token_logprobs(model, rollout: Rollout, temperature: float, micro_b
 def critic_values(critic, r: Rollout) -> torch.Tensor:
     """V_φ(s_t) for each response position t: the head at the token before y_t, (B, T), float32."""
     P = r.prompt_ids.shape[1]
-    return token_values(critic, r.input_ids, r.attention_mask)[:, P - 1:-1].float()
+    return token_values(critic, r.input_ids, r.attention_mask)[:, P - 1 : -1].float()
 
 
 @torch.no_grad()
-def compute_experience(rollout: Rollout, scores: torch.Tensor, valid: torch.Tensor, *, actor, reference=None,
-                       critic=None, temperature: float = 1.0, micro_batch_size: int = 8,
-                       old_logprobs: bool = True) -> Experience:
+def compute_experience(
+    rollout: Rollout,
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    actor,
+    reference=None,
+    critic=None,
+    temperature: float = 1.0,
+    micro_batch_size: int = 8,
+    old_logprobs: bool = True,
+) -> Experience:
     """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
     or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients.
 
@@ -109,7 +124,11 @@ def compute_experience(rollout: Rollout, scores: torch.Tensor, valid: torch.Tens
     one optimiser step, for then π_old *is* the policy in the update's forward pass, whose own
     log-probabilities, detached, serve as log π_old — ρ = 1 and ∇ρ = ∇log π, the same gradient, one
     forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation)."""
-    logprobs = sequence_token_logprobs(actor, rollout, temperature, micro_batch_size) if old_logprobs else None
+    logprobs = (
+        sequence_token_logprobs(actor, rollout, temperature, micro_batch_size)
+        if old_logprobs
+        else None
+    )
     ref = None
     if reference is not None:
         with reference.active() as ref_model:
@@ -133,8 +152,12 @@ def gather(exp: Experience) -> Experience:
         return exp
     r = exp.rollout
     device = r.prompt_ids.device
-    P, T = (int(v) for v in dist.all_reduce_max(torch.tensor([r.prompt_ids.shape[1], r.response_ids.shape[1]],
-                                                             device=device)))
+    P, T = (
+        int(v)
+        for v in dist.all_reduce_max(
+            torch.tensor([r.prompt_ids.shape[1], r.response_ids.shape[1]], device=device)
+        )
+    )
 
     def left(x):
         return F.pad(x, (P - x.shape[1], 0))
@@ -142,8 +165,18 @@ def gather(exp: Experience) -> Experience:
     def right(x):
         return F.pad(x, (0, T - x.shape[1])) if x.dim() == 2 else x
 
-    rollout = Rollout(*(dist.all_gather_cat(t) for t in (left(r.prompt_ids), left(r.prompt_mask),
-                                                          right(r.response_ids), right(r.response_mask), r.ended)))
+    rollout = Rollout(
+        *(
+            dist.all_gather_cat(t)
+            for t in (
+                left(r.prompt_ids),
+                left(r.prompt_mask),
+                right(r.response_ids),
+                right(r.response_mask),
+                r.ended,
+            )
+        )
+    )
     out = {}
     for f in dataclasses.fields(exp):
         v = getattr(exp, f.name)

@@ -46,7 +46,7 @@ class Rollout:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
-    def select(self, idx: torch.Tensor) -> "Rollout":
+    def select(self, idx: torch.Tensor) -> Rollout:
         """The rows ``idx``, with the columns no selected row uses trimmed (left padding of the prompt,
         right padding of the response)."""
         r = Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
@@ -54,12 +54,20 @@ class Rollout:
             return r
         p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
         t1 = max(1, int(r.response_mask.sum(1).max()))
-        return Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.response_ids[:, :t1], r.response_mask[:, :t1],
-                       r.ended)
+        return Rollout(
+            r.prompt_ids[:, p0:],
+            r.prompt_mask[:, p0:],
+            r.response_ids[:, :t1],
+            r.response_mask[:, :t1],
+            r.ended,
+        )
 
 
-def stop_mask(response_ids: torch.Tensor, stop_token_ids: list[int], generated_len: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def stop_mask(
+    response_ids: torch.Tensor,
+    stop_token_ids: list[int],
+    generated_len: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask everything after the first stop token of each row. Returns (response_mask, ended), (B, T) and (B,).
 
     ``generated_len`` (B,) optionally caps each row's valid length (used for stop strings).
@@ -69,7 +77,7 @@ def stop_mask(response_ids: torch.Tensor, stop_token_ids: list[int], generated_l
     for s in stop_token_ids:
         is_stop |= response_ids == s
     idx = torch.arange(T, device=response_ids.device).expand(B, T)
-    first_stop = torch.where(is_stop, idx, T).min(dim=1).values          # T where none
+    first_stop = torch.where(is_stop, idx, T).min(dim=1).values  # T where none
     length = torch.where(first_stop < T, first_stop + 1, T)
     ended = first_stop < T
     if generated_len is not None:
@@ -78,8 +86,9 @@ def stop_mask(response_ids: torch.Tensor, stop_token_ids: list[int], generated_l
     return idx < length.unsqueeze(1), ended
 
 
-def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor,
-                         stop_strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _stop_string_lengths(
+    tokenizer, response_ids: torch.Tensor, mask: torch.Tensor, stop_strings: list[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row, the number of tokens up to and including the first stop string (or its current
     length), and whether a stop string was found. Shapes (B,), (B,) bool."""
     lengths = mask.sum(1).clone()
@@ -99,9 +108,20 @@ def _stop_string_lengths(tokenizer, response_ids: torch.Tensor, mask: torch.Tens
     return lengths, found
 
 
-def sample(engine: RolloutEngine | torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-           seeds: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           stop_token_ids: list[int] | None = None, stop_strings: list[str] | None = None) -> Rollout:
+def sample(
+    engine: RolloutEngine | torch.nn.Module,
+    tokenizer,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    seeds: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: list[int] | None = None,
+    stop_strings: list[str] | None = None,
+) -> Rollout:
     """One response per prompt from the engine (or, given a model, :class:`HFEngine` over it), masked
     after the stop: EOS, any of ``stop_token_ids``, or the token that completes a stop string.
 
@@ -111,8 +131,13 @@ def sample(engine: RolloutEngine | torch.nn.Module, tokenizer, prompt_ids: torch
     if isinstance(engine, torch.nn.Module):
         engine = HFEngine(engine, tokenizer.pad_token_id)
     eos = [tokenizer.eos_token_id] + list(stop_token_ids or [])
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos), temperature=temperature,
-                            top_p=top_p, top_k=top_k)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(eos),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+    )
     response_ids = engine.generate(prompt_ids, prompt_mask, list(seeds), params)
     mask, ended = stop_mask(response_ids, eos)
     if stop_strings:
@@ -123,8 +148,9 @@ def sample(engine: RolloutEngine | torch.nn.Module, tokenizer, prompt_ids: torch
     return Rollout(prompt_ids, prompt_mask, response_ids, mask, ended)
 
 
-def response_logits(model, rollout_or_ids, attention_mask: torch.Tensor | None = None,
-                    prompt_len: int | None = None) -> torch.Tensor:
+def response_logits(
+    model, rollout_or_ids, attention_mask: torch.Tensor | None = None, prompt_len: int | None = None
+) -> torch.Tensor:
     """Logits predicting each response token: positions P-1 … P+T-2 of the full sequence. Shape (B, T, V).
 
     Only those positions go through the output layer (:func:`proximal.models.heads.lm_logits`): the

@@ -17,14 +17,14 @@ import importlib
 import numbers
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from proximal.config import ConfigError
 from proximal.data.chat import apply_template, encode_prompt
-from proximal.models.heads import last_token_scores
 from proximal.data.collate import pad_right
+from proximal.models.heads import last_token_scores
 from proximal.rollout.sampling import Rollout
 
 
@@ -38,7 +38,9 @@ def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[flo
     if ":" not in spec:
         raise ConfigError(f"reward function {spec!r}: expected 'module:function'")
     module, name = spec.split(":", 1)
-    if "" not in sys.path and os.getcwd() not in sys.path:  # like `python -m`: modules beside the config work
+    if (
+        "" not in sys.path and os.getcwd() not in sys.path
+    ):  # like `python -m`: modules beside the config work
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), name)
@@ -51,16 +53,27 @@ def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[flo
 
 def same_tokenizer(a, b) -> bool:
     """True when two tokenizers map text to the same ids (same vocabulary and special tokens)."""
-    return (a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
-            and a.bos_token_id == b.bos_token_id)
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.eos_token_id == b.eos_token_id
+        and a.bos_token_id == b.bos_token_id
+    )
 
 
 class Scorer:
     """Weighted sum of a reward model's score and reward functions' scores for a batch of rollouts."""
 
-    def __init__(self, policy_tokenizer, *, reward_model=None, reward_tokenizer=None, reward_model_weight=1.0,
-                 functions: dict[str, Callable] | None = None, function_weights: dict[str, float] | None = None,
-                 micro_batch_size: int = 8):
+    def __init__(
+        self,
+        policy_tokenizer,
+        *,
+        reward_model=None,
+        reward_tokenizer=None,
+        reward_model_weight=1.0,
+        functions: dict[str, Callable] | None = None,
+        function_weights: dict[str, float] | None = None,
+        micro_batch_size: int = 8,
+    ):
         self.policy_tokenizer = policy_tokenizer
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer or policy_tokenizer
@@ -68,18 +81,23 @@ class Scorer:
         self.functions = functions or {}
         self.function_weights = function_weights or {name: 1.0 for name in self.functions}
         self.micro_batch_size = micro_batch_size
-        self.reuse_ids = reward_model is not None and same_tokenizer(policy_tokenizer, self.reward_tokenizer)
+        self.reuse_ids = reward_model is not None and same_tokenizer(
+            policy_tokenizer, self.reward_tokenizer
+        )
 
     def completions(self, rollout: Rollout) -> list[str]:
         """The response texts, special tokens (EOS, pad) removed."""
-        return [self.policy_tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-                for ids, m in zip(rollout.response_ids, rollout.response_mask)]
+        return [
+            self.policy_tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
+            for ids, m in zip(rollout.response_ids, rollout.response_mask)
+        ]
 
     def _reward_model_inputs(self, rollout: Rollout, prompts: list[str], messages: list | None):
         rows = []
         if self.reuse_ids:
-            for p_ids, p_m, r_ids, r_m in zip(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
-                                              rollout.response_mask):
+            for p_ids, p_m, r_ids, r_m in zip(
+                rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask
+            ):
                 rows.append(p_ids[p_m.bool()].tolist() + r_ids[r_m].tolist())
         else:
             tok = self.reward_tokenizer
@@ -90,15 +108,23 @@ class Scorer:
                 msgs = messages[i] if messages else None
                 if msgs and getattr(tok, "chat_template", None):
                     prompt = apply_template(list(msgs), tok, f"prompt {i}")
-                ids = encode_prompt(prompt, tok) + tok(completion, add_special_tokens=False).input_ids
+                ids = (
+                    encode_prompt(prompt, tok) + tok(completion, add_special_tokens=False).input_ids
+                )
                 if bool(rollout.ended[i]) and tok.eos_token_id is not None:
                     ids = ids + [tok.eos_token_id]
                 rows.append(ids)
         return rows
 
     @torch.no_grad()
-    def __call__(self, rollout: Rollout, prompts: list[str], messages: list | None = None, *,
-                 step: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        rollout: Rollout,
+        prompts: list[str],
+        messages: list | None = None,
+        *,
+        step: int | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total score (B,) float32 and each component (B,) by name ("reward_model", function names).
 
         ``step`` only names the step in the message of a reward function that fails."""
@@ -110,20 +136,23 @@ class Scorer:
             pad = self.reward_tokenizer.pad_token_id
             scores = []
             for i in range(0, len(rows), self.micro_batch_size):
-                ids, mask = pad_right(rows[i: i + self.micro_batch_size], pad, device)
+                ids, mask = pad_right(rows[i : i + self.micro_batch_size], pad, device)
                 scores.append(last_token_scores(self.reward_model, ids, mask).float())
             components["reward_model"] = torch.cat(scores)
             total = total + self.reward_model_weight * components["reward_model"]
         if self.functions:
             texts = self.completions(rollout)
             for name, fn in self.functions.items():
-                components[name] = call_reward_function(name, fn, list(prompts), texts, step).to(device)
+                components[name] = call_reward_function(name, fn, list(prompts), texts, step).to(
+                    device
+                )
                 total = total + self.function_weights[name] * components[name]
         return total, components
 
 
-def call_reward_function(name: str, fn: Callable, prompts: list[str], completions: list[str],
-                         step: int | None = None) -> torch.Tensor:
+def call_reward_function(
+    name: str, fn: Callable, prompts: list[str], completions: list[str], step: int | None = None
+) -> torch.Tensor:
     """``fn(prompts, completions)`` as a (B,) float32 tensor (NaN allowed: the trainer's
     ``rollout.nonfinite_scores`` decides); RewardFunctionError naming the function and the step when
     it raises or returns anything but one real number per completion."""
@@ -133,22 +162,42 @@ def call_reward_function(name: str, fn: Callable, prompts: list[str], completion
     except Exception as e:  # the user's code: report it as theirs, in one line
         raise RewardFunctionError(f"{where} raised {type(e).__name__}: {e}") from e
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardFunctionError(f"{where} returned {type(values).__name__} {values!r:.60}; it must return a "
-                                  f"list of {len(completions)} numbers, one per completion")
+        raise RewardFunctionError(
+            f"{where} returned {type(values).__name__} {values!r:.60}; it must return a "
+            f"list of {len(completions)} numbers, one per completion"
+        )
     values = list(values.tolist() if hasattr(values, "tolist") else values)
     if len(values) != len(completions):
-        raise RewardFunctionError(f"{where} returned {len(values)} score{'' if len(values) == 1 else 's'} for "
-                                  f"{len(completions)} completions")
-    bad = [(i, v) for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+        raise RewardFunctionError(
+            f"{where} returned {len(values)} score{'' if len(values) == 1 else 's'} for "
+            f"{len(completions)} completions"
+        )
+    bad = [
+        (i, v)
+        for i, v in enumerate(values)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real)
+    ]
     if bad:
         i, v = bad[0]
-        raise RewardFunctionError(f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60}")
+        raise RewardFunctionError(
+            f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60}"
+        )
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
 
 
-def build_scorer(policy_tokenizer, *, reward_model: str | None, reward_model_weight: float, functions: dict,
-                 function_weights: dict[str, float], precision: str, device: torch.device, world_size: int,
-                 frozen_sharding: str = "shard", micro_batch_size: int = 8) -> Scorer:
+def build_scorer(
+    policy_tokenizer,
+    *,
+    reward_model: str | None,
+    reward_model_weight: float,
+    functions: dict,
+    function_weights: dict[str, float],
+    precision: str,
+    device: torch.device,
+    world_size: int,
+    frozen_sharding: str = "shard",
+    micro_batch_size: int = 8,
+) -> Scorer:
     """The frozen reward model (if any) loaded, checked, placed and (several processes) sharded, with
     the reward functions, as one :class:`Scorer`."""
     from proximal.models.loading import load_sequence_scorer, load_tokenizer
@@ -156,11 +205,22 @@ def build_scorer(policy_tokenizer, *, reward_model: str | None, reward_model_wei
 
     model = tokenizer = None
     if reward_model is not None:
-        tokenizer = load_tokenizer(reward_model, role="reward-model tokenizer (model.reward_model)",
-                                   padding_side="right")
-        model = load_sequence_scorer(reward_model, role="reward model (model.reward_model)",
-                                     dtype=load_dtype(precision, trained=False), pad_token_id=tokenizer.pad_token_id)
+        tokenizer = load_tokenizer(
+            reward_model, role="reward-model tokenizer (model.reward_model)", padding_side="right"
+        )
+        model = load_sequence_scorer(
+            reward_model,
+            role="reward model (model.reward_model)",
+            dtype=load_dtype(precision, trained=False),
+            pad_token_id=tokenizer.pad_token_id,
+        )
         prepare_frozen(model, device=device, world_size=world_size, sharding=frozen_sharding)
-    return Scorer(policy_tokenizer, reward_model=model, reward_tokenizer=tokenizer,
-                  reward_model_weight=reward_model_weight, functions=functions, function_weights=function_weights,
-                  micro_batch_size=micro_batch_size)
+    return Scorer(
+        policy_tokenizer,
+        reward_model=model,
+        reward_tokenizer=tokenizer,
+        reward_model_weight=reward_model_weight,
+        functions=functions,
+        function_weights=function_weights,
+        micro_batch_size=micro_batch_size,
+    )

@@ -39,8 +39,8 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from proximal.data.jsonl import write_jsonl
 
@@ -65,13 +65,16 @@ SLIPS_CANDIDATES = ("swap", "drop", "replace", "dup")
 #: The labeller's Bradley–Terry temperature: smaller is closer to gold, larger is noisier.
 LABEL_TAU = 0.2
 
-_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}"
-                  "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer
 # ----------------------------------------------------------------------------------------------
+
 
 def build_tokenizer():
     """The task's character tokenizer: ``<pad> <eos> <bos> <unk>`` (ids 0-3), then ``0``-``9`` and ``=``.
@@ -89,12 +92,15 @@ def build_tokenizer():
 # Gold score
 # ----------------------------------------------------------------------------------------------
 
+
 def prompt_digits(prompt: str) -> str:
     """The digits a prompt asks to sort: ``"31415="`` → ``"31415"``; ValueError for anything else."""
     body = prompt.strip()
     if not body.endswith(SEP) or not body[:-1].isdigit() or not body[:-1].isascii():
-        raise ValueError(f"not a digits-task prompt: {prompt!r} (expected digits followed by {SEP!r}, "
-                         f"e.g. '31415=')")
+        raise ValueError(
+            f"not a digits-task prompt: {prompt!r} (expected digits followed by {SEP!r}, "
+            f"e.g. '31415=')"
+        )
     return body[:-1]
 
 
@@ -151,6 +157,7 @@ def exact_sort(prompts: list[str], completions: list[str]) -> list[float]:
 # Simulated data sources: prompts, a sloppy teacher, preference candidates, a noisy labeller
 # ----------------------------------------------------------------------------------------------
 
+
 def random_digits(rng: random.Random) -> str:
     n = rng.randint(MIN_DIGITS, MAX_DIGITS)
     return "".join(rng.choice(DIGITS) for _ in range(n))
@@ -177,7 +184,9 @@ def _slip(s: list[str], kind: str, rng: random.Random) -> None:
         raise ValueError(f"unknown slip {kind!r}")
 
 
-def noisy_response(digits: str, rng: random.Random, mix: dict[str, float], slips: Sequence[str]) -> str:
+def noisy_response(
+    digits: str, rng: random.Random, mix: dict[str, float], slips: Sequence[str]
+) -> str:
     """One response to the prompt ``digits + '='`` drawn from the behaviour mixture ``mix``."""
     behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
     if behaviour == "copy":
@@ -202,7 +211,9 @@ def preference_probability(gold_a: float, gold_b: float, tau: float = LABEL_TAU)
     return math.exp(z) / (1.0 + math.exp(z))
 
 
-def label_pair(prompt: str, a: str, b: str, rng: random.Random, tau: float = LABEL_TAU) -> tuple[str, str]:
+def label_pair(
+    prompt: str, a: str, b: str, rng: random.Random, tau: float = LABEL_TAU
+) -> tuple[str, str]:
     """The noisy labeller: ``(chosen, rejected)``, sampled from the Bradley–Terry probability."""
     if rng.random() < preference_probability(gold(prompt, a), gold(prompt, b), tau):
         return a, b
@@ -211,8 +222,13 @@ def label_pair(prompt: str, a: str, b: str, rng: random.Random, tau: float = LAB
 
 def expected_agreement(pairs: list[dict], tau: float = LABEL_TAU) -> float:
     """The labeller's expected agreement with gold over pairs whose gold differs: mean σ(|Δgold| / tau)."""
-    ps = [preference_probability(abs(gold(r["prompt"], r["chosen"]) - gold(r["prompt"], r["rejected"])), 0.0, tau)
-          for r in pairs if gold(r["prompt"], r["chosen"]) != gold(r["prompt"], r["rejected"])]
+    ps = [
+        preference_probability(
+            abs(gold(r["prompt"], r["chosen"]) - gold(r["prompt"], r["rejected"])), 0.0, tau
+        )
+        for r in pairs
+        if gold(r["prompt"], r["chosen"]) != gold(r["prompt"], r["rejected"])
+    ]
     return sum(ps) / len(ps)
 
 
@@ -226,6 +242,7 @@ def gold_agreement(pairs: list[dict]) -> float:
 # ----------------------------------------------------------------------------------------------
 # Writing the task's files
 # ----------------------------------------------------------------------------------------------
+
 
 def _prompts(rng: random.Random, n: int, exclude: set[str]) -> list[str]:
     out: list[str] = []
@@ -252,9 +269,19 @@ def _pairs(digit_strings: list[str], rng: random.Random, tau: float) -> list[dic
     return rows
 
 
-def make_task_data(out_dir: str | Path, seed: int = 0, *, n_sft_train: int = 4000, n_sft_eval: int = 200,
-                   n_prefs_train: int = 4000, n_prefs_eval: int = 500, n_prompts_train: int = 2000,
-                   n_prompts_eval: int = 256, tau: float = LABEL_TAU, model: dict | None = None) -> dict:
+def make_task_data(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    n_sft_train: int = 4000,
+    n_sft_eval: int = 200,
+    n_prefs_train: int = 4000,
+    n_prefs_eval: int = 500,
+    n_prompts_train: int = 2000,
+    n_prompts_eval: int = 256,
+    tau: float = LABEL_TAU,
+    model: dict | None = None,
+) -> dict:
     """Write the task's data, tokenizer and a randomly initialised tiny base model under ``out_dir``.
 
     Files: ``sft_{train,eval}.jsonl`` (``prompt``, ``response``), ``prefs_{train,eval}.jsonl``
@@ -273,18 +300,22 @@ def make_task_data(out_dir: str | Path, seed: int = 0, *, n_sft_train: int = 400
     eval_digits = _prompts(rng, n_sft_eval + n_prefs_eval + n_prompts_eval, set())
     held_out = set(eval_digits)
     sft_eval_d = eval_digits[:n_sft_eval]
-    prefs_eval_d = eval_digits[n_sft_eval:n_sft_eval + n_prefs_eval]
-    prompts_eval_d = eval_digits[n_sft_eval + n_prefs_eval:]
+    prefs_eval_d = eval_digits[n_sft_eval : n_sft_eval + n_prefs_eval]
+    prompts_eval_d = eval_digits[n_sft_eval + n_prefs_eval :]
     # Training prompts may repeat across training splits (as in real pipelines), never across held-out.
     sft_train_d = _prompts(rng, n_sft_train, held_out)
     prefs_train_d = _prompts(rng, n_prefs_train, held_out)
     prompts_train_d = _prompts(rng, n_prompts_train, held_out)
 
-    sft = {name: [{"prompt": d + SEP, "response": teacher_response(d, rng)} for d in ds]
-           for name, ds in (("train", sft_train_d), ("eval", sft_eval_d))}
+    sft = {
+        name: [{"prompt": d + SEP, "response": teacher_response(d, rng)} for d in ds]
+        for name, ds in (("train", sft_train_d), ("eval", sft_eval_d))
+    }
     prefs = {"train": _pairs(prefs_train_d, rng, tau), "eval": _pairs(prefs_eval_d, rng, tau)}
-    prompts = {"train": [{"prompt": d + SEP} for d in prompts_train_d],
-               "eval": [{"prompt": d + SEP} for d in prompts_eval_d]}
+    prompts = {
+        "train": [{"prompt": d + SEP} for d in prompts_train_d],
+        "eval": [{"prompt": d + SEP} for d in prompts_eval_d],
+    }
     for split in ("train", "eval"):
         write_jsonl(out / f"sft_{split}.jsonl", sft[split])
         write_jsonl(out / f"prefs_{split}.jsonl", prefs[split])
@@ -301,10 +332,18 @@ def make_task_data(out_dir: str | Path, seed: int = 0, *, n_sft_train: int = 400
     info = {
         "task": "digits-sort",
         "seed": seed,
-        "sizes": {"sft_train": n_sft_train, "sft_eval": n_sft_eval, "prefs_train": n_prefs_train,
-                  "prefs_eval": n_prefs_eval, "prompts_train": n_prompts_train, "prompts_eval": n_prompts_eval},
-        "teacher": TEACHER, "teacher_slips": list(SLIPS_TEACHER),
-        "candidates": CANDIDATES, "candidate_slips": list(SLIPS_CANDIDATES),
+        "sizes": {
+            "sft_train": n_sft_train,
+            "sft_eval": n_sft_eval,
+            "prefs_train": n_prefs_train,
+            "prefs_eval": n_prefs_eval,
+            "prompts_train": n_prompts_train,
+            "prompts_eval": n_prompts_eval,
+        },
+        "teacher": TEACHER,
+        "teacher_slips": list(SLIPS_TEACHER),
+        "candidates": CANDIDATES,
+        "candidate_slips": list(SLIPS_CANDIDATES),
         "label_tau": tau,
         "model": model_kwargs,
         "teacher_gold_train": mean_gold(sft["train"], "response"),

@@ -31,12 +31,12 @@ import random
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from proximal.train import dist
+from proximal import dist
 
 MANIFEST = "manifest.json"
 
@@ -48,6 +48,7 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 # Atomic files
 # ----------------------------------------------------------------------------------------------
+
 
 def _fsync_tree(root: Path) -> None:
     for parent, _, files in os.walk(root):
@@ -107,14 +108,16 @@ def _sha256(path: Path) -> str:
 
 
 def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
 
 
 def _hash_shared(root: Path, names: list[str]) -> dict[str, dict]:
     """fsync, size and SHA-256 of ``names`` under ``root``, the work split over ranks (file i on rank
     i mod W), merged on every rank."""
     mine = {}
-    for n in names[dist.rank()::dist.world_size()]:
+    for n in names[dist.rank() :: dist.world_size()]:
         with open(root / n, "rb") as fh:
             os.fsync(fh.fileno())
         mine[n] = {"bytes": (root / n).stat().st_size, "sha256": _sha256(root / n)}
@@ -128,6 +131,7 @@ def _hash_shared(root: Path, names: list[str]) -> dict[str, dict]:
 # Saving
 # ----------------------------------------------------------------------------------------------
 
+
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
@@ -137,7 +141,9 @@ def _dcp_state(trained: dict) -> dict:
 
     out = {}
     for name, (module, optimizer) in trained.items():
-        msd, osd = get_state_dict(module, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        msd, osd = get_state_dict(
+            module, optimizer, options=StateDictOptions(ignore_frozen_params=True)
+        )
         out[name] = {"model": msd, "optim": osd}
     return out
 
@@ -151,8 +157,9 @@ def _quiet_dcp():
     return ctx
 
 
-def save_checkpoint(root: str | Path, step: int, *, trained: dict, state: dict, exports: dict,
-                    keep: int) -> Path:
+def save_checkpoint(
+    root: str | Path, step: int, *, trained: dict, state: dict, exports: dict, keep: int
+) -> Path:
     """Write checkpoint ``step`` under ``root`` (every rank calls this); return its path.
 
     Args:
@@ -183,7 +190,9 @@ def save_checkpoint(root: str | Path, step: int, *, trained: dict, state: dict, 
         export_pretrained(module, tokenizer, tmp / name, is_main=dist.is_main())
     torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
     if dist.is_main():
-        torch.save({"step": step, "world_size": dist.world_size(), **state}, tmp / "trainer_state.pt")
+        torch.save(
+            {"step": step, "world_size": dist.world_size(), **state}, tmp / "trainer_state.pt"
+        )
     dist.barrier()
     names = _files(tmp)
     hashes = _hash_shared(tmp, names)
@@ -199,13 +208,17 @@ def save_checkpoint(root: str | Path, step: int, *, trained: dict, state: dict, 
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Finding, verifying and loading
 # ----------------------------------------------------------------------------------------------
+
 
 def completed(root: str | Path) -> list[Path]:
     """Checkpoint directories under ``root``, oldest first (temporary ones excluded)."""
@@ -258,7 +271,9 @@ def find_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
         notes = []
         left = remove_leftovers(root)
         if left:
-            notes.append(f"removed {len(left)} incomplete checkpoint(s) left by an interrupted save: {', '.join(left)}")
+            notes.append(
+                f"removed {len(left)} incomplete checkpoint(s) left by an interrupted save: {', '.join(left)}"
+            )
         candidates = completed(root)[::-1]
         pointer = root / "latest"
         if pointer.is_file():
@@ -290,17 +305,30 @@ def load_checkpoint(path: Path, *, trained: dict) -> dict:
     try:
         dcp.load(target, checkpoint_id=str(path / "state"))
     except (RuntimeError, dcp.api.CheckpointException) as e:  # CheckpointException: a BaseException
-        first = next((line for line in str(e).splitlines() if "Missing key" in line or "ize mismatch" in line), None)
+        first = next(
+            (
+                line
+                for line in str(e).splitlines()
+                if "Missing key" in line or "ize mismatch" in line
+            ),
+            None,
+        )
         if first is None:
             raise
-        raise CheckpointError(f"checkpoint {path}: its weights do not fit the models being trained "
-                              f"({first.strip()[:300]}); resume with the run's own model settings") from None
+        raise CheckpointError(
+            f"checkpoint {path}: its weights do not fit the models being trained "
+            f"({first.strip()[:300]}); resume with the run's own model settings"
+        ) from None
     finally:
         ctx.__exit__(None, None, None)
     for name, (module, optimizer) in trained.items():
-        set_state_dict(module, optimizer, model_state_dict=target[name]["model"],
-                       optim_state_dict=target[name]["optim"],
-                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        set_state_dict(
+            module,
+            optimizer,
+            model_state_dict=target[name]["model"],
+            optim_state_dict=target[name]["optim"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     rng_file = path / "rng" / f"rank_{dist.rank():05d}.pt"
     if rng_file.is_file() and state.get("world_size") == dist.world_size():

@@ -11,19 +11,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from proximal import dist
 from proximal.config import ConfigError
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
 from proximal.rollout.scoring import RewardFunctionError
-from proximal.train import dist
 from proximal.train.checkpoint import CheckpointError
 
 #: Exceptions that mean the input was wrong: exit status 2.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelLoadError, RewardFunctionError,
-                                                CheckpointError, FileNotFoundError, FileExistsError, ImportError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataError,
+    ModelLoadError,
+    RewardFunctionError,
+    CheckpointError,
+    FileNotFoundError,
+    FileExistsError,
+    ImportError,
+)
 #: Exceptions that mean training itself failed (e.g. a non-finite loss): exit status 1.
 TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError,)
 
@@ -39,7 +47,10 @@ def lost_peer(error: BaseException) -> bool:
     if isinstance(error, getattr(td, "DistError", ())):
         return True
     text = str(error)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "timed out", "Timed out"))
+    return any(
+        s in text
+        for s in ("Connection closed by peer", "Connection reset by peer", "timed out", "Timed out")
+    )
 
 
 def exit_code(error: BaseException) -> int | None:
@@ -58,7 +69,9 @@ def exit_code(error: BaseException) -> int | None:
 def say(prog: str, message: str, *, error: bool = True) -> None:
     """One line from ``proximal <prog>``; under torchrun other ranks than 0 prefix their rank."""
     prefix = f"[rank {dist.rank()}] " if dist.rank() > 0 else ""
-    print(f"{prefix}proximal {prog}: {message}", file=sys.stderr if error else sys.stdout, flush=True)
+    print(
+        f"{prefix}proximal {prog}: {message}", file=sys.stderr if error else sys.stdout, flush=True
+    )
 
 
 def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
@@ -72,8 +85,10 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
         if code == EXIT_INTERRUPTED:
             message = "interrupted"
         elif lost_peer(e):
-            message = (f"stopped: another process of the job failed or stalled ({str(e).splitlines()[0][:160]}); "
-                       "look for that process's own message (a process killed from outside prints none)")
+            message = (
+                f"stopped: another process of the job failed or stalled ({str(e).splitlines()[0][:160]}); "
+                "look for that process's own message (a process killed from outside prints none)"
+            )
         else:
             message = str(e)
         say(prog, message)
@@ -88,15 +103,32 @@ def check_same_models(saved_config: Path, cfg) -> None:
     import yaml
 
     saved = (yaml.safe_load(saved_config.read_text()) or {}).get("model") or {}
-    now = dataclasses.asdict(cfg.model) if dataclasses.is_dataclass(getattr(cfg, "model", None)) else {}
-    changed = [f"model.{k} = {now[k]!r} (the run has {saved[k]!r})" for k in now if k in saved and saved[k] != now[k]]
+    now = (
+        dataclasses.asdict(cfg.model)
+        if dataclasses.is_dataclass(getattr(cfg, "model", None))
+        else {}
+    )
+    changed = [
+        f"model.{k} = {now[k]!r} (the run has {saved[k]!r})"
+        for k in now
+        if k in saved and saved[k] != now[k]
+    ]
     if changed:
-        raise ConfigError(f"--resume {saved_config.parent}: a resumed run keeps the models it was trained with; "
-                          f"{'; '.join(changed)}. Train the other model in a new output.dir")
+        raise ConfigError(
+            f"--resume {saved_config.parent}: a resumed run keeps the models it was trained with; "
+            f"{'; '.join(changed)}. Train the other model in a new output.dir"
+        )
 
 
-def config_command(argv: list[str], *, prog: str, description: str, config_cls: type,
-                   train: Callable[..., Path], summary: Callable[[Path], str] | None = None) -> int:
+def config_command(
+    argv: list[str],
+    *,
+    prog: str,
+    description: str,
+    config_cls: type,
+    train: Callable[..., Path],
+    summary: Callable[[Path], str] | None = None,
+) -> int:
     """``proximal <prog> --config FILE [--section.key value ...] [--resume RUN_DIR]``.
 
     ``train(cfg, resume_dir=None)`` gets the loaded, validated config and returns the run directory;
@@ -105,12 +137,19 @@ def config_command(argv: list[str], *, prog: str, description: str, config_cls: 
     """
     from proximal.config import help_text, load_config, parse_overrides
 
-    parser = argparse.ArgumentParser(prog=f"proximal {prog}", description=description, epilog=help_text(config_cls),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"proximal {prog}",
+        description=description,
+        epilog=help_text(config_cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML file with the run's config sections")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
-                             "used; overrides such as --train.steps apply on top)")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
+        "used; overrides such as --train.steps apply on top)",
+    )
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
@@ -118,7 +157,9 @@ def config_command(argv: list[str], *, prog: str, description: str, config_cls: 
         if args.resume is not None:
             saved = Path(args.resume) / "config.yaml"
             if not saved.is_file():
-                raise ConfigError(f"--resume {args.resume}: no config.yaml there; is it a run directory?")
+                raise ConfigError(
+                    f"--resume {args.resume}: no config.yaml there; is it a run directory?"
+                )
             config_path = config_path or saved
         cfg = load_config(config_cls, config_path, overrides)
         if args.resume is not None:

@@ -31,15 +31,23 @@ def tune_allocator(threshold: int = 1 << 30) -> bool:
     global _TUNED
     if _TUNED:
         return True
-    if os.environ.get("PROXIMAL_MALLOC", "").lower() == "system" or not sys.platform.startswith("linux"):
+    if os.environ.get("PROXIMAL_MALLOC", "").lower() == "system" or not sys.platform.startswith(
+        "linux"
+    ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         # One arena: the intra-op worker threads' allocations come from the same heap, not from
         # per-thread heaps that cannot hold a block over 64 MiB and mmap it instead.
-        ok = all(libc.mallopt(option, value) == 1 for option, value in (
-            (_M_MMAP_THRESHOLD, int(threshold)), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1)))
+        ok = all(
+            libc.mallopt(option, value) == 1
+            for option, value in (
+                (_M_MMAP_THRESHOLD, int(threshold)),
+                (_M_TRIM_THRESHOLD, 2**31 - 1),
+                (_M_ARENA_MAX, 1),
+            )
+        )
     except (OSError, AttributeError):  # musl, or no glibc
         return False
     _TUNED = ok
@@ -57,6 +65,8 @@ def busy_cpu_note(threads: int) -> str | None:
     cores = os.cpu_count() or 1
     if load + threads <= cores + 1.0:
         return None
-    return (f"the CPU is busy (load average {load:.1f} on {cores} cores, and {threads} torch threads here): steps "
-            "will be slower than on an idle machine, up to 10x for small models; give this run the free cores "
-            "(OMP_NUM_THREADS) or run it alone")
+    return (
+        f"the CPU is busy (load average {load:.1f} on {cores} cores, and {threads} torch threads here): steps "
+        "will be slower than on an idle machine, up to 10x for small models; give this run the free cores "
+        "(OMP_NUM_THREADS) or run it alone"
+    )

@@ -23,10 +23,16 @@ from pathlib import Path
 
 import torch
 
+from proximal import dist
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
-from proximal.train import dist
-from proximal.train.checkpoint import CheckpointError, completed, find_checkpoint, load_checkpoint, save_checkpoint
+from proximal.train.checkpoint import (
+    CheckpointError,
+    completed,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from proximal.train.optim import resync_schedule, seed_everything
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
@@ -44,26 +50,39 @@ def resolve_device(name: str) -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if dist.launched_world_size() > 1:
             if ":" in name:
-                raise ConfigError(f"train.device = {name!r}: under torchrun give 'cuda' (or 'auto'); each "
-                                  "process takes cuda:LOCAL_RANK")
+                raise ConfigError(
+                    f"train.device = {name!r}: under torchrun give 'cuda' (or 'auto'); each "
+                    "process takes cuda:LOCAL_RANK"
+                )
             name = f"cuda:{dist.local_rank()}"
         index = int(name.split(":")[1]) if ":" in name else 0
         if index >= count:
-            raise ConfigError(f"train.device = {name!r}, but this machine has {count or 'no'} CUDA devices")
+            raise ConfigError(
+                f"train.device = {name!r}, but this machine has {count or 'no'} CUDA devices"
+            )
     return torch.device(name)
 
 
-def check_per_rank(errors: list[str], name: str, total: int, micro_name: str | None = None,
-                   micro: int | None = None) -> None:
+def check_per_rank(
+    errors: list[str],
+    name: str,
+    total: int,
+    micro_name: str | None = None,
+    micro: int | None = None,
+) -> None:
     """Append an error unless ``total`` splits evenly over the processes (and into ``micro``-sized
     passes on each), naming the fields and the process count. ``total`` not divisible by ``micro`` at
     all is the caller's own check (one message, not two)."""
     w = dist.launched_world_size()
     if total % w:
-        errors.append(f"{name} = {total} is not divisible by the {w} processes (torchrun --nproc_per_node × nodes)")
+        errors.append(
+            f"{name} = {total} is not divisible by the {w} processes (torchrun --nproc_per_node × nodes)"
+        )
     elif micro_name is not None and total % micro == 0 and (total // w) % micro:
-        errors.append(f"{name} = {total} over {w} processes is {total // w} rows each, not divisible by "
-                      f"{micro_name} = {micro}")
+        errors.append(
+            f"{name} = {total} over {w} processes is {total // w} rows each, not divisible by "
+            f"{micro_name} = {micro}"
+        )
 
 
 def due(step: int, total: int, every: int) -> bool:
@@ -109,21 +128,39 @@ class Run:
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
                 if isinstance(obj, torch.optim.lr_scheduler.LambdaLR):
-                    resync_schedule(obj)  # the run may have been extended: the schedule's shape changed
+                    resync_schedule(
+                        obj
+                    )  # the run may have been extended: the schedule's shape changed
         return int(state["step"]), dict(state.get("counters", {}))
 
     # ------------------------------------------------------------------ start
-    def begin(self, cfg, *, start: int, total: int, counters: dict, progress: bool, tensorboard: bool = False,
-              wandb_project: str | None = None, unit: str = "step") -> None:
+    def begin(
+        self,
+        cfg,
+        *,
+        start: int,
+        total: int,
+        counters: dict,
+        progress: bool,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        unit: str = "step",
+    ) -> None:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
         config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
-        if start > total:  # before anything is written: the checkpoint and the logs stay as they are
-            raise ConfigError(f"--resume {self.dir}: its checkpoint is at step {start}, past the {total} steps "
-                              f"this config trains (train.steps, or train.epochs); give --train.steps larger "
-                              f"than {start} to continue the run")
+        if (
+            start > total
+        ):  # before anything is written: the checkpoint and the logs stay as they are
+            raise ConfigError(
+                f"--resume {self.dir}: its checkpoint is at step {start}, past the {total} steps "
+                f"this config trains (train.steps, or train.epochs); give --train.steps larger "
+                f"than {start} to continue the run"
+            )
         if start == total and start > 0:
-            self.notes.append(f"the run is already at step {start} of {total}: nothing to train (give a larger "
-                              "--train.steps to continue it)")
+            self.notes.append(
+                f"the run is already at step {start} of {total}: nothing to train (give a larger "
+                "--train.steps to continue it)"
+            )
         if self.is_main:
             for p in self.earlier:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -131,13 +168,17 @@ class Run:
             save_config(cfg, self.dir / "config.yaml")
             for name in STEP_LOGS:
                 truncate_jsonl(self.dir / name, start)
-            self.logger = MetricsLogger(self.dir, tensorboard=tensorboard, wandb_project=wandb_project)
+            self.logger = MetricsLogger(
+                self.dir, tensorboard=tensorboard, wandb_project=wandb_project
+            )
             for note in self.notes:
                 print(f"proximal {self.command}: {note}", flush=True)
             if progress:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True)
+                self.bar = tqdm(
+                    total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True
+                )
         dist.barrier()
         self.wall0 = time.perf_counter() - float(counters.get("wall_s", 0.0))
 
@@ -168,17 +209,29 @@ class Run:
         if self.bar is not None and step > 0:
             self.bar.update(1)
             if postfix:
-                self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()})
+                self.bar.set_postfix(
+                    {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, step: int, total: int, save_every: int) -> bool:
         return due(step, total, save_every)
 
-    def save(self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int) -> Path:
+    def save(
+        self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int
+    ) -> Path:
         counters = {**counters, "wall_s": self.wall_s()}
-        state = {name: obj.state_dict() if obj is not None else None for name, obj in stateful.items()}
-        return save_checkpoint(self.dir / "checkpoints", step, trained=trained, state={**state, "counters": counters},
-                               exports=exports, keep=keep)
+        state = {
+            name: obj.state_dict() if obj is not None else None for name, obj in stateful.items()
+        }
+        return save_checkpoint(
+            self.dir / "checkpoints",
+            step,
+            trained=trained,
+            state={**state, "counters": counters},
+            exports=exports,
+            keep=keep,
+        )
 
     def finish(self) -> None:
         if self.bar is not None:
@@ -229,10 +282,12 @@ def resident_models(**models) -> dict[str, dict]:
         if not params:  # shares every parameter with a model already counted
             continue
         seen.update(id(p) for p in params)
-        out[name] = {"parameters": sum(p.numel() for p in params),
-                     "bytes": sum(p.numel() * p.element_size() for p in params),
-                     "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
-                     "trainable": sum(p.numel() for p in params if p.requires_grad)}
+        out[name] = {
+            "parameters": sum(p.numel() for p in params),
+            "bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+        }
     return out
 
 
@@ -248,16 +303,28 @@ def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
     if not entries:
         return []
     if not any((run_dir / m).exists() for m in RUN_MARKERS):
-        raise ConfigError(f"output.dir = {run_dir} is not empty and does not look like a run directory (no "
-                          f"{', '.join(RUN_MARKERS)}); refusing to use it even with output.overwrite")
+        raise ConfigError(
+            f"output.dir = {run_dir} is not empty and does not look like a run directory (no "
+            f"{', '.join(RUN_MARKERS)}); refusing to use it even with output.overwrite"
+        )
     if not overwrite:
-        raise FileExistsError(f"output.dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
-                              "or start afresh with --output.overwrite true")
+        raise FileExistsError(
+            f"output.dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
+            "or start afresh with --output.overwrite true"
+        )
     return entries
 
 
-def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, device: str, dist_timeout_s: float,
-             resume_dir: str | Path | None = None) -> Run:
+def open_run(
+    command: str,
+    *,
+    output_dir: str,
+    overwrite: bool,
+    seed: int,
+    device: str,
+    dist_timeout_s: float,
+    resume_dir: str | Path | None = None,
+) -> Run:
     """Everything before the first model loads: the device, the process group, the seed, the run
     directory's guard (or the checkpoint to resume, verified)."""
     dev = resolve_device(device)
@@ -274,17 +341,28 @@ def open_run(command: str, *, output_dir: str, overwrite: bool, seed: int, devic
         ckpt, found_notes = find_checkpoint(run_dir / "checkpoints")
         notes += found_notes
         if ckpt is None:
-            detail = "; ".join(n for n in found_notes if n.startswith("skipping")) or "none was ever written"
-            raise CheckpointError(f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})")
+            detail = (
+                "; ".join(n for n in found_notes if n.startswith("skipping"))
+                or "none was ever written"
+            )
+            raise CheckpointError(
+                f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})"
+            )
         stale = [c for c in completed(run_dir / "checkpoints") if c.name > ckpt.name]
-        if stale:  # damaged ones skipped on the way: their steps are redone, so they must not be kept
+        if (
+            stale
+        ):  # damaged ones skipped on the way: their steps are redone, so they must not be kept
             if dist.is_main():
                 for c in stale:
                     shutil.rmtree(c, ignore_errors=True)
-            notes.append(f"removed {', '.join(c.name for c in stale)}, newer than the checkpoint resumed from")
+            notes.append(
+                f"removed {', '.join(c.name for c in stale)}, newer than the checkpoint resumed from"
+            )
         earlier = []
     else:
         ckpt = None
-        earlier = earlier_run(run_dir, overwrite)  # every rank checks (one shared file system), rank 0 deletes
+        earlier = earlier_run(
+            run_dir, overwrite
+        )  # every rank checks (one shared file system), rank 0 deletes
     dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
     return Run(command, run_dir, dev, ckpt, earlier, notes)

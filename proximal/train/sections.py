@@ -25,13 +25,17 @@ PRECISION_HELP = (
     "master weights, AdamW states and gradient reductions (one process: torch.autocast; several: FSDP2's "
     "MixedPrecisionPolicy); frozen models are held in bfloat16. 'bf16-true': weights, gradients and optimiser "
     "states all bfloat16 (half the memory, no float32 master copy; AdamW updates smaller than bf16's "
-    "resolution are lost).")
+    "resolution are lost)."
+)
 
 
 @dataclass
 class ModelSection:
-    path: str = option("", "The model this command trains, as it starts: a local Hugging Face checkpoint "
-                           "directory or a hub id. Its tokenizer is loaded from the same place. Required.")
+    path: str = option(
+        "",
+        "The model this command trains, as it starts: a local Hugging Face checkpoint "
+        "directory or a hub id. Its tokenizer is loaded from the same place. Required.",
+    )
 
     def problems(self, name: str = "model") -> list[str]:
         return [] if self.path else [f"{name}.path is required (a checkpoint directory or hub id)"]
@@ -46,8 +50,11 @@ class PolicyModelSection(ModelSection):
 
     lora_r: int = option(0, LORA_HELP)
     lora_alpha: float = option(16.0, "LoRA scaling numerator (scale = alpha / r).")
-    lora_target_modules: list[str] = option(help="Modules that get adapters; ['all-linear'] = every linear layer "
-                                                 "except the output head.", default_factory=lambda: ["all-linear"])
+    lora_target_modules: list[str] = option(
+        help="Modules that get adapters; ['all-linear'] = every linear layer "
+        "except the output head.",
+        default_factory=lambda: ["all-linear"],
+    )
 
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)
@@ -61,29 +68,46 @@ class PolicyModelSection(ModelSection):
         """The LoRA settings as keyword arguments, or None for full fine-tuning."""
         if self.lora_r == 0:
             return None
-        return dict(r=self.lora_r, alpha=self.lora_alpha, target_modules=list(self.lora_target_modules))
+        return dict(
+            r=self.lora_r, alpha=self.lora_alpha, target_modules=list(self.lora_target_modules)
+        )
 
 
 FROZEN_SHARDING = ("shard", "replicate")
-FROZEN_HELP = ("With several processes, how the frozen models (reference, reward model) are held: 'shard' "
-               "splits them with FSDP2 like the trained ones (least memory; an all-gather per layer per "
-               "forward), 'replicate' keeps a full copy on every rank (no communication).")
+FROZEN_HELP = (
+    "With several processes, how the frozen models (reference, reward model) are held: 'shard' "
+    "splits them with FSDP2 like the trained ones (least memory; an all-gather per layer per "
+    "forward), 'replicate' keeps a full copy on every rank (no communication)."
+)
 
 
 @dataclass
 class OptimSection:
     lr: float = option(1e-5, "Peak AdamW learning rate, reached after optim.warmup_steps.")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay, on matrices and embeddings only (parameters "
-                                      "with 2 or more dimensions); biases and norm gains are never decayed.")
+    weight_decay: float = option(
+        0.0,
+        "AdamW decoupled weight decay, on matrices and embeddings only (parameters "
+        "with 2 or more dimensions); biases and norm gains are never decayed.",
+    )
     adam_beta1: float = option(0.9, "AdamW β1.")
     adam_beta2: float = option(0.999, "AdamW β2.")
     adam_eps: float = option(1e-8, "AdamW ε.")
-    max_grad_norm: float = option(1.0, "Clip the global gradient L2 norm to this before each optimiser step; "
-                                       "0 = no clipping (the norm is still logged).")
-    warmup_steps: int = option(0, "Optimiser steps of linear warm-up from 0 to lr (transformers.get_scheduler: "
-                                  "step k of the warm-up runs at lr·k/warmup_steps, the first at 0).")
-    schedule: str = option("constant", "Learning rate after warm-up: constant, linear (towards 0: the last step runs "
-                                       "at lr/(steps − warm-up)) or cosine.", choices=SCHEDULES)
+    max_grad_norm: float = option(
+        1.0,
+        "Clip the global gradient L2 norm to this before each optimiser step; "
+        "0 = no clipping (the norm is still logged).",
+    )
+    warmup_steps: int = option(
+        0,
+        "Optimiser steps of linear warm-up from 0 to lr (transformers.get_scheduler: "
+        "step k of the warm-up runs at lr·k/warmup_steps, the first at 0).",
+    )
+    schedule: str = option(
+        "constant",
+        "Learning rate after warm-up: constant, linear (towards 0: the last step runs "
+        "at lr/(steps − warm-up)) or cosine.",
+        choices=SCHEDULES,
+    )
 
     def problems(self, name: str = "optim") -> list[str]:
         e = []
@@ -106,25 +130,40 @@ class OptimSection:
 
 @dataclass
 class TrainSection:
-    seed: int = option(0, "Seed of every random choice: data order, sampling, mini-batch shuffling, new heads.")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available). Under torchrun each process "
-                                 "takes cuda:LOCAL_RANK.")
+    seed: int = option(
+        0, "Seed of every random choice: data order, sampling, mini-batch shuffling, new heads."
+    )
+    device: str = option(
+        "auto",
+        "cpu, cuda, cuda:N, or auto (cuda when available). Under torchrun each process "
+        "takes cuda:LOCAL_RANK.",
+    )
     precision: str = option("32-true", PRECISION_HELP, choices=PRECISIONS)
-    activation_checkpointing: bool = option(False, "Recompute each transformer block's activations in the backward "
-                                                   "pass instead of keeping them (less memory, about a third more "
-                                                   "compute), for the models being trained.")
-    save_every: int = option(50, "Write a checkpoint every N steps, and always after the last (0 = only then).")
+    activation_checkpointing: bool = option(
+        False,
+        "Recompute each transformer block's activations in the backward "
+        "pass instead of keeping them (less memory, about a third more "
+        "compute), for the models being trained.",
+    )
+    save_every: int = option(
+        50, "Write a checkpoint every N steps, and always after the last (0 = only then)."
+    )
     keep_checkpoints: int = option(2, "How many step checkpoints to keep (the oldest are deleted).")
-    dist_timeout_s: float = option(600.0, "With several processes: how long a rank waits for the others in one "
-                                          "collective before the job fails (a rank that died ends the job "
-                                          "instead of hanging).")
+    dist_timeout_s: float = option(
+        600.0,
+        "With several processes: how long a rank waits for the others in one "
+        "collective before the job fails (a rank that died ends the job "
+        "instead of hanging).",
+    )
 
     def problems(self, name: str = "train") -> list[str]:
         e = []
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             e.append(f"{name}.device = {self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.save_every < 0:
-            e.append(f"{name}.save_every = {self.save_every} must be ≥ 0 (0 = only after the last step)")
+            e.append(
+                f"{name}.save_every = {self.save_every} must be ≥ 0 (0 = only after the last step)"
+            )
         if self.keep_checkpoints < 1:
             e.append(f"{name}.keep_checkpoints = {self.keep_checkpoints} must be ≥ 1")
         if not self.dist_timeout_s > 0:
@@ -136,7 +175,9 @@ class TrainSection:
 class RLTrainSection(TrainSection):
     """``train`` of the online methods (PPO, GRPO): a step is one rollout batch and its updates."""
 
-    steps: int = option(100, "Steps in the run; one step = one batch of rollouts and the updates on it.")
+    steps: int = option(
+        100, "Steps in the run; one step = one batch of rollouts and the updates on it."
+    )
 
     def problems(self, name: str = "train") -> list[str]:
         e = super().problems(name)
@@ -149,16 +190,28 @@ class RLTrainSection(TrainSection):
 class BatchTrainSection(TrainSection):
     """``train`` of the methods that pass over a fixed data set (SFT, reward model, DPO, SimPO)."""
 
-    steps: int | None = option(None, "Optimiser steps in the run; null = train.epochs passes over data.train_file.")
-    epochs: int = option(1, "Passes over data.train_file when train.steps is null. Each pass is reshuffled; the "
-                            "last len(train) mod batch_size rows of a pass are left out of it.")
-    batch_size: int = option(32, "Rows (pairs, for rm, dpo and simpo) per optimiser step, over all processes "
-                                 "together.")
-    micro_batch_size: int = option(8, "Rows (pairs) per forward/backward pass on one process; batch_size / (processes × "
-                                      "micro_batch_size) passes are accumulated into one step. Also the "
-                                      "evaluation batch size.")
-    eval_every: int = option(100, "Evaluate on data.eval_file every this many steps (and always before the first "
-                                  "step and after the last); 0 = only before and after.")
+    steps: int | None = option(
+        None, "Optimiser steps in the run; null = train.epochs passes over data.train_file."
+    )
+    epochs: int = option(
+        1,
+        "Passes over data.train_file when train.steps is null. Each pass is reshuffled; the "
+        "last len(train) mod batch_size rows of a pass are left out of it.",
+    )
+    batch_size: int = option(
+        32, "Rows (pairs, for rm, dpo and simpo) per optimiser step, over all processes together."
+    )
+    micro_batch_size: int = option(
+        8,
+        "Rows (pairs) per forward/backward pass on one process; batch_size / (processes × "
+        "micro_batch_size) passes are accumulated into one step. Also the "
+        "evaluation batch size.",
+    )
+    eval_every: int = option(
+        100,
+        "Evaluate on data.eval_file every this many steps (and always before the first "
+        "step and after the last); 0 = only before and after.",
+    )
 
     def problems(self, name: str = "train") -> list[str]:
         e = super().problems(name)
@@ -169,34 +222,54 @@ class BatchTrainSection(TrainSection):
         if self.batch_size < 1:
             e.append(f"{name}.batch_size = {self.batch_size} must be ≥ 1")
         else:
-            check_divides(e, f"{name}.batch_size", self.batch_size, f"{name}.micro_batch_size", self.micro_batch_size)
+            check_divides(
+                e,
+                f"{name}.batch_size",
+                self.batch_size,
+                f"{name}.micro_batch_size",
+                self.micro_batch_size,
+            )
         if self.eval_every < 0:
-            e.append(f"{name}.eval_every = {self.eval_every} must be ≥ 0 (0 = only before and after training)")
+            e.append(
+                f"{name}.eval_every = {self.eval_every} must be ≥ 0 (0 = only before and after training)"
+            )
         return e
 
 
 @dataclass
 class OutputSection:
-    dir: str = option("runs/run", "Run directory: config.yaml, metrics.jsonl, models.json, checkpoints/ (each with "
-                                  "the trained models in Hugging Face format); sft, rm, dpo and simpo also export the "
-                                  "final model into the directory itself, ppo and grpo write samples.jsonl.")
-    overwrite: bool = option(False, "Start afresh in an output.dir that already holds a run (it is deleted, but "
-                                    "only once the new run has loaded). Without it such a directory is refused; "
-                                    "use --resume to continue it.")
+    dir: str = option(
+        "runs/run",
+        "Run directory: config.yaml, metrics.jsonl, models.json, checkpoints/ (each with "
+        "the trained models in Hugging Face format); sft, rm, dpo and simpo also export the "
+        "final model into the directory itself, ppo and grpo write samples.jsonl.",
+    )
+    overwrite: bool = option(
+        False,
+        "Start afresh in an output.dir that already holds a run (it is deleted, but "
+        "only once the new run has loaded). Without it such a directory is refused; "
+        "use --resume to continue it.",
+    )
     progress: bool = option(True, "Show a progress bar with ETA.")
     tensorboard: bool = option(False, "Also log to TensorBoard (needs the tensorboard extra).")
-    wandb_project: str | None = option(None, "Also log to this Weights & Biases project (needs the wandb extra).")
+    wandb_project: str | None = option(
+        None, "Also log to this Weights & Biases project (needs the wandb extra)."
+    )
 
     def problems(self, name: str = "output") -> list[str]:
         from proximal.logging import missing_extras
 
         # the extras are checked here, before any model loads and before output.overwrite deletes a run
-        return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(self.tensorboard, self.wandb_project)
+        return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(
+            self.tensorboard, self.wandb_project
+        )
 
 
 @dataclass
 class RLOutputSection(OutputSection):
-    samples_per_step: int = option(4, "Prompt/response/score rows written to samples.jsonl per step.")
+    samples_per_step: int = option(
+        4, "Prompt/response/score rows written to samples.jsonl per step."
+    )
 
     def problems(self, name: str = "output") -> list[str]:
         e = super().problems(name)
@@ -216,42 +289,74 @@ ON_LONG_PROMPT = ("truncate_left", "skip")
 class OnlineModelSection(PolicyModelSection):
     """The policy and where its rewards come from: a frozen reward model and/or reward functions."""
 
-    reward_model: str | None = option(None, "Frozen reward model r_ψ: an AutoModelForSequenceClassification with one "
-                                            "label (proximal rm writes one). May use a different tokenizer from the "
-                                            "policy.")
-    reward_model_weight: float = option(1.0, "Weight of the reward model's score in the total score.")
-    reward_functions: list[str] = option(help="Rule-based rewards 'module:function(prompts, completions) -> scores' "
-                                              "(verifiers), added to the total score.", default_factory=list)
-    reward_function_weights: list[float] = option(help="One weight per reward function (empty: 1.0 each). Weight 0 "
-                                                       "logs a score without training on it.", default_factory=list)
+    reward_model: str | None = option(
+        None,
+        "Frozen reward model r_ψ: an AutoModelForSequenceClassification with one "
+        "label (proximal rm writes one). May use a different tokenizer from the "
+        "policy.",
+    )
+    reward_model_weight: float = option(
+        1.0, "Weight of the reward model's score in the total score."
+    )
+    reward_functions: list[str] = option(
+        help="Rule-based rewards 'module:function(prompts, completions) -> scores' "
+        "(verifiers), added to the total score.",
+        default_factory=list,
+    )
+    reward_function_weights: list[float] = option(
+        help="One weight per reward function (empty: 1.0 each). Weight 0 "
+        "logs a score without training on it.",
+        default_factory=list,
+    )
     frozen_sharding: str = option("shard", FROZEN_HELP, choices=FROZEN_SHARDING)
 
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)
         if self.reward_model is None and not self.reward_functions:
-            e.append(f"{name}.reward_model / {name}.reward_functions: give at least one source of reward")
-        if self.reward_function_weights and len(self.reward_function_weights) != len(self.reward_functions):
-            e.append(f"{name}.reward_function_weights has {len(self.reward_function_weights)} values for "
-                     f"{len(self.reward_functions)} {name}.reward_functions")
+            e.append(
+                f"{name}.reward_model / {name}.reward_functions: give at least one source of reward"
+            )
+        if self.reward_function_weights and len(self.reward_function_weights) != len(
+            self.reward_functions
+        ):
+            e.append(
+                f"{name}.reward_function_weights has {len(self.reward_function_weights)} values for "
+                f"{len(self.reward_functions)} {name}.reward_functions"
+            )
         for i, spec in enumerate(self.reward_functions):
             if ":" not in spec:
                 e.append(f"{name}.reward_functions[{i}] = {spec!r}: expected 'module:function'")
         return e
 
     def function_weights(self) -> dict[str, float]:
-        return dict(zip(self.reward_functions, self.reward_function_weights or [1.0] * len(self.reward_functions)))
+        return dict(
+            zip(
+                self.reward_functions,
+                self.reward_function_weights or [1.0] * len(self.reward_functions),
+            )
+        )
 
 
 @dataclass
 class PromptDataSection:
-    prompts: str = option("", "Prompts: JSONL with {'prompt': str} or {'messages': [...]}, or a `datasets` "
-                              "directory saved with save_to_disk. Required.")
+    prompts: str = option(
+        "",
+        "Prompts: JSONL with {'prompt': str} or {'messages': [...]}, or a `datasets` "
+        "directory saved with save_to_disk. Required.",
+    )
     max_prompt_length: int = option(256, "Longest prompt in tokens.")
-    on_long_prompt: str = option("truncate_left", "A longer prompt: 'truncate_left' keeps its end (where the "
-                                                  "question usually is), 'skip' drops it (counted in the metrics).",
-                                 choices=ON_LONG_PROMPT)
-    on_empty_prompt: str = option("error", "A prompt with no tokens: 'error' stops with its file:line, 'skip' "
-                                           "drops it (counted in the metrics).", choices=ON_EMPTY)
+    on_long_prompt: str = option(
+        "truncate_left",
+        "A longer prompt: 'truncate_left' keeps its end (where the "
+        "question usually is), 'skip' drops it (counted in the metrics).",
+        choices=ON_LONG_PROMPT,
+    )
+    on_empty_prompt: str = option(
+        "error",
+        "A prompt with no tokens: 'error' stops with its file:line, 'skip' "
+        "drops it (counted in the metrics).",
+        choices=ON_EMPTY,
+    )
     shuffle: bool = option(True, "Shuffle prompts each pass (seeded).")
 
     def problems(self, name: str = "data") -> list[str]:
@@ -271,25 +376,44 @@ class PromptDataSection:
 class RolloutSection:
     batch_size: int = option(16, "Prompts sampled per step, over all processes together.")
     max_new_tokens: int = option(32, "T: a response ends after this many tokens if no stop came.")
-    temperature: float = option(1.0, "Sampling temperature; log-probabilities are computed at the same temperature.")
+    temperature: float = option(
+        1.0, "Sampling temperature; log-probabilities are computed at the same temperature."
+    )
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0 = off).")
     top_k: int = option(0, "Top-k sampling (0 = off).")
-    stop_strings: list[str] = option(help="Strings that end a response (besides EOS).", default_factory=list)
-    stop_token_ids: list[int] = option(help="Token ids that end a response (besides EOS).", default_factory=list)
-    missing_eos_penalty: float | None = option(None, "Added to the score of a response that reached T without "
-                                                     "stopping (e.g. -1.0); null = no penalty.")
-    nonfinite_scores: str = option("skip", "A NaN or infinite score: 'skip' leaves the sample out of training and "
-                                           "counts it; 'error' stops the run.", choices=("skip", "error"))
-    gather_weights: bool = option(True, "With several processes: gather the policy's full weights once around "
-                                        "generation (fast; each device must hold the whole policy for that time). "
-                                        "false keeps them sharded and gathers block by block at every decode step "
-                                        "(for a policy too large for one device; slower, and the processes decode "
-                                        "in step until all of them are done).")
-    lean_decode: bool = option(True, "Decode Llama, Mistral, Qwen2 and Qwen3 policies with proximal's lean step "
-                                     "(the model's own modules, the keys and values in preallocated buffers, no "
-                                     "per-token mask building: the same tokens, a quarter less time a token on a "
-                                     "small model); false uses the model's own forward at every token. Other "
-                                     "architectures always use their own forward.")
+    stop_strings: list[str] = option(
+        help="Strings that end a response (besides EOS).", default_factory=list
+    )
+    stop_token_ids: list[int] = option(
+        help="Token ids that end a response (besides EOS).", default_factory=list
+    )
+    missing_eos_penalty: float | None = option(
+        None,
+        "Added to the score of a response that reached T without "
+        "stopping (e.g. -1.0); null = no penalty.",
+    )
+    nonfinite_scores: str = option(
+        "skip",
+        "A NaN or infinite score: 'skip' leaves the sample out of training and "
+        "counts it; 'error' stops the run.",
+        choices=("skip", "error"),
+    )
+    gather_weights: bool = option(
+        True,
+        "With several processes: gather the policy's full weights once around "
+        "generation (fast; each device must hold the whole policy for that time). "
+        "false keeps them sharded and gathers block by block at every decode step "
+        "(for a policy too large for one device; slower, and the processes decode "
+        "in step until all of them are done).",
+    )
+    lean_decode: bool = option(
+        True,
+        "Decode Llama, Mistral, Qwen2 and Qwen3 policies with proximal's lean step "
+        "(the model's own modules, the keys and values in preallocated buffers, no "
+        "per-token mask building: the same tokens, a quarter less time a token on a "
+        "small model); false uses the model's own forward at every token. Other "
+        "architectures always use their own forward.",
+    )
 
     def problems(self, name: str = "rollout") -> list[str]:
         from proximal.core.ranges import problem
@@ -311,9 +435,16 @@ class RolloutSection:
     def collect_kwargs(self) -> dict:
         """What :func:`proximal.rollout.collect.collect` takes from this section, as keyword arguments
         (sampling, stops, the missing-EOS penalty, the non-finite-score policy)."""
-        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings,
-                    missing_eos_penalty=self.missing_eos_penalty, nonfinite=self.nonfinite_scores)
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=self.stop_token_ids,
+            stop_strings=self.stop_strings,
+            missing_eos_penalty=self.missing_eos_penalty,
+            nonfinite=self.nonfinite_scores,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,23 +456,40 @@ class RolloutSection:
 class PreferenceDataSection:
     """Preference pairs (x, y_w, y_l): the data of ``proximal rm``, ``dpo`` and ``simpo``."""
 
-    train_file: str = option("", "JSONL training file of preference pairs: {\"prompt\": str, \"chosen\": str, "
-                                 "\"rejected\": str} with an optional numeric \"margin\", or chat messages "
-                                 "(docs/rm.md). Required.")
-    eval_file: str | None = option(None, "JSONL file in the same format for held-out metrics; null = no held-out "
-                                         "evaluation.")
-    max_length: int = option(512, "Longest prompt + response + EOS, in tokens, for either side of a pair. A "
-                                  "longer row is an error naming its file and line, or is dropped (see "
-                                  "on_too_long).")
-    on_too_long: str = option("error", "What to do with a pair where either side is longer than max_length: "
-                                       "'error' stops with its file:line; 'skip' drops the pair and counts it "
-                                       "in metrics.jsonl.", choices=ON_TOO_LONG)
-    on_empty: str = option("error", "What to do with a pair whose chosen or rejected response is empty, or whose "
-                                    "two responses are the same: 'error' stops with its file:line; 'skip' drops "
-                                    "the pair and counts it in metrics.jsonl.", choices=ON_EMPTY)
+    train_file: str = option(
+        "",
+        'JSONL training file of preference pairs: {"prompt": str, "chosen": str, '
+        '"rejected": str} with an optional numeric "margin", or chat messages '
+        "(docs/rm.md). Required.",
+    )
+    eval_file: str | None = option(
+        None, "JSONL file in the same format for held-out metrics; null = no held-out evaluation."
+    )
+    max_length: int = option(
+        512,
+        "Longest prompt + response + EOS, in tokens, for either side of a pair. A "
+        "longer row is an error naming its file and line, or is dropped (see "
+        "on_too_long).",
+    )
+    on_too_long: str = option(
+        "error",
+        "What to do with a pair where either side is longer than max_length: "
+        "'error' stops with its file:line; 'skip' drops the pair and counts it "
+        "in metrics.jsonl.",
+        choices=ON_TOO_LONG,
+    )
+    on_empty: str = option(
+        "error",
+        "What to do with a pair whose chosen or rejected response is empty, or whose "
+        "two responses are the same: 'error' stops with its file:line; 'skip' drops "
+        "the pair and counts it in metrics.jsonl.",
+        choices=ON_EMPTY,
+    )
 
     def problems(self, name: str = "data") -> list[str]:
         e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
         if self.max_length < 2:
-            e.append(f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)")
+            e.append(
+                f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)"
+            )
         return e

@@ -30,9 +30,17 @@ from pathlib import Path
 
 import torch
 
+from proximal import dist
 from proximal.config import check_valid
-from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, logprobs_from_logits, masked_sum,
-                           rloo_advantages, uniform_groups)
+from proximal.core import (
+    aggregation_units,
+    group_advantages,
+    grpo_policy_loss,
+    logprobs_from_logits,
+    masked_sum,
+    rloo_advantages,
+    uniform_groups,
+)
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
 from proximal.models.policy import build_policy
@@ -41,7 +49,6 @@ from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer
-from proximal.train import dist
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
@@ -56,90 +63,187 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     continues a saved run exactly."""
     check_valid(cfg)
     t, mc, r, g = cfg.train, cfg.model, cfg.rollout, cfg.grpo
-    run = open_run("grpo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
-                   dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
+    run = open_run(
+        "grpo",
+        output_dir=cfg.output.dir,
+        overwrite=cfg.output.overwrite,
+        seed=t.seed,
+        device=t.device,
+        dist_timeout_s=t.dist_timeout_s,
+        resume_dir=resume_dir,
+    )
     d = cfg.data
-    functions, prompts = load_inputs(mc.reward_functions, d.prompts, mc.path, max_prompt_length=d.max_prompt_length,
-                                     on_long_prompt=d.on_long_prompt, on_empty_prompt=d.on_empty_prompt)
+    functions, prompts = load_inputs(
+        mc.reward_functions,
+        d.prompts,
+        mc.path,
+        max_prompt_length=d.max_prompt_length,
+        on_long_prompt=d.on_long_prompt,
+        on_empty_prompt=d.on_empty_prompt,
+    )
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
-    sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
-                      world_size=run.world_size)
+    sampler = Sampler(
+        len(prompts),
+        r.batch_size,
+        seed=t.seed,
+        shuffle=cfg.data.shuffle,
+        rank=run.rank,
+        world_size=run.world_size,
+    )
     G, mini = r.group_size, cfg.mini_batch_size
     one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
-    opt, sched = optimizer_and_scheduler(actor, cfg.optim,
-                                         total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini))
-    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode)
+    opt, sched = optimizer_and_scheduler(
+        actor, cfg.optim, total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini)
+    )
+    engine = HFEngine(
+        actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode
+    )
     trained = {"actor": (actor, opt)}
     stateful = {"actor_scheduler": sched, "sampler": sampler}
     start, counters = run.restore(trained, stateful)
     counters = {"skipped_nonfinite": 0, "skipped_uniform_groups": 0, **counters}
-    run.begin(cfg, start=start, total=t.steps, counters=counters, progress=cfg.output.progress,
-              tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
-    run.record_models(actor=actor, reference=models.reference.model if models.reference is not None else None,
-                      reward_model=models.scorer.reward_model)
+    run.begin(
+        cfg,
+        start=start,
+        total=t.steps,
+        counters=counters,
+        progress=cfg.output.progress,
+        tensorboard=cfg.output.tensorboard,
+        wandb_project=cfg.output.wandb_project,
+    )
+    run.record_models(
+        actor=actor,
+        reference=models.reference.model if models.reference is not None else None,
+        reward_model=models.scorer.reward_model,
+    )
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         # 1–3. A global batch of prompts q; G responses o_1 … o_G ~ π_θ(·|q) to each (rows b·G … b·G + G − 1),
         # each row from its own seeded generator; scores r_i from the reward model and/or verifiers. A row
         # with a non-finite score is masked out of training, not dropped (rollout/collect.py).
-        got = collect(step, prompt_set=prompts, sampler=sampler, engine=engine, scorer=models.scorer,
-                      tokenizer=tokenizer, seed=t.seed, device=run.device, group_size=G, **r.collect_kwargs())
+        got = collect(
+            step,
+            prompt_set=prompts,
+            sampler=sampler,
+            engine=engine,
+            scorer=models.scorer,
+            tokenizer=tokenizer,
+            seed=t.seed,
+            device=run.device,
+            group_size=G,
+            **r.collect_kwargs(),
+        )
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~got.valid).sum())))
 
         # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it — not
         # computed when the batch gets one optimiser step: π_old is then the policy in the update's own
         # forward) and, with β > 0, log π_ref — no critic. Gathered: every rank holds the whole batch from here on.
-        exp = gather(compute_experience(got.rollout, got.scores, got.valid, actor=actor, reference=models.reference,
-                                        temperature=r.temperature, micro_batch_size=g.micro_batch_size,
-                                        old_logprobs=not one_step_per_batch))
-        scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on below
+        exp = gather(
+            compute_experience(
+                got.rollout,
+                got.scores,
+                got.valid,
+                actor=actor,
+                reference=models.reference,
+                temperature=r.temperature,
+                micro_batch_size=g.micro_batch_size,
+                old_logprobs=not one_step_per_batch,
+            )
+        )
+        scored = (
+            exp.valid
+        )  # (B,) rows with a finite score; exp.valid becomes the rows trained on below
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
         # truncated responses and groups without signal out of the update.
-        exp, uniform = group_step_advantages(exp, G, advantage=g.advantage, eps=g.advantage_eps,
-                                             skip_uniform_groups=g.skip_uniform_groups,
-                                             mask_truncated=g.mask_truncated)
+        exp, uniform = group_step_advantages(
+            exp,
+            G,
+            advantage=g.advantage,
+            eps=g.advantage_eps,
+            skip_uniform_groups=g.skip_uniform_groups,
+            mask_truncated=g.mask_truncated,
+        )
         if g.skip_uniform_groups:
             counters["skipped_uniform_groups"] += int(uniform.sum())
 
         # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) + β·k3 over mini-batches of the batch.
         t1 = time.perf_counter()
         with at_step(step):
-            update = grpo_update(exp, actor=Trained(actor, opt, sched), aggregation=LOSSES[g.loss],
-                                 iterations=g.iterations, mini_batch_size=mini, micro_batch_size=g.micro_batch_size,
-                                 clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
-                                 temperature=r.temperature, max_length=r.max_new_tokens,
-                                 max_grad_norm=cfg.optim.max_grad_norm, shuffle_seed=row_seed(t.seed, step, -1))
+            update = grpo_update(
+                exp,
+                actor=Trained(actor, opt, sched),
+                aggregation=LOSSES[g.loss],
+                iterations=g.iterations,
+                mini_batch_size=mini,
+                micro_batch_size=g.micro_batch_size,
+                clip_eps=g.clip_eps,
+                clip_eps_high=g.clip_eps_high,
+                beta=g.beta,
+                temperature=r.temperature,
+                max_length=r.max_new_tokens,
+                max_grad_norm=cfg.optim.max_grad_norm,
+                shuffle_seed=row_seed(t.seed, step, -1),
+            )
         engine.after_update()
         t_train = time.perf_counter() - t1
 
         # 7. Log, sample rows, checkpoint. The gathered batch is the whole step's: its statistics need no reduction.
         w, lengths = scored.float(), exp.rollout.response_mask.sum(1).float()
         metrics = {
-            "score/mean": _mean(exp.scores, w), "score/std": _std(exp.scores, scored),
-            **{f"score/{k}": dist.global_mean(v, got.valid.float()) for k, v in got.components.items()},
+            "score/mean": _mean(exp.scores, w),
+            "score/std": _std(exp.scores, scored),
+            **{
+                f"score/{k}": dist.global_mean(v, got.valid.float())
+                for k, v in got.components.items()
+            },
             "data/uniform_group_frac": float(uniform.float().mean()),
             "data/trained_frac": float(exp.valid.float().mean()),
             **update.pop("stats"),
-            "response/length_mean": _mean(lengths, w), "response/eos_frac": _mean(exp.rollout.ended.float(), w),
+            "response/length_mean": _mean(lengths, w),
+            "response/eos_frac": _mean(exp.rollout.ended.float(), w),
             "data/skipped_nonfinite": counters["skipped_nonfinite"],
-            "data/skipped_uniform_groups": counters["skipped_uniform_groups"], "data/epoch": sampler.epoch,
-            "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
+            "data/skipped_uniform_groups": counters["skipped_uniform_groups"],
+            "data/epoch": sampler.epoch,
+            "data/prompts_skipped_too_long": prompts.skipped_too_long,
+            "data/prompts_truncated": prompts.truncated,
             "data/prompts_skipped_empty": prompts.skipped_empty,
             "speed/gen_tokens_per_s": float(lengths.sum()) / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            "time/step_s": time.perf_counter() - t0, "time/wall_s": run.wall_s(),
+            "time/step_s": time.perf_counter() - t0,
+            "time/wall_s": run.wall_s(),
         }
-        run.log(step, metrics, postfix={"score": metrics["score/mean"], "uniform": metrics["data/uniform_group_frac"],
-                                        **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {})})
+        run.log(
+            step,
+            metrics,
+            postfix={
+                "score": metrics["score/mean"],
+                "uniform": metrics["data/uniform_group_frac"],
+                **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
+            },
+        )
         if run.is_main:
-            write_samples(run.dir, step, got.prompts, models.scorer.completions(got.rollout), got.scores,
-                          got.components, got.valid, cfg.output.samples_per_step)
+            write_samples(
+                run.dir,
+                step,
+                got.prompts,
+                models.scorer.completions(got.rollout),
+                got.scores,
+                got.components,
+                got.valid,
+                cfg.output.samples_per_step,
+            )
         if run.save_due(step, t.steps, t.save_every):
-            run.save(step, trained=trained, stateful=stateful, counters=counters,
-                     exports={"policy": (actor, tokenizer)}, keep=t.keep_checkpoints)
+            run.save(
+                step,
+                trained=trained,
+                stateful=stateful,
+                counters=counters,
+                exports={"policy": (actor, tokenizer)},
+                keep=t.keep_checkpoints,
+            )
 
     run.finish()
     return run.dir
@@ -157,17 +261,26 @@ def _std(x: torch.Tensor, keep: torch.Tensor) -> float:
 # Step 5: advantages and DAPO's filters
 # ----------------------------------------------------------------------------------------------
 
-def group_step_advantages(exp: Experience, group_size: int, *, advantage: str, eps: float,
-                          skip_uniform_groups: bool, mask_truncated: bool) -> tuple[Experience, torch.Tensor]:
+
+def group_step_advantages(
+    exp: Experience,
+    group_size: int,
+    *,
+    advantage: str,
+    eps: float,
+    skip_uniform_groups: bool,
+    mask_truncated: bool,
+) -> tuple[Experience, torch.Tensor]:
     """``(exp with advantages (B,) and the rows to train on, uniform (n_groups,) bool)``.
 
-    ``advantage`` is a value of ``grpo.advantage``: a scale of :func:`~proximal.core.group_advantages`
-    (``unscaled`` = its ``"none"``) or ``"rloo"`` (:func:`~proximal.core.rloo_advantages`); statistics are over each group's valid rows (finite
+    ``advantage`` is a value of ``grpo.advantage``: a scale of
+    :func:`~proximal.core.group_advantages` (``unscaled`` = its ``"none"``) or ``"rloo"``
+    (:func:`~proximal.core.rloo_advantages`); statistics are over each group's valid rows (finite
     scores). Then the rows the update trains on (``exp.valid``) lose the groups whose scores are all
     equal (``skip_uniform_groups``, DAPO's dynamic-sampling filter: their advantage is 0, so they
     would only dilute the normaliser and carry the KL term) and the responses that ran out of tokens
-    without a stop (``mask_truncated``, DAPO's overlong filtering — they still count in their group's
-    mean and std: the score they got is real, only its credit assignment is doubtful).
+    without a stop (``mask_truncated``, DAPO's overlong filtering — they still count in their
+    group's mean and std: the score they got is real, only its credit assignment is doubtful).
     """
     scores, valid = exp.scores, exp.valid
     uniform = uniform_groups(scores, group_size, valid=valid)
@@ -188,20 +301,45 @@ def group_step_advantages(exp: Experience, group_size: int, *, advantage: str, e
 # ----------------------------------------------------------------------------------------------
 
 #: Statistics averaged over the valid tokens of each mini-batch (weighted by their count).
-_TOKEN_STATS = (("policy/clipfrac_low", "clipfrac_low"), ("policy/clipfrac_high", "clipfrac_high"),
-                ("policy/ratio_mean", "ratio_mean"), ("policy/approx_kl", "approx_kl"), ("kl/ref_k3", "kl_ref"),
-                ("advantage/token_mean", "advantage_mean"))
+_TOKEN_STATS = (
+    ("policy/clipfrac_low", "clipfrac_low"),
+    ("policy/clipfrac_high", "clipfrac_high"),
+    ("policy/ratio_mean", "ratio_mean"),
+    ("policy/approx_kl", "approx_kl"),
+    ("kl/ref_k3", "kl_ref"),
+    ("advantage/token_mean", "advantage_mean"),
+)
 #: Losses (already normalised shares of the mini-batch's loss: their sum over micro-batches and ranks is it).
 _LOSS_STATS = (("loss/total", "loss"), ("loss/policy", "pg_loss"), ("loss/kl", "kl_loss"))
 #: Every statistic of an update that took at least one optimiser step.
-_UPDATE_KEYS = ([name for name, _ in _TOKEN_STATS + _LOSS_STATS]
-                + ["policy/entropy", "policy/ratio_max", "policy/ratio_min", "advantage/max", "advantage/min",
-                   "policy/clipfrac", "lr/actor", "grad_norm/actor"])
+_UPDATE_KEYS = [name for name, _ in _TOKEN_STATS + _LOSS_STATS] + [
+    "policy/entropy",
+    "policy/ratio_max",
+    "policy/ratio_min",
+    "advantage/max",
+    "advantage/min",
+    "policy/clipfrac",
+    "lr/actor",
+    "grad_norm/actor",
+]
 
 
-def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations: int, mini_batch_size: int,
-                micro_batch_size: int, clip_eps: float, clip_eps_high: float | None, beta: float, temperature: float,
-                max_length: int, max_grad_norm: float, shuffle_seed: int) -> dict:
+def grpo_update(
+    exp: Experience,
+    *,
+    actor: Trained,
+    aggregation: str,
+    iterations: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    beta: float,
+    temperature: float,
+    max_length: int,
+    max_grad_norm: float,
+    shuffle_seed: int,
+) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
     (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
     was sampled; None when the batch gets one optimiser step: then the forward's own log-probabilities,
@@ -228,49 +366,95 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
     for _iteration in range(iterations):
         order = torch.randperm(B, generator=gen).to(device)
         for start in range(0, B, mini_batch_size):
-            mini = order[start:start + mini_batch_size]
+            mini = order[start : start + mini_batch_size]
             units = float(aggregation_units(exp.mask[mini], aggregation))
-            if units == 0:  # every row of this mini-batch left out (filters, non-finite): the same on every rank
+            if (
+                units == 0
+            ):  # every row of this mini-batch left out (filters, non-finite): the same on every rank
                 continue
             norm = units / W
-            extremes = torch.full((4,), -math.inf, dtype=torch.float64, device=device)  # max ρ, −min ρ, max Â, −min Â
+            extremes = torch.full(
+                (4,), -math.inf, dtype=torch.float64, device=device
+            )  # max ρ, −min ρ, max Â, −min Â
 
             def micro_step(idx: torch.Tensor) -> dict:
                 m = exp.select(idx)
                 mask = m.mask
-                logits = response_logits(actor.module, m.rollout)                                # (b, T, V)
-                logprobs, token_ent = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask,
-                                                           with_entropy=True)  # logged, not trained on
-                old = m.logprobs if m.logprobs is not None else logprobs.detach()  # one step: π_old = π_θ
-                loss, st = grpo_policy_loss(logprobs, old, m.ref_logprobs, m.advantages, mask,
-                                            clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta,
-                                            aggregation=aggregation, max_response_length=max_length,
-                                            normalizer=norm)
+                logits = response_logits(actor.module, m.rollout)  # (b, T, V)
+                logprobs, token_ent = logprobs_from_logits(
+                    logits, m.rollout.response_ids, temperature, mask=mask, with_entropy=True
+                )  # logged, not trained on
+                old = (
+                    m.logprobs if m.logprobs is not None else logprobs.detach()
+                )  # one step: π_old = π_θ
+                loss, st = grpo_policy_loss(
+                    logprobs,
+                    old,
+                    m.ref_logprobs,
+                    m.advantages,
+                    mask,
+                    clip_eps=clip_eps,
+                    clip_eps_high=clip_eps_high,
+                    beta=beta,
+                    aggregation=aggregation,
+                    max_response_length=max_length,
+                    normalizer=norm,
+                )
                 loss.backward()
                 entropy = masked_sum(token_ent, mask)
                 n_tok = mask.sum().double()
                 if n_tok > 0:
-                    extremes.copy_(torch.maximum(extremes, torch.stack(
-                        [st["ratio_max"], -st["ratio_min"], st["advantage_max"], -st["advantage_min"]]).double()))
-                return {"n_tokens": n_tok, "entropy_sum": entropy, "seen_tokens": m.rollout.attention_mask.sum(),
-                        **{name: st[k] * n_tok for name, k in _TOKEN_STATS},
-                        **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS}}
+                    extremes.copy_(
+                        torch.maximum(
+                            extremes,
+                            torch.stack(
+                                [
+                                    st["ratio_max"],
+                                    -st["ratio_min"],
+                                    st["advantage_max"],
+                                    -st["advantage_min"],
+                                ]
+                            ).double(),
+                        )
+                    )
+                return {
+                    "n_tokens": n_tok,
+                    "entropy_sum": entropy,
+                    "seen_tokens": m.rollout.attention_mask.sum(),
+                    **{name: st[k] * n_tok for name, k in _TOKEN_STATS},
+                    **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
+                }
 
-            sums = accumulate(mini[rank * per_rank:(rank + 1) * per_rank], micro_batch_size, micro_step, device)
+            sums = accumulate(
+                mini[rank * per_rank : (rank + 1) * per_rank], micro_batch_size, micro_step, device
+            )
             ext = dist.all_reduce_max(extremes).tolist()
             n = sums["n_tokens"]
             row = {name: sums[name] / n for name, _ in _TOKEN_STATS}
             row.update({name: sums[name] / W for name, _ in _LOSS_STATS})
-            row.update({"policy/entropy": sums["entropy_sum"] / n, "policy/ratio_max": ext[0],
-                        "policy/ratio_min": -ext[1], "advantage/max": ext[2], "advantage/min": -ext[3]})
+            row.update(
+                {
+                    "policy/entropy": sums["entropy_sum"] / n,
+                    "policy/ratio_max": ext[0],
+                    "policy/ratio_min": -ext[1],
+                    "advantage/max": ext[2],
+                    "advantage/min": -ext[3],
+                }
+            )
             row["policy/clipfrac"] = row["policy/clipfrac_low"] + row["policy/clipfrac_high"]
             tokens += int(sums["seen_tokens"])
             row["lr/actor"] = actor.scheduler.get_last_lr()[0]  # the rate this step runs at
-            row["grad_norm/actor"] = clip_and_step(actor.module, actor.optimizer, actor.scheduler, max_grad_norm,
-                                                   what="actor")
+            row["grad_norm/actor"] = clip_and_step(
+                actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
+            )
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
-    pick = {"policy/ratio_max": max, "advantage/max": max, "policy/ratio_min": min, "advantage/min": min}
+    pick = {
+        "policy/ratio_max": max,
+        "advantage/max": max,
+        "policy/ratio_min": min,
+        "advantage/min": min,
+    }
     # A step whose every row was left out takes no optimiser step: its update statistics are NaN (null
     # in metrics.jsonl), so every line has the same keys.
     stats = {k: math.nan for k in _UPDATE_KEYS}
@@ -285,27 +469,47 @@ def grpo_update(exp: Experience, *, actor: Trained, aggregation: str, iterations
 # Set-up: the models
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class GRPOModels:
     tokenizer: object
     actor: torch.nn.Module
-    reference: object | None   # proximal.models.policy.Reference; None when grpo.beta = 0
-    scorer: object             # proximal.rollout.scoring.Scorer
+    reference: object | None  # proximal.models.policy.Reference; None when grpo.beta = 0
+    scorer: object  # proximal.rollout.scoring.Scorer
 
 
-def build_models(cfg: GRPOConfig, device: torch.device, world_size: int, functions: dict) -> GRPOModels:
+def build_models(
+    cfg: GRPOConfig, device: torch.device, world_size: int, functions: dict
+) -> GRPOModels:
     """The actor, the reference (only when β > 0: frozen copy, or with LoRA the actor with its adapters
     off) and the scorer, loaded in train.precision's dtypes, placed and sharded across processes."""
     mc, t = cfg.model, cfg.train
-    tokenizer, actor, reference = build_policy(mc.path, lora=mc.lora(), precision=t.precision, device=device,
-                                               world_size=world_size, activation_checkpointing=t.activation_checkpointing,
-                                               reference=cfg.grpo.beta > 0, frozen_sharding=mc.frozen_sharding)
-    scorer = build_scorer(tokenizer, reward_model=mc.reward_model, reward_model_weight=mc.reward_model_weight,
-                          functions=functions, function_weights=mc.function_weights(), precision=t.precision,
-                          device=device, world_size=world_size, frozen_sharding=mc.frozen_sharding,
-                          micro_batch_size=cfg.grpo.micro_batch_size)
+    tokenizer, actor, reference = build_policy(
+        mc.path,
+        lora=mc.lora(),
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        activation_checkpointing=t.activation_checkpointing,
+        reference=cfg.grpo.beta > 0,
+        frozen_sharding=mc.frozen_sharding,
+    )
+    scorer = build_scorer(
+        tokenizer,
+        reward_model=mc.reward_model,
+        reward_model_weight=mc.reward_model_weight,
+        functions=functions,
+        function_weights=mc.function_weights(),
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        frozen_sharding=mc.frozen_sharding,
+        micro_batch_size=cfg.grpo.micro_batch_size,
+    )
     return GRPOModels(tokenizer, actor, reference, scorer)
 
 
 def cli(argv: list[str]) -> int:
-    return config_command(argv, prog="grpo", description=__doc__.splitlines()[0], config_cls=GRPOConfig, train=train)
+    return config_command(
+        argv, prog="grpo", description=__doc__.splitlines()[0], config_cls=GRPOConfig, train=train
+    )

@@ -24,25 +24,37 @@ from pathlib import Path
 
 import torch
 
+from proximal import dist
 from proximal.config import check_valid
-from proximal.core import (AdaptiveKLController, FixedKLController, ProportionalKLController, aggregation_units,
-                           masked_aggregate,
-                           entropy_from_logits, explained_variance, gae, logprobs_from_logits, ppo_policy_loss,
-                           ptx_loss, shape_rewards, value_loss, whiten)
+from proximal.core import (
+    AdaptiveKLController,
+    FixedKLController,
+    ProportionalKLController,
+    aggregation_units,
+    entropy_from_logits,
+    explained_variance,
+    gae,
+    logprobs_from_logits,
+    masked_aggregate,
+    ppo_policy_loss,
+    ptx_loss,
+    shape_rewards,
+    value_loss,
+    whiten,
+)
 from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
+from proximal.logging import write_samples
+from proximal.models.heads import lm_logits
 from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
-from proximal.logging import write_samples
 from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
-from proximal.models.heads import lm_logits
 from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer, same_tokenizer
-from proximal.train import dist
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import open_run
@@ -55,63 +67,147 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run PPO as configured; return the run directory. ``resume_dir`` continues a saved run exactly."""
     check_valid(cfg)
     t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
-    run = open_run("ppo", output_dir=cfg.output.dir, overwrite=cfg.output.overwrite, seed=t.seed, device=t.device,
-                   dist_timeout_s=t.dist_timeout_s, resume_dir=resume_dir)
-    d = cfg.data  # reward functions and prompts first: a mistake in either is reported before any model loads
-    functions, prompts = load_inputs(mc.reward_functions, d.prompts, mc.path, max_prompt_length=d.max_prompt_length,
-                                     on_long_prompt=d.on_long_prompt, on_empty_prompt=d.on_empty_prompt)
+    run = open_run(
+        "ppo",
+        output_dir=cfg.output.dir,
+        overwrite=cfg.output.overwrite,
+        seed=t.seed,
+        device=t.device,
+        dist_timeout_s=t.dist_timeout_s,
+        resume_dir=resume_dir,
+    )
+    d = (
+        cfg.data
+    )  # reward functions and prompts first: a mistake in either is reported before any model loads
+    functions, prompts = load_inputs(
+        mc.reward_functions,
+        d.prompts,
+        mc.path,
+        max_prompt_length=d.max_prompt_length,
+        on_long_prompt=d.on_long_prompt,
+        on_empty_prompt=d.on_empty_prompt,
+    )
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
-    sampler = Sampler(len(prompts), r.batch_size, seed=t.seed, shuffle=cfg.data.shuffle, rank=run.rank,
-                      world_size=run.world_size)
+    sampler = Sampler(
+        len(prompts),
+        r.batch_size,
+        seed=t.seed,
+        shuffle=cfg.data.shuffle,
+        rank=run.rank,
+        world_size=run.world_size,
+    )
     ptx = None
     if p.ptx_coef > 0:
         texts = load_texts(cfg.data.ptx_file)
-        ptx = PTXData(texts, Sampler(len(texts), cfg.data.ptx_batch_size, seed=t.seed + 7, rank=run.rank,
-                                     world_size=run.world_size), cfg.data.ptx_max_length)
+        ptx = PTXData(
+            texts,
+            Sampler(
+                len(texts),
+                cfg.data.ptx_batch_size,
+                seed=t.seed + 7,
+                rank=run.rank,
+                world_size=run.world_size,
+            ),
+            cfg.data.ptx_max_length,
+        )
     opt_steps = t.steps * p.epochs * (r.batch_size // p.mini_batch_size)
     actor_opt, actor_sched = optimizer_and_scheduler(actor, cfg.optim, total_steps=opt_steps)
-    critic_opt, critic_sched = optimizer_and_scheduler(critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps)
-    kl_ctl = kl_controller(cfg.kl.controller, beta=cfg.kl.beta, target=cfg.kl.target, k_beta=cfg.kl.k_beta,
-                           horizon=cfg.kl.horizon)
-    engine = HFEngine(actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode)
+    critic_opt, critic_sched = optimizer_and_scheduler(
+        critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps
+    )
+    kl_ctl = kl_controller(
+        cfg.kl.controller,
+        beta=cfg.kl.beta,
+        target=cfg.kl.target,
+        k_beta=cfg.kl.k_beta,
+        horizon=cfg.kl.horizon,
+    )
+    engine = HFEngine(
+        actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode
+    )
     trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
-    stateful = {"actor_scheduler": actor_sched, "critic_scheduler": critic_sched, "kl_controller": kl_ctl,
-                "sampler": sampler, "ptx_sampler": ptx.sampler if ptx else None}
+    stateful = {
+        "actor_scheduler": actor_sched,
+        "critic_scheduler": critic_sched,
+        "kl_controller": kl_ctl,
+        "sampler": sampler,
+        "ptx_sampler": ptx.sampler if ptx else None,
+    }
     start, counters = run.restore(trained, stateful)
     counters = {"skipped_nonfinite": 0, **counters}
-    run.begin(cfg, start=start, total=t.steps, counters=counters, progress=cfg.output.progress,
-              tensorboard=cfg.output.tensorboard, wandb_project=cfg.output.wandb_project)
-    run.record_models(actor=actor, reference=models.reference.model, critic=critic,
-                      reward_model=models.scorer.reward_model)
+    run.begin(
+        cfg,
+        start=start,
+        total=t.steps,
+        counters=counters,
+        progress=cfg.output.progress,
+        tensorboard=cfg.output.tensorboard,
+        wandb_project=cfg.output.wandb_project,
+    )
+    run.record_models(
+        actor=actor,
+        reference=models.reference.model,
+        critic=critic,
+        reward_model=models.scorer.reward_model,
+    )
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         # 1–3. A global batch of prompts x (the initial states s_1 = x); responses y ~ π_θ(·|x) until EOS, a
         # stop or T tokens, each row from its own seeded generator; scores r_ψ(x, y) (+ reward functions).
         # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
-        got = collect(step, prompt_set=prompts, sampler=sampler, engine=engine, scorer=models.scorer,
-                      tokenizer=tokenizer, seed=t.seed, device=run.device, **r.collect_kwargs())
+        got = collect(
+            step,
+            prompt_set=prompts,
+            sampler=sampler,
+            engine=engine,
+            scorer=models.scorer,
+            tokenizer=tokenizer,
+            seed=t.seed,
+            device=run.device,
+            **r.collect_kwargs(),
+        )
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
         # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients). When the first
         # epoch's actor forward sees exactly this batch (one process, one mini-batch, one micro-batch), that
         # pass runs now, with gradients, and its detached log-probabilities are log π_old.
-        first = first_pass(rollout, actor, r.temperature) if reuses_first_pass(p, r.batch_size) else None
-        exp = compute_experience(rollout, scores, valid, actor=actor, reference=models.reference, critic=critic,
-                                 temperature=r.temperature, micro_batch_size=p.micro_batch_size,
-                                 old_logprobs=first is None)
+        first = (
+            first_pass(rollout, actor, r.temperature)
+            if reuses_first_pass(p, r.batch_size)
+            else None
+        )
+        exp = compute_experience(
+            rollout,
+            scores,
+            valid,
+            actor=actor,
+            reference=models.reference,
+            critic=critic,
+            temperature=r.temperature,
+            micro_batch_size=p.micro_batch_size,
+            old_logprobs=first is None,
+        )
         if first is not None:
             exp = exp.replace(logprobs=first.old_logprobs)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
-        rewards, kl = shape_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, rollout.response_mask, kl_ctl.beta,
-                                    p.kl_estimator)
+        rewards, kl = shape_rewards(
+            exp.scores,
+            exp.logprobs,
+            exp.ref_logprobs,
+            rollout.response_mask,
+            kl_ctl.beta,
+            p.kl_estimator,
+        )
         advantages, returns = gae(rewards, exp.values, mask, p.gamma, p.lam)
-        explained_var = float(explained_variance(exp.values, returns, mask, all_reduce=dist.all_reduce_sum))
+        explained_var = float(
+            explained_variance(exp.values, returns, mask, all_reduce=dist.all_reduce_sum)
+        )
         if p.whiten_advantages:
             advantages = whiten(advantages, mask, all_reduce=dist.all_reduce_sum)
         exp = exp.replace(advantages=advantages, returns=returns)
@@ -119,10 +215,19 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # 6. PPO epochs on the whole batch: clipped surrogate for the actor, clipped value loss for the critic.
         t1 = time.perf_counter()
         with at_step(step):
-            update = ppo_update(gather(exp), actor=Trained(actor, actor_opt, actor_sched),
-                                critic=Trained(critic, critic_opt, critic_sched), hp=p, temperature=r.temperature,
-                                max_length=r.max_new_tokens, max_grad_norm=cfg.optim.max_grad_norm,
-                                shuffle_seed=row_seed(t.seed, step, -1), ptx=ptx, tokenizer=tokenizer, first=first)
+            update = ppo_update(
+                gather(exp),
+                actor=Trained(actor, actor_opt, actor_sched),
+                critic=Trained(critic, critic_opt, critic_sched),
+                hp=p,
+                temperature=r.temperature,
+                max_length=r.max_new_tokens,
+                max_grad_norm=cfg.optim.max_grad_norm,
+                shuffle_seed=row_seed(t.seed, step, -1),
+                ptx=ptx,
+                tokenizer=tokenizer,
+                first=first,
+            )
         engine.after_update()
         t_train = time.perf_counter() - t1
 
@@ -138,23 +243,48 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "score/mean": dist.global_mean(scores, w),
             **{f"score/{k}": dist.global_mean(v, w) for k, v in got.components.items()},
             "reward/total_mean": dist.global_mean(rewards.sum(1), w),
-            "kl/seq_mean": seq_kl, "kl/beta": beta_used, "kl/beta_next": kl_ctl.beta,
-            **update.pop("stats"), "value/explained_variance": explained_var,
-            "response/length_mean": dist.global_mean(lengths, w), "response/eos_frac": dist.global_mean(rollout.ended.float(), w),
-            "data/skipped_nonfinite": counters["skipped_nonfinite"], "data/epoch": sampler.epoch,
-            "data/prompts_skipped_too_long": prompts.skipped_too_long, "data/prompts_truncated": prompts.truncated,
+            "kl/seq_mean": seq_kl,
+            "kl/beta": beta_used,
+            "kl/beta_next": kl_ctl.beta,
+            **update.pop("stats"),
+            "value/explained_variance": explained_var,
+            "response/length_mean": dist.global_mean(lengths, w),
+            "response/eos_frac": dist.global_mean(rollout.ended.float(), w),
+            "data/skipped_nonfinite": counters["skipped_nonfinite"],
+            "data/epoch": sampler.epoch,
+            "data/prompts_skipped_too_long": prompts.skipped_too_long,
+            "data/prompts_truncated": prompts.truncated,
             "data/prompts_skipped_empty": prompts.skipped_empty,
             "speed/gen_tokens_per_s": gen_tokens / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            "time/step_s": time.perf_counter() - t0, "time/wall_s": run.wall_s(),
+            "time/step_s": time.perf_counter() - t0,
+            "time/wall_s": run.wall_s(),
         }
-        run.log(step, metrics, postfix={"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta})
+        run.log(
+            step,
+            metrics,
+            postfix={"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta},
+        )
         if run.is_main:
-            write_samples(run.dir, step, got.prompts, models.scorer.completions(rollout), scores, got.components,
-                          valid, cfg.output.samples_per_step)
+            write_samples(
+                run.dir,
+                step,
+                got.prompts,
+                models.scorer.completions(rollout),
+                scores,
+                got.components,
+                valid,
+                cfg.output.samples_per_step,
+            )
         if run.save_due(step, t.steps, t.save_every):
-            run.save(step, trained=trained, stateful=stateful, counters=counters,
-                     exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)}, keep=t.keep_checkpoints)
+            run.save(
+                step,
+                trained=trained,
+                stateful=stateful,
+                counters=counters,
+                exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)},
+                keep=t.keep_checkpoints,
+            )
 
     run.finish()
     return run.dir
@@ -163,6 +293,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 # ----------------------------------------------------------------------------------------------
 # The PPO update (the clipped surrogate, the clipped value loss, entropy and PTX)
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class PTXData:
@@ -193,8 +324,12 @@ class FirstPass:
 def reuses_first_pass(hp: PPOLossConfig, batch_size: int) -> bool:
     """Whether the first epoch's actor forward can be the experience's: one process, and the batch is one
     mini-batch of one micro-batch, so that epoch's only actor forward sees exactly the rollout."""
-    return (hp.reuse_first_pass and dist.world_size() == 1
-            and hp.mini_batch_size >= batch_size and hp.micro_batch_size >= batch_size)
+    return (
+        hp.reuse_first_pass
+        and dist.world_size() == 1
+        and hp.mini_batch_size >= batch_size
+        and hp.micro_batch_size >= batch_size
+    )
 
 
 def first_pass(rollout, actor, temperature: float) -> FirstPass:
@@ -206,14 +341,26 @@ def first_pass(rollout, actor, temperature: float) -> FirstPass:
     benchmark work: 230 MB more peak memory for 0.04 s a step)."""
     logits = response_logits(actor, rollout)
     with torch.no_grad():
-        old_logprobs = logprobs_from_logits(logits.detach(), rollout.response_ids, temperature,
-                                            mask=rollout.response_mask)
+        old_logprobs = logprobs_from_logits(
+            logits.detach(), rollout.response_ids, temperature, mask=rollout.response_mask
+        )
     return FirstPass(logits, old_logprobs)
 
 
-def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossConfig, temperature: float,
-               max_length: int, max_grad_norm: float, shuffle_seed: int, ptx: PTXData | None = None,
-               tokenizer=None, first: FirstPass | None = None) -> dict:
+def ppo_update(
+    exp: Experience,
+    *,
+    actor: Trained,
+    critic: Trained,
+    hp: PPOLossConfig,
+    temperature: float,
+    max_length: int,
+    max_grad_norm: float,
+    shuffle_seed: int,
+    ptx: PTXData | None = None,
+    tokenizer=None,
+    first: FirstPass | None = None,
+) -> dict:
     """``hp.epochs`` passes over shuffled mini-batches of the **whole** batch ``exp`` (every rank holds
     it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th part of each mini-batch,
     in micro-batches whose gradients accumulate — first the actor's, then its step, then the critic's
@@ -245,102 +392,179 @@ def ppo_update(exp: Experience, *, actor: Trained, critic: Trained, hp: PPOLossC
         epochs_run += 1
         order = torch.randperm(B, generator=g).to(device)
         for start in range(0, B, mb):
-            mini = order[start:start + mb]
+            mini = order[start : start + mb]
             units = float(aggregation_units(exp.mask[mini], hp.aggregation))
             if units == 0:  # every row of this mini-batch was masked out: the same on every rank
                 continue
             norm = units / W
-            if first is not None and epoch == 0:  # one mini-batch of one micro-batch: the rollout itself
+            if (
+                first is not None and epoch == 0
+            ):  # one mini-batch of one micro-batch: the rollout itself
                 micro, given = [exp], [first.take_logits()]
             else:
-                own = mini[rank * per_rank:(rank + 1) * per_rank]
+                own = mini[rank * per_rank : (rank + 1) * per_rank]
                 micro, given = [exp.select(idx) for idx in own.split(hp.micro_batch_size)], None
-            lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])  # the rates this step runs at
+            lrs = (
+                actor.scheduler.get_last_lr()[0],
+                critic.scheduler.get_last_lr()[0],
+            )  # the rates this step runs at
 
             # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
-            row = actor_pass(micro, actor.module, hp, norm=norm, temperature=temperature, max_length=max_length,
-                             given_logits=given)
+            row = actor_pass(
+                micro,
+                actor.module,
+                hp,
+                norm=norm,
+                temperature=temperature,
+                max_length=max_length,
+                given_logits=given,
+            )
             given = None  # the first pass's (B, T, V) logits are not held through the critic's pass
             if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
                 (hp.ptx_coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
-            row["grad_norm/actor"] = clip_and_step(actor.module, actor.optimizer, actor.scheduler, max_grad_norm,
-                                                   what="actor")
+            row["grad_norm/actor"] = clip_and_step(
+                actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
+            )
             # The critic: c1·L^VF, then one optimiser step.
             row.update(critic_pass(micro, critic.module, hp, norm=norm, max_length=max_length))
-            row["grad_norm/critic"] = clip_and_step(critic.module, critic.optimizer, critic.scheduler, max_grad_norm,
-                                                    what="critic")
+            row["grad_norm/critic"] = clip_and_step(
+                critic.module, critic.optimizer, critic.scheduler, max_grad_norm, what="critic"
+            )
             tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
-            if hp.target_kl is not None and row["policy/approx_kl"] > hp.target_kl:  # global, so every rank agrees
+            if (
+                hp.target_kl is not None and row["policy/approx_kl"] > hp.target_kl
+            ):  # global, so every rank agrees
                 stopped = True
                 break
         if stopped:
             break
-    stats = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in history.items()}
+    stats = {
+        k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in history.items()
+    }
     stats["policy/epochs_run"] = epochs_run
-    stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))  # mini-batches with rows to train on
+    stats["policy/optimizer_steps"] = len(
+        history.get("grad_norm/actor", [])
+    )  # mini-batches with rows to train on
     stats["policy/early_stopped"] = float(stopped)
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs
     return {"stats": stats, "tokens": int(dist.global_sum(tokens))}
 
 
-def actor_pass(micro: list[Experience], actor, hp: PPOLossConfig, *, norm: float, temperature: float,
-               max_length: int, given_logits: list[torch.Tensor] | None = None) -> dict[str, float]:
+def actor_pass(
+    micro: list[Experience],
+    actor,
+    hp: PPOLossConfig,
+    *,
+    norm: float,
+    temperature: float,
+    max_length: int,
+    given_logits: list[torch.Tensor] | None = None,
+) -> dict[str, float]:
     """Back-propagate the actor's loss over this rank's micro-batches of a mini-batch; its global stats
     (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W). ``given_logits``:
     each micro-batch's response logits, already computed with gradients (:class:`FirstPass`)."""
     device = micro[0].rollout.response_ids.device
-    acc = torch.zeros(6, dtype=torch.float64, device=device)  # clipfrac·n, k3·n, k1·n, n, loss, entropy
+    acc = torch.zeros(
+        6, dtype=torch.float64, device=device
+    )  # clipfrac·n, k3·n, k1·n, n, loss, entropy
     ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
     for i, m in enumerate(micro):
         mask, n = m.mask, m.mask.sum().double()
-        logits = response_logits(actor, m.rollout) if given_logits is None else given_logits[i]  # (b, T, V)
+        logits = (
+            response_logits(actor, m.rollout) if given_logits is None else given_logits[i]
+        )  # (b, T, V)
         if hp.entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
             logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
-            entropy = entropy_from_logits(logits, mask, temperature, aggregation=hp.aggregation,
-                                          max_length=max_length, normalizer=norm)
+            entropy = entropy_from_logits(
+                logits,
+                mask,
+                temperature,
+                aggregation=hp.aggregation,
+                max_length=max_length,
+                normalizer=norm,
+            )
         else:  # logged only: from the log-probabilities' own pass over the logits
-            logprobs, token_ent = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask,
-                                                       with_entropy=True)
-            entropy = masked_aggregate(token_ent, mask, hp.aggregation, max_length=max_length, normalizer=norm)
-        pg_loss, pg = ppo_policy_loss(logprobs, m.logprobs, m.advantages, mask, hp.clip_eps, hp.aggregation,
-                                      max_length=max_length, normalizer=norm)
+            logprobs, token_ent = logprobs_from_logits(
+                logits, m.rollout.response_ids, temperature, mask=mask, with_entropy=True
+            )
+            entropy = masked_aggregate(
+                token_ent, mask, hp.aggregation, max_length=max_length, normalizer=norm
+            )
+        pg_loss, pg = ppo_policy_loss(
+            logprobs,
+            m.logprobs,
+            m.advantages,
+            mask,
+            hp.clip_eps,
+            hp.aggregation,
+            max_length=max_length,
+            normalizer=norm,
+        )
         (pg_loss - hp.entropy_coef * entropy).backward()
-        acc += torch.stack([pg["clipfrac"].double() * n, pg["approx_kl_k3"].double() * n,
-                            pg["approx_kl_k1"].double() * n, n, pg_loss.detach().double(), entropy.detach().double()])
+        acc += torch.stack(
+            [
+                pg["clipfrac"].double() * n,
+                pg["approx_kl_k3"].double() * n,
+                pg["approx_kl_k1"].double() * n,
+                n,
+                pg_loss.detach().double(),
+                entropy.detach().double(),
+            ]
+        )
         if n > 0:
             ratio_max = torch.maximum(ratio_max, pg["ratio_max"].double().reshape(1))
     acc, ratio_max = dist.all_reduce_sum(acc), dist.all_reduce_max(ratio_max)
     W = dist.world_size()
-    return {"policy/clipfrac": float(acc[0] / acc[3]), "policy/approx_kl": float(acc[1] / acc[3]),
-            "policy/approx_kl_k1": float(acc[2] / acc[3]), "loss/policy": float(acc[4]) / W,
-            "policy/entropy": float(acc[5]) / W, "policy/ratio_max": float(ratio_max)}
+    return {
+        "policy/clipfrac": float(acc[0] / acc[3]),
+        "policy/approx_kl": float(acc[1] / acc[3]),
+        "policy/approx_kl_k1": float(acc[2] / acc[3]),
+        "loss/policy": float(acc[4]) / W,
+        "policy/entropy": float(acc[5]) / W,
+        "policy/ratio_max": float(ratio_max),
+    }
 
 
-def critic_pass(micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int) -> dict[str, float]:
+def critic_pass(
+    micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int
+) -> dict[str, float]:
     """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch; its global stats."""
     device = micro[0].rollout.response_ids.device
     acc = torch.zeros(3, dtype=torch.float64, device=device)  # clipfrac·n, n, loss
     for m in micro:
         mask, n = m.mask, m.mask.sum().double()
         values = critic_values(critic, m.rollout)
-        vf_loss, vf = value_loss(values, m.values, m.returns, mask, hp.value_clip_eps, aggregation=hp.aggregation,
-                                 max_length=max_length, normalizer=norm)
+        vf_loss, vf = value_loss(
+            values,
+            m.values,
+            m.returns,
+            mask,
+            hp.value_clip_eps,
+            aggregation=hp.aggregation,
+            max_length=max_length,
+            normalizer=norm,
+        )
         (hp.vf_coef * vf_loss).backward()
         acc += torch.stack([vf["vf_clipfrac"].double() * n, n, vf_loss.detach().double()])
     acc = dist.all_reduce_sum(acc)
-    return {"value/clipfrac": float(acc[0] / acc[1]), "loss/value": float(acc[2]) / dist.world_size()}
+    return {
+        "value/clipfrac": float(acc[0] / acc[1]),
+        "loss/value": float(acc[2]) / dist.world_size(),
+    }
 
 
 def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
     """This rank's share of −L^PTX on the next global batch of pretraining texts (normalised by the
     whole batch's token count, like the PPO losses)."""
     batch = ptx.sampler.next_global_batch()
-    rows = [tokenizer(ptx.texts[i], add_special_tokens=True).input_ids[:ptx.max_length] for i in batch]
+    rows = [
+        tokenizer(ptx.texts[i], add_special_tokens=True).input_ids[: ptx.max_length] for i in batch
+    ]
     total = sum(max(len(x) - 1, 0) for x in rows)  # predicted tokens, all ranks
     mine = ptx.sampler.local_part(rows)
     ids, att = pad_right(mine, tokenizer.pad_token_id, next(actor.parameters()).device)
@@ -352,41 +576,72 @@ def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
 # Set-up: models and the KL controller
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class PPOModels:
     tokenizer: object
     actor: torch.nn.Module
-    reference: object          # proximal.models.policy.Reference
+    reference: object  # proximal.models.policy.Reference
     critic: torch.nn.Module
-    scorer: object             # proximal.rollout.scoring.Scorer
+    scorer: object  # proximal.rollout.scoring.Scorer
 
 
-def build_models(cfg: PPOConfig, device: torch.device, world_size: int, functions: dict) -> PPOModels:
+def build_models(
+    cfg: PPOConfig, device: torch.device, world_size: int, functions: dict
+) -> PPOModels:
     """The four models, loaded in train.precision's dtypes, placed, and sharded across processes."""
     mc, t = cfg.model, cfg.train
     lora = mc.lora()
-    tokenizer, actor, reference = build_policy(mc.path, lora=lora, precision=t.precision, device=device,
-                                               world_size=world_size, activation_checkpointing=t.activation_checkpointing,
-                                               frozen_sharding=mc.frozen_sharding)
-    scorer = build_scorer(tokenizer, reward_model=mc.reward_model, reward_model_weight=mc.reward_model_weight,
-                          functions=functions, function_weights=mc.function_weights(), precision=t.precision,
-                          device=device, world_size=world_size, frozen_sharding=mc.frozen_sharding,
-                          micro_batch_size=cfg.ppo.micro_batch_size)
+    tokenizer, actor, reference = build_policy(
+        mc.path,
+        lora=lora,
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        activation_checkpointing=t.activation_checkpointing,
+        frozen_sharding=mc.frozen_sharding,
+    )
+    scorer = build_scorer(
+        tokenizer,
+        reward_model=mc.reward_model,
+        reward_model_weight=mc.reward_model_weight,
+        functions=functions,
+        function_weights=mc.function_weights(),
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        frozen_sharding=mc.frozen_sharding,
+        micro_batch_size=cfg.ppo.micro_batch_size,
+    )
     if mc.critic == "reward_model":
         if not same_tokenizer(tokenizer, scorer.reward_tokenizer):
-            raise ModelLoadError(f"model.critic = reward_model, but the reward model's tokenizer ({mc.reward_model}) "
-                                 f"differs from the policy's ({mc.path}); the critic reads the policy's tokens. "
-                                 "Set model.critic: policy, or a critic checkpoint with the policy's tokenizer.")
+            raise ModelLoadError(
+                f"model.critic = reward_model, but the reward model's tokenizer ({mc.reward_model}) "
+                f"differs from the policy's ({mc.path}); the critic reads the policy's tokens. "
+                "Set model.critic: policy, or a critic checkpoint with the policy's tokenizer."
+            )
     elif mc.critic != "policy":
         critic_tok = load_tokenizer(mc.critic, role="critic tokenizer (model.critic)")
         if not same_tokenizer(tokenizer, critic_tok):
-            raise ModelLoadError(f"model.critic {mc.critic!r}: its tokenizer differs from the policy's "
-                                 f"({mc.path}); the critic must read the policy's tokens")
-    critic = build_critic(mc.critic, policy_path=mc.path, reward_model_path=mc.reward_model,
-                          dtype=load_dtype(t.precision, trained=True), pad_token_id=tokenizer.pad_token_id,
-                          lora=lora if mc.critic_lora else None)
-    prepare_trained(critic, device=device, precision=t.precision, world_size=world_size,
-                    activation_checkpointing=t.activation_checkpointing)
+            raise ModelLoadError(
+                f"model.critic {mc.critic!r}: its tokenizer differs from the policy's "
+                f"({mc.path}); the critic must read the policy's tokens"
+            )
+    critic = build_critic(
+        mc.critic,
+        policy_path=mc.path,
+        reward_model_path=mc.reward_model,
+        dtype=load_dtype(t.precision, trained=True),
+        pad_token_id=tokenizer.pad_token_id,
+        lora=lora if mc.critic_lora else None,
+    )
+    prepare_trained(
+        critic,
+        device=device,
+        precision=t.precision,
+        world_size=world_size,
+        activation_checkpointing=t.activation_checkpointing,
+    )
     return PPOModels(tokenizer, actor, reference, critic, scorer)
 
 
@@ -399,4 +654,6 @@ def kl_controller(name: str, *, beta: float, target: float, k_beta: float, horiz
 
 
 def cli(argv: list[str]) -> int:
-    return config_command(argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, train=train)
+    return config_command(
+        argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, train=train
+    )

@@ -14,22 +14,35 @@ from proximal.config import check_divides, option, section
 from proximal.core import AGGREGATIONS, ESTIMATORS
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
-from proximal.train.sections import (OnlineModelSection, OptimSection, PromptDataSection, RLOutputSection,
-                                     RLTrainSection, RolloutSection)
+from proximal.train.sections import (
+    OnlineModelSection,
+    OptimSection,
+    PromptDataSection,
+    RLOutputSection,
+    RLTrainSection,
+    RolloutSection,
+)
 
 KL_CONTROLLERS = ("fixed", "adaptive", "proportional")
 
 
 @dataclass
 class PPOModel(OnlineModelSection):
-    critic: str = option("reward_model", "Critic V_φ initialisation: 'reward_model' (InstructGPT's choice), "
-                                         "'policy' (the policy with a fresh zero head), or a checkpoint path.")
-    critic_lora: bool = option(False, "Train the critic with LoRA too (its scalar head stays fully trainable).")
+    critic: str = option(
+        "reward_model",
+        "Critic V_φ initialisation: 'reward_model' (InstructGPT's choice), "
+        "'policy' (the policy with a fresh zero head), or a checkpoint path.",
+    )
+    critic_lora: bool = option(
+        False, "Train the critic with LoRA too (its scalar head stays fully trainable)."
+    )
 
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)
         if self.critic == "reward_model" and self.reward_model is None:
-            e.append(f"{name}.critic = 'reward_model' needs {name}.reward_model (or set {name}.critic: policy)")
+            e.append(
+                f"{name}.critic = 'reward_model' needs {name}.reward_model (or set {name}.critic: policy)"
+            )
         if self.critic_lora and self.lora_r == 0:
             e.append(f"{name}.critic_lora = true needs {name}.lora_r > 0")
         return e
@@ -37,8 +50,11 @@ class PPOModel(OnlineModelSection):
 
 @dataclass
 class PPOData(PromptDataSection):
-    ptx_file: str | None = option(None, "Pretraining texts for the PTX loss (JSONL {'text'} or plain text, one per "
-                                        "line). Needed when ppo.ptx_coef > 0.")
+    ptx_file: str | None = option(
+        None,
+        "Pretraining texts for the PTX loss (JSONL {'text'} or plain text, one per "
+        "line). Needed when ppo.ptx_coef > 0.",
+    )
     ptx_batch_size: int = option(4, "PTX texts per mini-batch, over all processes together.")
     ptx_max_length: int = option(256, "PTX texts are cut to this many tokens.")
 
@@ -47,37 +63,65 @@ class PPOData(PromptDataSection):
 class PPOLossConfig:
     epochs: int = option(4, "PPO epochs over each rollout batch.")
     mini_batch_size: int = option(8, "Sequences per optimiser step, over all processes together.")
-    micro_batch_size: int = option(4, "Sequences per forward/backward on one process (gradient accumulation within "
-                                      "a mini-batch); also the batch of the experience and reward-model forwards.")
+    micro_batch_size: int = option(
+        4,
+        "Sequences per forward/backward on one process (gradient accumulation within "
+        "a mini-batch); also the batch of the experience and reward-model forwards.",
+    )
     clip_eps: float = option(0.2, "ε of the clipped surrogate (typically 0.1–0.2).")
     value_clip_eps: float = option(0.2, "ε_v of the clipped value loss.")
-    gamma: float = option(1.0, "γ, the discount (1.0 for language: every token of the horizon counts alike).")
+    gamma: float = option(
+        1.0, "γ, the discount (1.0 for language: every token of the horizon counts alike)."
+    )
     lam: float = option(0.95, "λ of GAE (0.95 in DeepSpeed-Chat, TRL and most RLHF code).")
     vf_coef: float = option(0.5, "c1, the value-loss coefficient (0.5–1.0).")
-    entropy_coef: float = option(0.0, "c2, the entropy bonus coefficient (often 0 for large models).")
+    entropy_coef: float = option(
+        0.0, "c2, the entropy bonus coefficient (often 0 for large models)."
+    )
     ptx_coef: float = option(0.0, "γ_PTX, the pretraining-loss coefficient (InstructGPT: 0–27).")
-    whiten_advantages: bool = option(True, "Standardise advantages over all valid tokens of the batch.")
-    aggregation: str = option("token-mean", "How per-token losses are averaged: token-mean (PPO's Ê_t), "
-                                            "seq-mean-token-mean, or seq-mean-token-sum-norm (÷ rollout.max_new_tokens).",
-                              choices=AGGREGATIONS)
-    kl_estimator: str = option("k1", "Per-token KL estimator in the reward: k1 = log π − log π_ref (the usual "
-                                     "one), k2, k3.", choices=ESTIMATORS)
-    target_kl: float | None = option(None, "Stop the epochs early when the approximate KL (k3) to the rollout "
-                                           "policy passes this; null = never.")
-    reuse_first_pass: bool = option(True, "When the whole batch is one mini-batch and one micro-batch on one "
-                                          "process, take log π_old from the first epoch's own actor forward "
-                                          "(detached) instead of a separate pass: the same numbers, one actor "
-                                          "forward fewer a step. false: a separate pass.")
+    whiten_advantages: bool = option(
+        True, "Standardise advantages over all valid tokens of the batch."
+    )
+    aggregation: str = option(
+        "token-mean",
+        "How per-token losses are averaged: token-mean (PPO's Ê_t), "
+        "seq-mean-token-mean, or seq-mean-token-sum-norm (÷ rollout.max_new_tokens).",
+        choices=AGGREGATIONS,
+    )
+    kl_estimator: str = option(
+        "k1",
+        "Per-token KL estimator in the reward: k1 = log π − log π_ref (the usual one), k2, k3.",
+        choices=ESTIMATORS,
+    )
+    target_kl: float | None = option(
+        None,
+        "Stop the epochs early when the approximate KL (k3) to the rollout "
+        "policy passes this; null = never.",
+    )
+    reuse_first_pass: bool = option(
+        True,
+        "When the whole batch is one mini-batch and one micro-batch on one "
+        "process, take log π_old from the first epoch's own actor forward "
+        "(detached) instead of a separate pass: the same numbers, one actor "
+        "forward fewer a step. false: a separate pass.",
+    )
 
 
 @dataclass
 class KLConfig:
-    controller: str = option("fixed", "β schedule: fixed; adaptive, the piecewise rule β ← β·(1 ± K_β) when the "
-                                      "KL leaves [d_targ/1.5, 1.5·d_targ] (after Schulman et al. 2017, §4; "
-                                      "docs/formulas.md); or proportional (Ziegler et al. 2019).",
-                             choices=KL_CONTROLLERS)
-    beta: float = option(0.05, "β, the KL penalty coefficient (the initial value for the controllers).")
-    target: float = option(6.0, "d_targ: the target sequence KL (nats) of the adaptive and proportional controllers.")
+    controller: str = option(
+        "fixed",
+        "β schedule: fixed; adaptive, the piecewise rule β ← β·(1 ± K_β) when the "
+        "KL leaves [d_targ/1.5, 1.5·d_targ] (after Schulman et al. 2017, §4; "
+        "docs/formulas.md); or proportional (Ziegler et al. 2019).",
+        choices=KL_CONTROLLERS,
+    )
+    beta: float = option(
+        0.05, "β, the KL penalty coefficient (the initial value for the controllers)."
+    )
+    target: float = option(
+        6.0, "d_targ: the target sequence KL (nats) of the adaptive and proportional controllers."
+    )
     k_beta: float = option(0.1, "K_β of the adaptive controller (0.1 is usual).")
     horizon: int = option(10000, "Horizon of the proportional controller, in samples.")
 
@@ -109,30 +153,53 @@ class PPOConfig:
     RENAMED: ClassVar[dict[str, str]] = {
         "model.policy": "the policy's checkpoint is model.path (the same field in every command)",
         "model.dtype": "use train.precision ('32-true'; 'bf16-mixed' for bfloat16 compute with float32 master "
-                       "weights; 'bf16-true' for what model.dtype: bfloat16 did)",
+        "weights; 'bf16-true' for what model.dtype: bfloat16 did)",
         "optim.actor_lr": "the policy's learning rate is optim.lr (the same field in every command)",
     }
 
     def validate(self) -> list[str]:
-        e = self.model.problems() + self.data.problems() + self.rollout.problems() + self.optim.problems()
+        e = (
+            self.model.problems()
+            + self.data.problems()
+            + self.rollout.problems()
+            + self.optim.problems()
+        )
         e += self.train.problems() + self.output.problems()
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")
         if d.ptx_file and not Path(d.ptx_file).exists():
             e.append(f"data.ptx_file: {d.ptx_file!r} does not exist")
-        for name, v in (("ppo.epochs", p.epochs), ("data.ptx_batch_size", d.ptx_batch_size),
-                        ("data.ptx_max_length", d.ptx_max_length)):
+        for name, v in (
+            ("ppo.epochs", p.epochs),
+            ("data.ptx_batch_size", d.ptx_batch_size),
+            ("data.ptx_max_length", d.ptx_max_length),
+        ):
             if v <= 0:
                 e.append(f"{name} = {v} must be positive")
-        check_divides(e, "rollout.batch_size", r.batch_size, "ppo.mini_batch_size", p.mini_batch_size)
-        check_divides(e, "ppo.mini_batch_size", p.mini_batch_size, "ppo.micro_batch_size", p.micro_batch_size)
+        check_divides(
+            e, "rollout.batch_size", r.batch_size, "ppo.mini_batch_size", p.mini_batch_size
+        )
+        check_divides(
+            e, "ppo.mini_batch_size", p.mini_batch_size, "ppo.micro_batch_size", p.micro_batch_size
+        )
         if p.mini_batch_size > 0 and p.micro_batch_size > 0:
-            check_per_rank(e, "ppo.mini_batch_size", p.mini_batch_size, "ppo.micro_batch_size", p.micro_batch_size)
+            check_per_rank(
+                e,
+                "ppo.mini_batch_size",
+                p.mini_batch_size,
+                "ppo.micro_batch_size",
+                p.micro_batch_size,
+            )
         if p.ptx_coef > 0:
             check_per_rank(e, "data.ptx_batch_size", d.ptx_batch_size)
-        for key, field in (("clip_eps", "ppo.clip_eps"), ("value_clip_eps", "ppo.value_clip_eps"),
-                           ("gamma", "ppo.gamma"), ("lam", "ppo.lam"), ("beta", "kl.beta")):
+        for key, field in (
+            ("clip_eps", "ppo.clip_eps"),
+            ("value_clip_eps", "ppo.value_clip_eps"),
+            ("gamma", "ppo.gamma"),
+            ("lam", "ppo.lam"),
+            ("beta", "kl.beta"),
+        ):
             msg = problem(key, getattr(p, key) if key != "beta" else k.beta, field)
             if msg:
                 e.append(msg)
@@ -141,11 +208,17 @@ class PPOConfig:
         if p.target_kl is not None and not p.target_kl > 0:
             e.append(f"ppo.target_kl = {p.target_kl} must be > 0 (or null)")
         if k.controller != "fixed":
-            for msg in (problem("kl_target", k.target, "kl.target"),
-                        problem("horizon", k.horizon, "kl.horizon") if k.controller == "proportional" else None,
-                        problem("k_beta", k.k_beta, "kl.k_beta") if k.controller == "adaptive" else None):
+            for msg in (
+                problem("kl_target", k.target, "kl.target"),
+                problem("horizon", k.horizon, "kl.horizon")
+                if k.controller == "proportional"
+                else None,
+                problem("k_beta", k.k_beta, "kl.k_beta") if k.controller == "adaptive" else None,
+            ):
                 if msg:
                     e.append(msg)
             if not k.beta > 0:
-                e.append(f"kl.beta = {k.beta} must be > 0 for the {k.controller} controller (it scales β, so 0 stays 0)")
+                e.append(
+                    f"kl.beta = {k.beta} must be > 0 for the {k.controller} controller (it scales β, so 0 stays 0)"
+                )
         return e

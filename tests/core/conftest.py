@@ -25,6 +25,7 @@ def _simulate_ranks(rank_fns, timeout=20.0):
                 total = total + other  # same order on every rank, as a real all-reduce
             barrier.wait()  # nobody overwrites a slot before everyone has read it
             return total
+
         return all_reduce
 
     def run(rank):

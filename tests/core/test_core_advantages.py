@@ -7,16 +7,14 @@ import math
 
 import pytest
 import torch
+from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proximal.core import gae, last_valid_index, shape_rewards, whiten
 
-from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
-
-
-
 # ------------------------------------------------------------------------------ shape_rewards
+
 
 def test_shape_rewards_hand_values_score_on_eos_not_pad():
     # row 0: 3 real tokens (the third is EOS) then one pad; row 1: 4 real tokens (length limit)
@@ -44,8 +42,13 @@ def test_shape_rewards_other_estimator_and_zero_beta():
 
 def test_shape_rewards_row_without_tokens_raises():
     with pytest.raises(ValueError, match=r"rows \[1\]"):
-        shape_rewards(t([1.0, 2.0]), t([[0.0, 0.0]] * 2), t([[0.0, 0.0]] * 2),
-                      b([[True, False], [False, False]]), beta=0.1)
+        shape_rewards(
+            t([1.0, 2.0]),
+            t([[0.0, 0.0]] * 2),
+            t([[0.0, 0.0]] * 2),
+            b([[True, False], [False, False]]),
+            beta=0.1,
+        )
 
 
 def test_last_valid_index():
@@ -89,7 +92,9 @@ def test_gae_three_tokens_by_hand():
     # Â_2 = 2.5
     # Â_1 = −1.95 + 0.72·2.5        = −0.15
     # Â_0 = −0.05 + 0.72·(−0.15)    = −0.158
-    adv, ret = gae(t([[0.5, -1.0, 2.0]]), t([[1.0, 0.5, -0.5]]), b([[True] * 3]), gamma=0.9, lam=0.8)
+    adv, ret = gae(
+        t([[0.5, -1.0, 2.0]]), t([[1.0, 0.5, -0.5]]), b([[True] * 3]), gamma=0.9, lam=0.8
+    )
     close(adv, [[-0.158, -0.15, 2.5]])
     close(ret, [[-0.158 + 1.0, -0.15 + 0.5, 2.5 - 0.5]])
 
@@ -104,9 +109,15 @@ def test_gae_right_padded_rows_of_different_lengths():
     close(ret, [[1.5, 0.5, 0.0], [3.5, 2.5, 2.0]])
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"lam": 1.5}, "lam"), ({"lam": -0.1}, "lam"), ({"gamma": 1.01}, "gamma"), ({"lam": NAN}, "lam"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"lam": 1.5}, "lam"),
+        ({"lam": -0.1}, "lam"),
+        ({"gamma": 1.01}, "gamma"),
+        ({"lam": NAN}, "lam"),
+    ],
+)
 def test_gae_validates_gamma_lambda(kw, match):
     with pytest.raises(ValueError, match=match):
         gae(t([[1.0]]), t([[0.0]]), b([[True]]), **kw)
@@ -117,7 +128,7 @@ def _gae_loop(rewards, values, lengths, gamma, lam):
     out = []
     for r, v, n in zip(rewards, values, lengths):
         delta = [r[i] + gamma * (v[i + 1] if i + 1 < n else 0.0) - v[i] for i in range(n)]
-        adv = [sum((gamma * lam) ** l * delta[i + l] for l in range(n - i)) for i in range(n)]
+        adv = [sum((gamma * lam) ** k * delta[i + k] for k in range(n - i)) for i in range(n)]
         out.append(adv + [0.0] * (len(r) - n))
     return out
 
@@ -132,7 +143,9 @@ def rollouts(draw, min_len=0):
     rewards = torch.randn(B, T, generator=g, dtype=F64)
     values = torch.randn(B, T, generator=g, dtype=F64)
     mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[torch.randint(0, 4, (2, B, T), generator=g)]
+    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[
+        torch.randint(0, 4, (2, B, T), generator=g)
+    ]
     return rewards, values, mask, lengths, gamma, lam, garbage
 
 
@@ -151,8 +164,13 @@ def test_gae_matches_per_element_loop(case):
 def test_gae_ignores_garbage_at_masked_positions(case):
     rewards, values, mask, _, gamma, lam, garbage = case
     clean = gae(rewards, values, mask, gamma=gamma, lam=lam)
-    dirty = gae(torch.where(mask, rewards, garbage[0]), torch.where(mask, values, garbage[1]), mask,
-                gamma=gamma, lam=lam)
+    dirty = gae(
+        torch.where(mask, rewards, garbage[0]),
+        torch.where(mask, values, garbage[1]),
+        mask,
+        gamma=gamma,
+        lam=lam,
+    )
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
 
@@ -161,7 +179,10 @@ def test_gae_ignores_garbage_at_masked_positions(case):
 def test_gae_right_padding_changes_nothing(case, extra):
     rewards, values, mask, _, gamma, lam, _ = case
     B, T = rewards.shape
-    pad = lambda x, fill: torch.cat([x, torch.full((B, extra), fill, dtype=x.dtype)], dim=1)
+
+    def pad(x, fill):
+        return torch.cat([x, torch.full((B, extra), fill, dtype=x.dtype)], dim=1)
+
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
     adv_p, ret_p = gae(pad(rewards, NAN), pad(values, INF), pad(mask, False), gamma=gamma, lam=lam)
     assert torch.equal(adv_p[:, :T], adv) and torch.equal(ret_p[:, :T], ret)
@@ -183,15 +204,20 @@ def test_gae_skips_holes_in_the_mask(case, seed):
         cols.append(i)
     idx = torch.tensor([c if c is not None else 0 for c in cols])
     is_hole = torch.tensor([c is None for c in cols])
-    widen = lambda x, fill: torch.where(is_hole, torch.full_like(x[:, idx], fill), x[:, idx])
-    adv_h, ret_h = gae(widen(rewards, NAN), widen(values, -INF), widen(mask, False),
-                       gamma=gamma, lam=lam)
+
+    def widen(x, fill):
+        return torch.where(is_hole, torch.full_like(x[:, idx], fill), x[:, idx])
+
+    adv_h, ret_h = gae(
+        widen(rewards, NAN), widen(values, -INF), widen(mask, False), gamma=gamma, lam=lam
+    )
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
     assert torch.equal(adv_h[:, ~is_hole], adv) and torch.equal(ret_h[:, ~is_hole], ret)
     assert not adv_h[:, is_hole].any()
 
 
 # ------------------------------------------------------------------------------------- whiten
+
 
 def test_whiten_hand_values():
     x = t([[1.0, 2.0, NAN], [3.0, INF, 4.0]])
@@ -201,8 +227,10 @@ def test_whiten_hand_values():
     sd = math.sqrt(1.25)
     s = sd + 1e-8
     close(whiten(x, m), [[-1.5 / s, -0.5 / s, 0.0], [0.5 / s, 0.0, 1.5 / s]])
-    close(whiten(x, m, keep_mean=True),
-          [[-1.5 / s + 2.5, -0.5 / s + 2.5, 0.0], [0.5 / s + 2.5, 0.0, 1.5 / s + 2.5]])
+    close(
+        whiten(x, m, keep_mean=True),
+        [[-1.5 / s + 2.5, -0.5 / s + 2.5, 0.0], [0.5 / s + 2.5, 0.0, 1.5 / s + 2.5]],
+    )
     e = sd + 0.5  # ε is added to σ, not to σ²
     close(whiten(x, m, eps=0.5), [[-1.5 / e, -0.5 / e, 0.0], [0.5 / e, 0.0, 1.5 / e]])
 
@@ -239,7 +267,9 @@ def test_whiten_over_two_simulated_ranks_equals_full_batch(simulate_ranks, keep_
     mask = torch.arange(6)[None, :] < torch.randint(1, 7, (8,), generator=g)[:, None]
     full = whiten(x, mask, keep_mean=keep_mean)
     halves = [(x[:4], mask[:4]), (x[4:], mask[4:])]
-    got = simulate_ranks([lambda ar, h=h: whiten(*h, keep_mean=keep_mean, all_reduce=ar) for h in halves])
+    got = simulate_ranks(
+        [lambda ar, h=h: whiten(*h, keep_mean=keep_mean, all_reduce=ar) for h in halves]
+    )
     torch.testing.assert_close(torch.cat(got), full, rtol=0, atol=1e-12)
     # and a local whiten of one half is different (the statistics really are global)
     assert not torch.allclose(whiten(*halves[0], keep_mean=keep_mean), full[:4])

@@ -8,11 +8,16 @@ import statistics
 
 import pytest
 import torch
-
-from proximal.core import (aggregation_units, group_advantages, grpo_policy_loss, masked_aggregate, rloo_advantages,
-                           uniform_groups)
-
 from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
+
+from proximal.core import (
+    aggregation_units,
+    group_advantages,
+    grpo_policy_loss,
+    masked_aggregate,
+    rloo_advantages,
+    uniform_groups,
+)
 
 EPS = 1e-4
 
@@ -30,10 +35,16 @@ BATCH_STD = statistics.stdev(SCORES)  # sample std of all nine scores (Python's 
 
 def test_group_advantages_each_scale_by_hand():
     s = t(SCORES)
-    close(group_advantages(s, 3, "group", eps=EPS), [d / (sd + EPS) if sd else 0.0 for d, sd in zip(DEVS, GROUP_STD)])
+    close(
+        group_advantages(s, 3, "group", eps=EPS),
+        [d / (sd + EPS) if sd else 0.0 for d, sd in zip(DEVS, GROUP_STD)],
+    )
     close(group_advantages(s, 3, "batch", eps=EPS), [d / (BATCH_STD + EPS) for d in DEVS])
     close(group_advantages(s, 3, "none"), DEVS)
-    assert group_advantages(s, 3).dtype == F64 and group_advantages(s.float(), 3).dtype == torch.float32
+    assert (
+        group_advantages(s, 3).dtype == F64
+        and group_advantages(s.float(), 3).dtype == torch.float32
+    )
 
 
 def test_rloo_advantages_by_hand():
@@ -65,13 +76,19 @@ def test_a_uniform_group_gives_exactly_zero_and_no_nan(scale, value):
         assert (adv[4:] != 0).all()
     # a batch where every group is uniform: the batch std is 0 too, still no NaN (even with ε = 0)
     uniform = t([value] * 8)
-    adv = rloo_advantages(uniform, 4) if scale == "rloo" else group_advantages(uniform, 4, scale, eps=0.0)
+    adv = (
+        rloo_advantages(uniform, 4)
+        if scale == "rloo"
+        else group_advantages(uniform, 4, scale, eps=0.0)
+    )
     assert adv.tolist() == [0.0] * 8
 
 
 def test_uniform_groups_by_hand():
     assert uniform_groups(t(SCORES), 3).tolist() == [False, True, False]
-    valid = b([1, 1, 1, 1, 1, 1, 1, 0, 0])  # the third group has one valid row left: no signal either
+    valid = b(
+        [1, 1, 1, 1, 1, 1, 1, 0, 0]
+    )  # the third group has one valid row left: no signal either
     assert uniform_groups(t(SCORES), 3, valid=valid).tolist() == [False, True, True]
 
 
@@ -80,24 +97,31 @@ def test_invalid_rows_are_left_out_of_every_statistic_and_never_read():
     s = t([1.0, 2.0, NAN, 4.0, 0.0, 2.0])
     valid = b([1, 1, 0, 1, 1, 1])
     sd1 = math.sqrt(0.5)
-    close(group_advantages(s, 3, "group", eps=EPS, valid=valid),
-          [-0.5 / (sd1 + EPS), 0.5 / (sd1 + EPS), 0.0, 2 / (2 + EPS), -2 / (2 + EPS), 0.0])
+    close(
+        group_advantages(s, 3, "group", eps=EPS, valid=valid),
+        [-0.5 / (sd1 + EPS), 0.5 / (sd1 + EPS), 0.0, 2 / (2 + EPS), -2 / (2 + EPS), 0.0],
+    )
     close(group_advantages(s, 3, "none", valid=valid), [-0.5, 0.5, 0.0, 2.0, -2.0, 0.0])
     valid_scores = [1.0, 2.0, 4.0, 0.0, 2.0]
     sd_b = statistics.stdev(valid_scores)
-    close(group_advantages(s, 3, "batch", eps=EPS, valid=valid),
-          [-0.5 / (sd_b + EPS), 0.5 / (sd_b + EPS), 0.0, 2 / (sd_b + EPS), -2 / (sd_b + EPS), 0.0])
+    close(
+        group_advantages(s, 3, "batch", eps=EPS, valid=valid),
+        [-0.5 / (sd_b + EPS), 0.5 / (sd_b + EPS), 0.0, 2 / (sd_b + EPS), -2 / (sd_b + EPS), 0.0],
+    )
     close(rloo_advantages(s, 3, valid=valid), [-1.0, 1.0, 0.0, 3.0, -3.0, 0.0])
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: group_advantages(t([1.0, 2.0, 3.0]), 2), "do not split into groups of 2"),
-    (lambda: group_advantages(t([1.0, 2.0]), 0), "group_size must be a positive int"),
-    (lambda: group_advantages(t([1.0, 2.0]), 2, "std"), "unknown scale 'std'"),
-    (lambda: group_advantages(t([1.0, 2.0]), 2, eps=-1.0), "group-advantage"),
-    (lambda: group_advantages(t([[1.0, 2.0]]), 2), r"scores must be \(B,\)"),
-    (lambda: rloo_advantages(t([1.0, 2.0]), 1), "group_size must be ≥ 2"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: group_advantages(t([1.0, 2.0, 3.0]), 2), "do not split into groups of 2"),
+        (lambda: group_advantages(t([1.0, 2.0]), 0), "group_size must be a positive int"),
+        (lambda: group_advantages(t([1.0, 2.0]), 2, "std"), "unknown scale 'std'"),
+        (lambda: group_advantages(t([1.0, 2.0]), 2, eps=-1.0), "group-advantage"),
+        (lambda: group_advantages(t([[1.0, 2.0]]), 2), r"scores must be \(B,\)"),
+        (lambda: rloo_advantages(t([1.0, 2.0]), 1), "group_size must be ≥ 2"),
+    ],
+)
 def test_advantage_validation(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -155,8 +179,18 @@ AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_loss_and_gradient_by_hand(aggregation, beta):
     new, old, ref, adv, mask = _inputs()
-    loss, stats = grpo_policy_loss(new, old, ref, adv, mask, clip_eps=0.2, clip_eps_high=0.28, beta=beta,
-                                   aggregation=aggregation, max_response_length=L)
+    loss, stats = grpo_policy_loss(
+        new,
+        old,
+        ref,
+        adv,
+        mask,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+        beta=beta,
+        aggregation=aggregation,
+        max_response_length=L,
+    )
     w = _weights(aggregation)
     lps = [[OLD[i][j] + math.log(r) for j, r in enumerate(row)] for i, row in enumerate(RATIOS)]
     pg = sum(-MINS[i][j] * w[i][j] for i in range(2) for j in range(N[i]))
@@ -169,18 +203,20 @@ def test_loss_and_gradient_by_hand(aggregation, beta):
     for i in range(2):
         for j in range(N[i]):
             r, a = RATIOS[i][j], ADV[i]
-            d_pg = 0.0 if FLAT[i][j] else -r * a          # d(−min)/d log π on the unclipped branch
-            d_kl = 1 - math.exp(REF[i][j] - lps[i][j])    # d k3 / d log π
+            d_pg = 0.0 if FLAT[i][j] else -r * a  # d(−min)/d log π on the unclipped branch
+            d_kl = 1 - math.exp(REF[i][j] - lps[i][j])  # d k3 / d log π
             want = (d_pg + beta * d_kl) * w[i][j]
             assert new.grad[i, j].item() == pytest.approx(want, abs=1e-12)
             if FLAT[i][j] and beta == 0:
-                assert new.grad[i, j].item() == 0.0       # exactly, not nearly
+                assert new.grad[i, j].item() == 0.0  # exactly, not nearly
     assert new.grad[0, 3].item() == 0.0  # the padded position: no gradient, no NaN
 
 
 def test_stats_by_hand():
     new, old, ref, adv, mask = _inputs()
-    _, stats = grpo_policy_loss(new, old, ref, adv, mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.1)
+    _, stats = grpo_policy_loss(
+        new, old, ref, adv, mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.1
+    )
     flat = [r for row in RATIOS for r in row]
     lps = [OLD[i][j] + math.log(r) for i, row in enumerate(RATIOS) for j, r in enumerate(row)]
     refs = [REF[i][j] for i, row in enumerate(RATIOS) for j, _ in enumerate(row)]
@@ -189,9 +225,13 @@ def test_stats_by_hand():
     assert stats["ratio_mean"].item() == pytest.approx(sum(flat) / 7, abs=1e-12)
     assert stats["ratio_min"].item() == pytest.approx(0.5, abs=1e-12)
     assert stats["ratio_max"].item() == pytest.approx(1.5, abs=1e-12)
-    assert stats["kl_ref"].item() == pytest.approx(sum(_k3(lp, r) for lp, r in zip(lps, refs)) / 7, abs=1e-12)
+    assert stats["kl_ref"].item() == pytest.approx(
+        sum(_k3(lp, r) for lp, r in zip(lps, refs)) / 7, abs=1e-12
+    )
     # KL(π_old ‖ π_θ) from samples of π_old with k3: (ρ − 1) − log ρ
-    assert stats["approx_kl"].item() == pytest.approx(sum((r - 1) - math.log(r) for r in flat) / 7, abs=1e-12)
+    assert stats["approx_kl"].item() == pytest.approx(
+        sum((r - 1) - math.log(r) for r in flat) / 7, abs=1e-12
+    )
     assert stats["advantage_mean"].item() == pytest.approx((3 * 2 - 4 * 2) / 7, abs=1e-15)
     assert stats["advantage_min"].item() == -2.0 and stats["advantage_max"].item() == 2.0
     assert all(not v.requires_grad for v in stats.values())
@@ -200,7 +240,9 @@ def test_stats_by_hand():
 def test_symmetric_clip_by_default():
     """Without ε_high the interval is [1 − ε, 1 + ε]: ρ = 1.25 with Â > 0 is now clipped (gradient 0)."""
     new, old, ref, adv, mask = _inputs()
-    loss, stats = grpo_policy_loss(new, old, None, adv, mask, clip_eps=0.2, beta=0.0, aggregation="token-mean")
+    loss, stats = grpo_policy_loss(
+        new, old, None, adv, mask, clip_eps=0.2, beta=0.0, aggregation="token-mean"
+    )
     loss.backward()
     assert new.grad[0, 1].item() == 0.0
     assert stats["clipfrac_high"].item() == pytest.approx(2 / 7, abs=1e-15)
@@ -213,21 +255,32 @@ def test_dr_grpo_token_gradient_does_not_depend_on_its_response_length():
     """Liu et al. 2025, §3.1: with seq-mean-token-mean a token of a response of n tokens gets weight
     1/n, so the same token with the same advantage moves less in a longer response; Dr. GRPO's
     Σ/L aggregation gives every token the same weight whatever the length."""
+
     def first_token_grad(aggregation, length):
         T = 6
         lp = torch.zeros(2, T, dtype=F64, requires_grad=True)
         mask = torch.zeros(2, T, dtype=torch.bool)
-        mask[0, :length] = True   # the response whose first token we watch
-        mask[1, :2] = True        # another response in the group, length fixed
-        loss, _ = grpo_policy_loss(lp, lp.detach(), None, t([1.0, -1.0]), mask, beta=0.0,
-                                   aggregation=aggregation, max_response_length=T)
+        mask[0, :length] = True  # the response whose first token we watch
+        mask[1, :2] = True  # another response in the group, length fixed
+        loss, _ = grpo_policy_loss(
+            lp,
+            lp.detach(),
+            None,
+            t([1.0, -1.0]),
+            mask,
+            beta=0.0,
+            aggregation=aggregation,
+            max_response_length=T,
+        )
         loss.backward()
         return lp.grad[0, 0].item()
 
     sum_norm = [first_token_grad("seq-mean-token-sum-norm", n) for n in (1, 3, 6)]
-    assert sum_norm == [-1 / (6 * 2)] * 3                      # −Â/(L·G), the same for every length
+    assert sum_norm == [-1 / (6 * 2)] * 3  # −Â/(L·G), the same for every length
     seq_mean = [first_token_grad("seq-mean-token-mean", n) for n in (1, 3, 6)]
-    assert seq_mean == pytest.approx([-1 / (1 * 2), -1 / (3 * 2), -1 / (6 * 2)], abs=1e-15)  # −Â/(n·G)
+    assert seq_mean == pytest.approx(
+        [-1 / (1 * 2), -1 / (3 * 2), -1 / (6 * 2)], abs=1e-15
+    )  # −Â/(n·G)
     assert len(set(seq_mean)) == 3
 
 
@@ -237,17 +290,18 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce_with_baseline(aggregat
     gradient equals that of the REINFORCE-with-baseline loss −agg(Â·log π_θ) (Williams 1992)."""
     torch.manual_seed(0)
     B, T, V = 4, 5, 7
-    theta = torch.randn(B, T, V, dtype=F64, requires_grad=True)     # a tabular policy's logits
+    theta = torch.randn(B, T, V, dtype=F64, requires_grad=True)  # a tabular policy's logits
     tokens = torch.randint(0, V, (B, T))
     mask = b([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
-    adv = group_advantages(t([1.0, 0.0, 0.0, 1.0]), 4)               # one group of G = 4
+    adv = group_advantages(t([1.0, 0.0, 0.0, 1.0]), 4)  # one group of G = 4
 
     def logprobs():
         return torch.log_softmax(theta, -1).gather(-1, tokens[..., None]).squeeze(-1)
 
     lp = logprobs()
-    loss, stats = grpo_policy_loss(lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation,
-                                   max_response_length=T)
+    loss, stats = grpo_policy_loss(
+        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_response_length=T
+    )
     assert stats["ratio_min"].item() == 1.0 and stats["ratio_max"].item() == 1.0
     assert stats["clipfrac_low"].item() == 0.0 and stats["clipfrac_high"].item() == 0.0
     (g_grpo,) = torch.autograd.grad(loss, theta)
@@ -258,12 +312,16 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce_with_baseline(aggregat
     torch.testing.assert_close(g_grpo, g_rb, rtol=0, atol=1e-15)
     # and by hand at the log-probabilities: −Â_i times the token's aggregation weight
     lp = logprobs().detach().requires_grad_(True)
-    loss, _ = grpo_policy_loss(lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation,
-                               max_response_length=T)
+    loss, _ = grpo_policy_loss(
+        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_response_length=T
+    )
     loss.backward()
     n = mask.sum(1).tolist()
-    weight = {"token-mean": [1 / sum(n)] * B, "seq-mean-token-mean": [1 / (k * B) for k in n],
-              "seq-mean-token-sum-norm": [1 / (T * B)] * B}[aggregation]
+    weight = {
+        "token-mean": [1 / sum(n)] * B,
+        "seq-mean-token-mean": [1 / (k * B) for k in n],
+        "seq-mean-token-sum-norm": [1 / (T * B)] * B,
+    }[aggregation]
     want = torch.where(mask, (-adv * t(weight))[:, None].expand(B, T), 0.0)
     torch.testing.assert_close(lp.grad, want, rtol=0, atol=1e-15)
 
@@ -279,11 +337,22 @@ def test_garbage_at_masked_positions_changes_nothing(aggregation):
     adv = torch.randn(B, T, dtype=F64)
     results = []
     for fill in (0.0, NAN, INF, -INF, 1e30):
+
         def dirty(x):
             return torch.where(mask, x, fill)
+
         x = dirty(lp).requires_grad_(True)
-        loss, stats = grpo_policy_loss(x, dirty(old), dirty(ref), dirty(adv), mask, clip_eps_high=0.28,
-                                       beta=0.05, aggregation=aggregation, max_response_length=T)
+        loss, stats = grpo_policy_loss(
+            x,
+            dirty(old),
+            dirty(ref),
+            dirty(adv),
+            mask,
+            clip_eps_high=0.28,
+            beta=0.05,
+            aggregation=aggregation,
+            max_response_length=T,
+        )
         loss.backward()
         assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
         results.append((loss.detach(), x.grad, {k: v for k, v in stats.items()}))
@@ -299,15 +368,26 @@ def test_shares_with_the_whole_batch_normalizer_add_up(aggregation):
     new, old, ref, adv, mask = _inputs()
     mask = torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)])
     new = torch.cat([new.detach(), t([[0.0] * 4])]).requires_grad_(True)
-    old, ref, adv = torch.cat([old, t([[0.0] * 4])]), torch.cat([ref, t([[0.0] * 4])]), torch.cat([adv, t([1.0])])
+    old, ref, adv = (
+        torch.cat([old, t([[0.0] * 4])]),
+        torch.cat([ref, t([[0.0] * 4])]),
+        torch.cat([adv, t([1.0])]),
+    )
     kw = dict(clip_eps_high=0.28, beta=0.1, aggregation=aggregation, max_response_length=L)
     whole, _ = grpo_policy_loss(new, old, ref, adv, mask, **kw)
     (g_whole,) = torch.autograd.grad(whole, new)
     units = aggregation_units(mask, aggregation)
     parts, grads = [], []
     for i in range(3):
-        part, _ = grpo_policy_loss(new[i:i + 1], old[i:i + 1], ref[i:i + 1], adv[i:i + 1], mask[i:i + 1],
-                                   normalizer=units, **kw)
+        part, _ = grpo_policy_loss(
+            new[i : i + 1],
+            old[i : i + 1],
+            ref[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            normalizer=units,
+            **kw,
+        )
         parts.append(part.item())
         grads.append(torch.autograd.grad(part, new, allow_unused=True)[0])
     assert parts[2] == 0.0
@@ -318,21 +398,26 @@ def test_shares_with_the_whole_batch_normalizer_add_up(aggregation):
 def test_uniform_group_trains_nothing_without_beta():
     adv = group_advantages(t([0.5, 0.5, 0.5, 0.5]), 4)
     lp = torch.zeros(4, 3, dtype=F64, requires_grad=True)
-    loss, _ = grpo_policy_loss(lp, lp.detach(), None, adv, torch.ones(4, 3, dtype=torch.bool), beta=0.0)
+    loss, _ = grpo_policy_loss(
+        lp, lp.detach(), None, adv, torch.ones(4, 3, dtype=torch.bool), beta=0.0
+    )
     loss.backward()
     assert loss.item() == 0.0 and (lp.grad == 0).all()
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"beta": 0.1, "ref": None}, "needs ref_logprobs"),
-    ({"clip_eps_high": 0.0}, "clip_eps_high"),
-    ({"clip_eps_high": -0.1}, "clip_eps_high"),
-    ({"clip_eps": 1.0}, "clip_eps"),
-    ({"beta": -0.1}, "beta"),
-    ({"aggregation": "seq-sum"}, "'seq-sum'"),
-    ({"aggregation": "seq-mean-token-sum-norm"}, "needs max_length"),
-    ({"adv": t([1.0, 2.0, 3.0])}, r"advantages must be \(B,\) or \(B, T\)"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"beta": 0.1, "ref": None}, "needs ref_logprobs"),
+        ({"clip_eps_high": 0.0}, "clip_eps_high"),
+        ({"clip_eps_high": -0.1}, "clip_eps_high"),
+        ({"clip_eps": 1.0}, "clip_eps"),
+        ({"beta": -0.1}, "beta"),
+        ({"aggregation": "seq-sum"}, "'seq-sum'"),
+        ({"aggregation": "seq-mean-token-sum-norm"}, "needs max_length"),
+        ({"adv": t([1.0, 2.0, 3.0])}, r"advantages must be \(B,\) or \(B, T\)"),
+    ],
+)
 def test_loss_validation(kw, match):
     x = t([[0.0, 0.0]] * 2)
     ref = kw.pop("ref", x)

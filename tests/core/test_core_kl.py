@@ -22,7 +22,7 @@ def test_kl_estimators_hand_values():
     # token 1: π = 0.2, π_ref = 0.6  → r = 3
     logp = torch.tensor([math.log(0.5), math.log(0.2)], dtype=F64)
     ref = torch.tensor([math.log(0.25), math.log(0.6)], dtype=F64)
-    k1 = [math.log(2.0), -math.log(3.0)]                      # −log r
+    k1 = [math.log(2.0), -math.log(3.0)]  # −log r
     k2 = [0.5 * math.log(2.0) ** 2, 0.5 * math.log(3.0) ** 2]  # ½(log r)²
     k3 = [(0.5 - 1) + math.log(2.0), (3 - 1) - math.log(3.0)]  # (r − 1) − log r
     for name, want in (("k1", k1), ("k2", k2), ("k3", k3)):
@@ -43,19 +43,27 @@ def test_kl_unknown_estimator_named():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(-8, 8), min_size=1, max_size=6), st.lists(st.floats(-8, 8), min_size=6, max_size=6))
+@given(
+    st.lists(st.floats(-8, 8), min_size=1, max_size=6),
+    st.lists(st.floats(-8, 8), min_size=6, max_size=6),
+)
 def test_kl_estimators_match_scalar_formulas(lps, refs):
     lp = torch.tensor(lps, dtype=F64)
     ref = torch.tensor(refs[: len(lps)], dtype=F64)
     for i, (a, c) in enumerate(zip(lps, refs)):
         r = math.exp(c - a)
         assert kl_penalty(lp, ref, "k1")[i].item() == pytest.approx(a - c, abs=1e-12)
-        assert kl_penalty(lp, ref, "k2")[i].item() == pytest.approx(0.5 * (a - c) ** 2, rel=1e-12, abs=1e-12)
-        assert kl_penalty(lp, ref, "k3")[i].item() == pytest.approx((r - 1) - math.log(r), rel=1e-9, abs=1e-12)
+        assert kl_penalty(lp, ref, "k2")[i].item() == pytest.approx(
+            0.5 * (a - c) ** 2, rel=1e-12, abs=1e-12
+        )
+        assert kl_penalty(lp, ref, "k3")[i].item() == pytest.approx(
+            (r - 1) - math.log(r), rel=1e-9, abs=1e-12
+        )
         assert kl_penalty(lp, ref, "k3")[i].item() >= 0
 
 
 # ------------------------------------------------------------------------------- controllers
+
 
 def test_fixed_controller_never_moves():
     c = FixedKLController(0.05)
@@ -69,11 +77,11 @@ def test_adaptive_controller_scripted_sequence_with_strict_boundaries():
     c = AdaptiveKLController(init_beta=0.1, target=6.0, k_beta=0.1)
     # 1.5·target = 9, target/1.5 = 4 (both exact in binary floating point)
     script = [
-        (10.0, 0.1 * 1.1),              # 10 > 9 → ×1.1
-        (9.0, 0.1 * 1.1),               # 9 is not > 9 → unchanged
-        (3.0, 0.1 * 1.1 * 0.9),         # 3 < 4 → ×0.9
-        (4.0, 0.1 * 1.1 * 0.9),         # 4 is not < 4 → unchanged
-        (6.0, 0.1 * 1.1 * 0.9),         # on target → unchanged
+        (10.0, 0.1 * 1.1),  # 10 > 9 → ×1.1
+        (9.0, 0.1 * 1.1),  # 9 is not > 9 → unchanged
+        (3.0, 0.1 * 1.1 * 0.9),  # 3 < 4 → ×0.9
+        (4.0, 0.1 * 1.1 * 0.9),  # 4 is not < 4 → unchanged
+        (6.0, 0.1 * 1.1 * 0.9),  # on target → unchanged
         (9.000001, 0.1 * 1.1 * 0.9 * 1.1),
         (0.0, 0.1 * 1.1 * 0.9 * 1.1 * 0.9),
     ]
@@ -107,11 +115,14 @@ def test_proportional_controller_scripted_sequence():
     assert c.update(100.0) == pytest.approx(want, rel=1e-14)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: FixedKLController(0.3),
-    lambda: AdaptiveKLController(0.3, 2.0, 0.1),
-    lambda: ProportionalKLController(0.3, 2.0, 100),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FixedKLController(0.3),
+        lambda: AdaptiveKLController(0.3, 2.0, 0.1),
+        lambda: ProportionalKLController(0.3, 2.0, 100),
+    ],
+)
 def test_controller_state_dict_resumes_with_same_beta(make):
     script = [5.0, 0.1, 7.0, 2.0, 0.5]
     full = make()
@@ -129,16 +140,19 @@ def test_controller_state_dict_resumes_with_same_beta(make):
     assert resumed.beta == full.beta
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: FixedKLController(-0.1), "beta"),
-    (lambda: AdaptiveKLController(0.0, 1.0), "init_beta"),
-    (lambda: AdaptiveKLController(0.1, -1.0), "target"),
-    (lambda: AdaptiveKLController(0.1, 1.0, k_beta=1.5), "k_beta"),
-    (lambda: ProportionalKLController(0.1, 1.0, horizon=0), "horizon"),
-    (lambda: AdaptiveKLController(0.1, 1.0).update(math.nan), "observed_kl"),
-    (lambda: ProportionalKLController(0.1, 1.0, 10).update(math.inf), "observed_kl"),
-    (lambda: ProportionalKLController(0.1, 1.0, 10).update(1.0, n_steps=-1), "n_steps"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: FixedKLController(-0.1), "beta"),
+        (lambda: AdaptiveKLController(0.0, 1.0), "init_beta"),
+        (lambda: AdaptiveKLController(0.1, -1.0), "target"),
+        (lambda: AdaptiveKLController(0.1, 1.0, k_beta=1.5), "k_beta"),
+        (lambda: ProportionalKLController(0.1, 1.0, horizon=0), "horizon"),
+        (lambda: AdaptiveKLController(0.1, 1.0).update(math.nan), "observed_kl"),
+        (lambda: ProportionalKLController(0.1, 1.0, 10).update(math.inf), "observed_kl"),
+        (lambda: ProportionalKLController(0.1, 1.0, 10).update(1.0, n_steps=-1), "n_steps"),
+    ],
+)
 def test_controller_validation(build, match):
     with pytest.raises(ValueError, match=match):
         build()

@@ -22,15 +22,23 @@ def test_hand_values():
     logits = torch.tensor([[[math.log(0.5), math.log(0.25), math.log(0.25)]] * 2], dtype=F64)
     tokens = torch.tensor([[0, 2]])
     assert logprobs_from_logits(logits, tokens)[0].tolist() == pytest.approx(
-        [math.log(0.5), math.log(0.25)], abs=1e-15)
+        [math.log(0.5), math.log(0.25)], abs=1e-15
+    )
     z = math.sqrt(0.5) + 2 * math.sqrt(0.25)
     assert logprobs_from_logits(logits, tokens, temperature=2.0)[0].tolist() == pytest.approx(
-        [math.log(math.sqrt(0.5) / z), math.log(math.sqrt(0.25) / z)], abs=1e-15)
+        [math.log(math.sqrt(0.5) / z), math.log(math.sqrt(0.25) / z)], abs=1e-15
+    )
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 9), st.integers(2, 13), st.integers(1, 40),
-       st.sampled_from([1.0, 0.7, 1.3]), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.integers(2, 13),
+    st.integers(1, 40),
+    st.sampled_from([1.0, 0.7, 1.3]),
+    st.integers(0, 2**31 - 1),
+)
 def test_equals_log_softmax_gather_values_and_gradients(B, T, V, chunk, tau, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, T, V, generator=g, dtype=F64) * 3).requires_grad_(True)
@@ -54,8 +62,11 @@ def test_gradcheck():
     tokens = torch.randint(0, 5, (2, 3), generator=g)
     mask = torch.tensor([[True, True, False], [True, False, True]])
     assert torch.autograd.gradcheck(
-        lambda x: logprobs_from_logits(x, tokens, 0.8, mask=mask, chunk_tokens=2), (logits,))
-    assert torch.autograd.gradcheck(lambda x: token_entropy(x, 0.8, mask=mask, chunk_tokens=2), (logits,))
+        lambda x: logprobs_from_logits(x, tokens, 0.8, mask=mask, chunk_tokens=2), (logits,)
+    )
+    assert torch.autograd.gradcheck(
+        lambda x: token_entropy(x, 0.8, mask=mask, chunk_tokens=2), (logits,)
+    )
 
 
 def test_mask_makes_garbage_inert_in_value_and_gradient():
@@ -75,7 +86,9 @@ def test_mask_makes_garbage_inert_in_value_and_gradient():
     assert not logits.grad[~mask].any()
     clean = logits.detach().clone()
     clean[~mask] = 0.0
-    torch.testing.assert_close(lp[mask], _reference(clean, torch.where(mask, tokens, 0))[mask], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        lp[mask], _reference(clean, torch.where(mask, tokens, 0))[mask], rtol=0, atol=1e-12
+    )
 
 
 def test_non_contiguous_logits_slice():
@@ -84,14 +97,21 @@ def test_non_contiguous_logits_slice():
     logits = full[:, 3:-1]  # like out.logits[:, prompt_len - 1:-1]
     assert not logits.is_contiguous()
     tokens = torch.randint(0, 6, (2, 4), generator=g)
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens, chunk_tokens=3),
-                               _reference(logits, tokens), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        logprobs_from_logits(logits, tokens, chunk_tokens=3),
+        _reference(logits, tokens),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, tok: logprobs_from_logits(x, tok, chunk_tokens=4),
-    lambda x, tok: token_entropy(x, chunk_tokens=4),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, tok: logprobs_from_logits(x, tok, chunk_tokens=4),
+        lambda x, tok: token_entropy(x, chunk_tokens=4),
+    ],
+)
 def test_no_full_vocab_float32_tensor_saved_for_backward(fn):
     # bf16 logits: plain autograd would keep a float32 (B, T, V) copy alive until backward.
     B, T, V = 2, 16, 50
@@ -106,18 +126,25 @@ def test_no_full_vocab_float32_tensor_saved_for_backward(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         out = fn(logits, tokens)
     big = [s for s in saved if s.numel() >= B * T * V]
-    assert all(s.data_ptr() == logits.data_ptr() for s in big), [(s.dtype, tuple(s.shape)) for s in big]
+    assert all(s.data_ptr() == logits.data_ptr() for s in big), [
+        (s.dtype, tuple(s.shape)) for s in big
+    ]
     assert all(s.numel() <= B * T for s in saved if s.data_ptr() != logits.data_ptr())
     out.float().sum().backward()
     assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
     assert out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"temperature": 0.0}, "temperature"), ({"temperature": -1.0}, "temperature"),
-    ({"chunk_tokens": 0}, "chunk_tokens"), ({"mask": torch.ones(1, 2)}, "bool"),
-    ({"mask": torch.ones(1, 3, dtype=torch.bool)}, "mask shape"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+        ({"mask": torch.ones(1, 2)}, "bool"),
+        ({"mask": torch.ones(1, 3, dtype=torch.bool)}, "mask shape"),
+    ],
+)
 def test_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         logprobs_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), **kw)
@@ -137,9 +164,15 @@ def test_entropy_from_the_logprobs_pass_equals_token_entropy_and_is_not_trained(
     tokens = torch.randint(0, 7, (3, 5), generator=g)
     tokens[0, 1] = 0
     mask = torch.rand(3, 5, generator=g) > 0.3
-    lp, ent = logprobs_from_logits(logits, tokens, 0.9, mask=mask, chunk_tokens=4, with_entropy=True)
-    torch.testing.assert_close(lp, logprobs_from_logits(logits, tokens, 0.9, mask=mask), rtol=0, atol=0)
-    torch.testing.assert_close(ent, token_entropy(logits.detach(), 0.9, mask=mask, chunk_tokens=2), rtol=0, atol=1e-12)
+    lp, ent = logprobs_from_logits(
+        logits, tokens, 0.9, mask=mask, chunk_tokens=4, with_entropy=True
+    )
+    torch.testing.assert_close(
+        lp, logprobs_from_logits(logits, tokens, 0.9, mask=mask), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        ent, token_entropy(logits.detach(), 0.9, mask=mask, chunk_tokens=2), rtol=0, atol=1e-12
+    )
     p = torch.softmax(logits.detach() / 0.9, -1)
     by_hand = -torch.where(p > 0, p * torch.log(p), 0.0).sum(-1)
     torch.testing.assert_close(ent[mask], by_hand[mask], rtol=0, atol=1e-12)
@@ -147,7 +180,9 @@ def test_entropy_from_the_logprobs_pass_equals_token_entropy_and_is_not_trained(
     lp.sum().backward()  # only the log-probabilities carry a gradient
     ref = logits.detach().clone().requires_grad_(True)
     torch.where(mask, _reference(ref, tokens, 0.9), 0.0).sum().backward()
-    torch.testing.assert_close(logits.grad, torch.where(mask[..., None], ref.grad, 0.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        logits.grad, torch.where(mask[..., None], ref.grad, 0.0), rtol=0, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.7])
@@ -163,11 +198,15 @@ def test_bfloat16_logits_match_float32_at_bfloat16_precision(tau):
     ref = xb.detach().float().requires_grad_(True)
     lp, ent = logprobs_from_logits(xb, tok, tau, mask=mask, chunk_tokens=5, with_entropy=True)
     lp_ref = torch.where(mask, _reference(ref, tok, tau), 0.0)
-    torch.testing.assert_close(lp, lp_ref.detach(), rtol=0, atol=1e-5)  # same bf16 inputs, float32 math
+    torch.testing.assert_close(
+        lp, lp_ref.detach(), rtol=0, atol=1e-5
+    )  # same bf16 inputs, float32 math
     p = torch.softmax(ref.detach() / tau, -1)
-    torch.testing.assert_close(ent, torch.where(mask, -(p * p.log()).sum(-1), 0.0), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        ent, torch.where(mask, -(p * p.log()).sum(-1), 0.0), rtol=0, atol=1e-5
+    )
     lp.sum().backward()
     lp_ref.sum().backward()
     assert xb.grad.dtype == torch.bfloat16
     scale = float(ref.grad.abs().max())
-    torch.testing.assert_close(xb.grad.float(), ref.grad, rtol=0, atol=scale * 2 ** -8)
+    torch.testing.assert_close(xb.grad.float(), ref.grad, rtol=0, atol=scale * 2**-8)

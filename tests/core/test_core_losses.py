@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,9 +19,6 @@ from proximal.core import (
     ptx_loss,
     value_loss,
 )
-
-from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
-
 
 # ------------------------------------------------------------------------------- policy loss
 # ε = 0.2, so the interval is [0.8, 1.2]. One token per case:
@@ -61,9 +59,12 @@ def test_clipped_surrogate_batch_and_stats_by_hand():
     assert stats["ratio_max"].item() == pytest.approx(1.5, abs=1e-12)
     assert stats["ratio_min"].item() == pytest.approx(0.5, abs=1e-12)
     # KL(π_old ‖ π_θ) from samples of π_old: k1 = −log r, k3 = (r − 1) − log r
-    assert stats["approx_kl_k1"].item() == pytest.approx(sum(-math.log(r) for r in RATIOS) / 6, abs=1e-12)
+    assert stats["approx_kl_k1"].item() == pytest.approx(
+        sum(-math.log(r) for r in RATIOS) / 6, abs=1e-12
+    )
     assert stats["approx_kl_k3"].item() == pytest.approx(
-        sum((r - 1) - math.log(r) for r in RATIOS) / 6, abs=1e-12)
+        sum((r - 1) - math.log(r) for r in RATIOS) / 6, abs=1e-12
+    )
     assert all(not v.requires_grad for v in stats.values())
 
 
@@ -98,10 +99,15 @@ def test_policy_loss_seq_mean_token_mean_by_hand():
     assert loss.item() == pytest.approx(-(1.0 + 3.0 - 6.0) / 3, abs=1e-15)
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"clip_eps": 0.0}, "clip_eps"), ({"clip_eps": -0.1}, "clip_eps"), ({"clip_eps": NAN}, "clip_eps"),
-    ({"aggregation": "sum"}, "'sum'"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"clip_eps": 0.0}, "clip_eps"),
+        ({"clip_eps": -0.1}, "clip_eps"),
+        ({"clip_eps": NAN}, "clip_eps"),
+        ({"aggregation": "sum"}, "'sum'"),
+    ],
+)
 def test_policy_loss_validation(kw, match):
     x = t([[0.0]])
     with pytest.raises(ValueError, match=match):
@@ -111,14 +117,18 @@ def test_policy_loss_validation(kw, match):
 @st.composite
 def policy_batches(draw):
     B, T = draw(st.integers(1, 4)), draw(st.integers(1, 7))
-    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B).filter(lambda l: sum(l) > 0))
+    lengths = draw(
+        st.lists(st.integers(0, T), min_size=B, max_size=B).filter(lambda ls: sum(ls) > 0)
+    )
     eps = draw(st.sampled_from([0.1, 0.2]) | st.floats(0.01, 0.9))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     old = -torch.rand(B, T, generator=g, dtype=F64) * 3
     new = old + torch.randn(B, T, generator=g, dtype=F64) * 0.4
     adv = torch.randn(B, T, generator=g, dtype=F64)
     mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[torch.randint(0, 4, (3, B, T), generator=g)]
+    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[
+        torch.randint(0, 4, (3, B, T), generator=g)
+    ]
     return new, old, adv, mask, lengths, eps, garbage
 
 
@@ -177,17 +187,26 @@ def test_value_loss_max_by_hand():
     assert stats["vf_clipfrac"].item() == 0.5
     # explained variance 1 − Var[R − V]/Var[R] (both ÷n, so the n's cancel)
     res = [r - v for r, v in zip(RETURNS, VALUES)]
-    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)
-    assert stats["explained_variance"].item() == pytest.approx(1 - var(res) / var(RETURNS), abs=1e-12)
+
+    def var(xs):
+        return sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)
+
+    assert stats["explained_variance"].item() == pytest.approx(
+        1 - var(res) / var(RETURNS), abs=1e-12
+    )
     loss.backward()
     # where the clipped error wins, V_clip is constant in V: zero gradient. Otherwise
     # d/dV ½·(V − R)²/n = (V − R)/n (the tie at token 2 has both branches equal to (V − R)/n).
-    assert values.grad[0].tolist() == pytest.approx([0.0, 0.0, (2.0 - 1.0) / 4, (0.0 - 3.0) / 4], abs=1e-15)
+    assert values.grad[0].tolist() == pytest.approx(
+        [0.0, 0.0, (2.0 - 1.0) / 4, (0.0 - 3.0) / 4], abs=1e-15
+    )
     assert values.grad[0, 0].item() == 0.0 and values.grad[0, 1].item() == 0.0
 
 
 def test_value_loss_without_clipping_is_half_mse():
-    loss, stats = value_loss(t([VALUES]), t([OLD_VALUES]), t([RETURNS]), b([[True] * 4]), clip_eps=INF)
+    loss, stats = value_loss(
+        t([VALUES]), t([OLD_VALUES]), t([RETURNS]), b([[True] * 4]), clip_eps=INF
+    )
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.0 + 1.0 + 9.0) / 4, abs=1e-12)
     assert stats["vf_clipfrac"].item() == 0.0
 
@@ -197,10 +216,18 @@ def test_explained_variance_by_hand_and_over_two_simulated_ranks(simulate_ranks)
     # Var[R] = mean of (0.5², 1.5², 0.5², 1.5²) = 1.25; Var[R − V] = mean of (0.25², 0.75², 1.75², 2.25²) = 2.1875
     mask = b([[True, True], [True, True]])
     values, returns = t([[1.0, 0.0], [2.0, 0.0]]), t([[2.0, 0.0], [1.0, 3.0]])
-    assert explained_variance(values, returns, mask).item() == pytest.approx(1 - 2.1875 / 1.25, abs=1e-12)
+    assert explained_variance(values, returns, mask).item() == pytest.approx(
+        1 - 2.1875 / 1.25, abs=1e-12
+    )
     # Each rank holds one row; with the SUM all-reduce the statistics are those of both rows.
-    got = simulate_ranks([lambda ar, i=i: explained_variance(values[i:i + 1], returns[i:i + 1], mask[i:i + 1],
-                                                             all_reduce=ar) for i in range(2)])
+    got = simulate_ranks(
+        [
+            lambda ar, i=i: explained_variance(
+                values[i : i + 1], returns[i : i + 1], mask[i : i + 1], all_reduce=ar
+            )
+            for i in range(2)
+        ]
+    )
     assert [g.item() for g in got] == pytest.approx([1 - 2.1875 / 1.25] * 2, abs=1e-12)
 
 
@@ -237,12 +264,20 @@ def test_value_loss_matches_loop_and_ignores_garbage(case):
 
 # -------------------------------------------------------------------------------- entropy, PTX
 
+
 def test_entropy_by_hand():
     # row 0 token 0: uniform over 4 → log 4; token 1: p = (½, ¼, ¼, 0) → 1.5·log 2 (with 0·log 0 = 0)
     # token 2 is padding (NaN logits) and is not read
-    logits = t([[[0.0, 0.0, 0.0, 0.0],
-                 [math.log(0.5), math.log(0.25), math.log(0.25), -INF],
-                 [NAN, NAN, NAN, NAN]]], requires_grad=True)
+    logits = t(
+        [
+            [
+                [0.0, 0.0, 0.0, 0.0],
+                [math.log(0.5), math.log(0.25), math.log(0.25), -INF],
+                [NAN, NAN, NAN, NAN],
+            ]
+        ],
+        requires_grad=True,
+    )
     mask = b([[True, True, False]])
     ent = entropy_from_logits(logits, mask)
     assert ent.item() == pytest.approx((math.log(4) + 1.5 * math.log(2)) / 2, abs=1e-12)
@@ -290,8 +325,9 @@ def test_ptx_loss_by_hand_and_against_cross_entropy():
     labels = torch.randint(0, 9, (3, 6), generator=g)
     mask = torch.rand(3, 6, generator=g) < 0.7
     mask[0, 0] = True
-    ref = F.cross_entropy(logits.reshape(-1, 9), torch.where(mask, labels, -100).reshape(-1),
-                          ignore_index=-100)
+    ref = F.cross_entropy(
+        logits.reshape(-1, 9), torch.where(mask, labels, -100).reshape(-1), ignore_index=-100
+    )
     got = ptx_loss(logits, torch.where(mask, labels, -100), mask, chunk_tokens=5)
     assert got.item() == pytest.approx(ref.item(), abs=1e-12)
 
@@ -303,6 +339,7 @@ def test_ptx_loss_empty_mask_raises():
 
 # ---------------------------------------------------------------------------- Bradley–Terry
 
+
 def test_bradley_terry_by_hand():
     chosen, rejected = t([2.0, 0.0, -1.0]), t([1.0, 0.5, -1.0])
     gaps = [1.0, -0.5, 0.0]
@@ -312,7 +349,9 @@ def test_bradley_terry_by_hand():
     assert stats["accuracy"].item() == pytest.approx(1 / 3, abs=1e-15)  # the tie does not count
     assert stats["score_gap"].item() == pytest.approx(0.5 / 3, abs=1e-15)
     loss_m, stats_m = bradley_terry_loss(chosen, rejected, margin=0.5)
-    assert loss_m.item() == pytest.approx(sum(math.log1p(math.exp(-(d - 0.5))) for d in gaps) / 3, abs=1e-12)
+    assert loss_m.item() == pytest.approx(
+        sum(math.log1p(math.exp(-(d - 0.5))) for d in gaps) / 3, abs=1e-12
+    )
     assert stats_m["accuracy"].item() == stats["accuracy"].item()
     per_pair = t([0.5, 0.0, 1.0])
     loss_v, _ = bradley_terry_loss(chosen, rejected, margin=per_pair)

@@ -6,14 +6,18 @@ import math
 
 import pytest
 import torch
-
-from proximal.core import (aggregation_units, bradley_terry_loss, masked_aggregate, pair_mean, ppo_policy_loss,
-                           sft_loss, value_loss)
-from proximal.core.ranges import RANGES, check, problem
-
 from f64 import F64, b  # tests/core/f64.py
 
-
+from proximal.core import (
+    aggregation_units,
+    bradley_terry_loss,
+    masked_aggregate,
+    pair_mean,
+    ppo_policy_loss,
+    sft_loss,
+    value_loss,
+)
+from proximal.core.ranges import RANGES, check, problem
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]], dtype=F64)
 MASK = b([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # rows of 3, 1 and 0 valid tokens
@@ -21,7 +25,9 @@ MASK = b([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # rows of 3, 1 and 0 valid
 
 def test_units_by_hand():
     assert float(aggregation_units(MASK, "token-mean")) == 4
-    assert float(aggregation_units(MASK, "seq-mean-token-mean")) == 2  # the empty row is not a response
+    assert (
+        float(aggregation_units(MASK, "seq-mean-token-mean")) == 2
+    )  # the empty row is not a response
     assert float(aggregation_units(MASK, "seq-mean-token-sum-norm")) == 2
     with pytest.raises(ValueError, match="unknown aggregation 'seq-sum'"):
         aggregation_units(MASK, "seq-sum")
@@ -29,21 +35,32 @@ def test_units_by_hand():
 
 def test_aggregations_by_hand():
     assert float(masked_aggregate(LOSS, MASK, "token-mean")) == (1 + 2 + 3 + 4) / 4
-    assert float(masked_aggregate(LOSS, MASK, "seq-mean-token-mean")) == ((1 + 2 + 3) / 3 + 4 / 1) / 2
+    assert (
+        float(masked_aggregate(LOSS, MASK, "seq-mean-token-mean")) == ((1 + 2 + 3) / 3 + 4 / 1) / 2
+    )
     # Dr. GRPO: Σ over each row's tokens ÷ L (here L = 8), then the mean over rows
-    assert float(masked_aggregate(LOSS, MASK, "seq-mean-token-sum-norm", max_length=8)) == ((6 / 8) + (4 / 8)) / 2
+    assert (
+        float(masked_aggregate(LOSS, MASK, "seq-mean-token-sum-norm", max_length=8))
+        == ((6 / 8) + (4 / 8)) / 2
+    )
     with pytest.raises(ValueError, match="needs max_length"):
         masked_aggregate(LOSS, MASK, "seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_shares_of_a_split_batch_add_up_to_the_whole(aggregation):
     """Each slice normalised by the whole batch's unit count: the slices sum to the whole loss, and a
     slice with no valid token contributes exactly 0 (it does not raise)."""
     whole = masked_aggregate(LOSS, MASK, aggregation, max_length=8)
     total_units = aggregation_units(MASK, aggregation)
-    parts = [masked_aggregate(LOSS[i:i + 1], MASK[i:i + 1], aggregation, max_length=8, normalizer=total_units)
-             for i in range(3)]
+    parts = [
+        masked_aggregate(
+            LOSS[i : i + 1], MASK[i : i + 1], aggregation, max_length=8, normalizer=total_units
+        )
+        for i in range(3)
+    ]
     assert float(parts[2]) == 0.0
     assert float(sum(parts)) == pytest.approx(float(whole), abs=1e-15)
     with pytest.raises(ValueError, match="normalizer must be > 0"):
@@ -59,10 +76,14 @@ def test_policy_and_value_losses_take_the_normalizer():
     assert float(loss) == -(1 + 2 + 3) / 10
     assert float(stats["clipfrac"]) == 0.0
     empty, stats = ppo_policy_loss(lp, lp, adv, torch.zeros_like(mask), normalizer=10.0)
-    assert float(empty) == 0.0 and float(stats["clipfrac"]) == 0.0  # an empty share, no NaN, no raise
+    assert (
+        float(empty) == 0.0 and float(stats["clipfrac"]) == 0.0
+    )  # an empty share, no NaN, no raise
     v = torch.tensor([[1.0, 1.0, 0.0], [2.0, 0.0, 0.0]], dtype=F64)
     ret = torch.tensor([[3.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
-    vl, _ = value_loss(v, v, ret, mask, normalizer=4.0)  # V = V_old: no clipping effect, ½·Σ(V − R)²/N
+    vl, _ = value_loss(
+        v, v, ret, mask, normalizer=4.0
+    )  # V = V_old: no clipping effect, ½·Σ(V − R)²/N
     assert float(vl) == 0.5 * (4 + 0 + 4) / 4
 
 
@@ -81,8 +102,9 @@ def test_sft_loss_by_hand_and_prompt_positions_never_read():
     assert n == 6
     loss = sft_loss(logits[:, :-1], ids[:, 1:], response[:, 1:])
     assert float(loss) == pytest.approx(expected / n, rel=1e-12)
-    assert float(sft_loss(logits[:, :-1], ids[:, 1:], response[:, 1:], normalizer=12.0)) == pytest.approx(
-        expected / 12, rel=1e-12)
+    assert float(
+        sft_loss(logits[:, :-1], ids[:, 1:], response[:, 1:], normalizer=12.0)
+    ) == pytest.approx(expected / 12, rel=1e-12)
     # Logits that predict prompt tokens, or sit on the last token / padding, are never read: NaN
     # there changes nothing, and their gradient is exactly zero.
     unused = torch.ones(B, L, dtype=torch.bool)
@@ -113,7 +135,9 @@ def test_ranges_one_table():
     assert check("clip_eps", 0.2) == 0.2
     with pytest.raises(ValueError, match=r"clip_eps = 1.5 must lie in \(0, 1\)"):
         check("clip_eps", 1.5)
-    assert problem("lam", 1.0) is None and problem("lam", -0.1, "ppo.lam").startswith("ppo.lam = -0.1")
+    assert problem("lam", 1.0) is None and problem("lam", -0.1, "ppo.lam").startswith(
+        "ppo.lam = -0.1"
+    )
     assert problem("value_clip_eps", math.inf) is None  # ∞ turns value clipping off
     assert problem("beta", 0.0) is None and problem("beta", math.nan) is not None
     assert problem("label_smoothing", 0.5) is not None and problem("label_smoothing", 0.0) is None
@@ -121,7 +145,9 @@ def test_ranges_one_table():
         assert what and str(interval).startswith(("(", "[")), name
     # the core functions enforce the same table
     with pytest.raises(ValueError, match="clip_eps"):
-        ppo_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), b([[1]]), clip_eps=1.0)
+        ppo_policy_loss(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), b([[1]]), clip_eps=1.0
+        )
 
 
 def test_value_clipfrac_does_not_count_rounding_inside_the_interval():
@@ -141,6 +167,10 @@ def test_value_clipfrac_does_not_count_rounding_inside_the_interval():
     assert float(stats["vf_clipfrac"]) == 0.0
     # Outside the interval it counts. V_old = (0.1, 0.3, 0), V = (1.0, −0.3, 0.9), ε_v = 0.5, so V_clip =
     # (0.6, −0.2, 0.5); with R = (5, −5, 0) the clipped errors are 19.36 > 16, 23.04 > 22.09, 0.25 < 0.81.
-    old3, v3, r3 = torch.tensor([[0.1, 0.3, 0.0]]), torch.tensor([[1.0, -0.3, 0.9]]), torch.tensor([[5.0, -5.0, 0.0]])
+    old3, v3, r3 = (
+        torch.tensor([[0.1, 0.3, 0.0]]),
+        torch.tensor([[1.0, -0.3, 0.9]]),
+        torch.tensor([[5.0, -5.0, 0.0]]),
+    )
     _, stats = value_loss(v3, old3, r3, b([[1, 1, 1]]), clip_eps=0.5)
     assert float(stats["vf_clipfrac"]) == pytest.approx(2 / 3)

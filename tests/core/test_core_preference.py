@@ -55,8 +55,10 @@ def test_gaps_are_as_written():
     assert GAPS == [1.5, -2.0, 0.0]
 
 
-@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.0), ("robust", 0.2),
-                                           ("ipo", 0.0)])
+@pytest.mark.parametrize(
+    "loss_type,eps",
+    [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.0), ("robust", 0.2), ("ipo", 0.0)],
+)
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
 def test_dpo_loss_every_type_by_hand(loss_type, eps, beta):
     loss, _ = dpo_loss(*_inputs(), beta=beta, loss_type=loss_type, label_smoothing=eps)
@@ -82,7 +84,9 @@ def test_robust_with_no_noise_is_dpo_and_is_unbiased_under_noise():
     pw, pl, rw, rl = (t([v]) for v in PAIRS[0])
     kept, _ = dpo_loss(pw, pl, rw, rl, beta=beta, loss_type="robust", label_smoothing=eps)
     flipped, _ = dpo_loss(pl, pw, rl, rw, beta=beta, loss_type="robust", label_smoothing=eps)
-    assert (1 - eps) * kept.item() + eps * flipped.item() == pytest.approx(softplus(-beta * GAPS[0]), abs=TOL)
+    assert (1 - eps) * kept.item() + eps * flipped.item() == pytest.approx(
+        softplus(-beta * GAPS[0]), abs=TOL
+    )
 
 
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
@@ -93,7 +97,9 @@ def test_equal_chosen_and_rejected(loss_type):
     loss, stats = dpo_loss(v, v.clone(), v - 1, v - 1, beta=beta, loss_type=loss_type)
     expected = (1 / (2 * beta)) ** 2 if loss_type == "ipo" else math.log(2)  # 4.0 or ln 2
     assert loss.item() == pytest.approx(expected, abs=TOL)
-    assert stats["reward_margin"].item() == 0.0 and stats["accuracy"].item() == 0.0  # ties are wrong
+    assert (
+        stats["reward_margin"].item() == 0.0 and stats["accuracy"].item() == 0.0
+    )  # ties are wrong
     assert stats["reward_chosen"].item() == pytest.approx(beta * 1.0, abs=TOL)
 
 
@@ -118,7 +124,9 @@ def test_ipo_beta_to_zero_diverges_as_its_target():
     # (g − 1/(2β))² · β² → 1/4 as β → 0, whatever the gap g
     for beta in (1e-3, 1e-6):
         loss, _ = dpo_loss(*_inputs(), beta=beta, loss_type="ipo")
-        assert loss.item() == pytest.approx(sum((g - 1 / (2 * beta)) ** 2 for g in GAPS) / 3, rel=TOL)
+        assert loss.item() == pytest.approx(
+            sum((g - 1 / (2 * beta)) ** 2 for g in GAPS) / 3, rel=TOL
+        )
     assert loss.item() * 1e-12 == pytest.approx(0.25, abs=1e-5)
 
 
@@ -156,7 +164,10 @@ def test_robust_ipo_and_simpo_gradients_by_hand():
     loss, _ = dpo_loss(pw, pl, rw, rl, beta=beta, loss_type="robust", label_smoothing=eps)
     loss.backward()
     # d/dh of [(1 − ε)·softplus(−h) − ε·softplus(h)]/(1 − 2ε) = −[(1 − ε)·σ(−h) + ε·σ(h)]/(1 − 2ε)
-    want = [-beta * ((1 - eps) * sigmoid(-beta * g) + eps * sigmoid(beta * g)) / (1 - 2 * eps) / 3 for g in GAPS]
+    want = [
+        -beta * ((1 - eps) * sigmoid(-beta * g) + eps * sigmoid(beta * g)) / (1 - 2 * eps) / 3
+        for g in GAPS
+    ]
     assert pw.grad.tolist() == pytest.approx(want, abs=TOL)
     assert pl.grad.tolist() == pytest.approx([-w for w in want], abs=TOL)
 
@@ -180,8 +191,8 @@ def test_robust_ipo_and_simpo_gradients_by_hand():
 def test_stats_by_hand():
     beta = 0.5
     _, s = dpo_loss(*_inputs(), beta=beta)
-    chosen = [beta * (pw - rw) for pw, _, rw, _ in PAIRS]      # 0.5, −0.5, 0
-    rejected = [beta * (pl - rl) for _, pl, _, rl in PAIRS]    # −0.25, 0.5, 0
+    chosen = [beta * (pw - rw) for pw, _, rw, _ in PAIRS]  # 0.5, −0.5, 0
+    rejected = [beta * (pl - rl) for _, pl, _, rl in PAIRS]  # −0.25, 0.5, 0
     assert s["reward_chosen"].item() == pytest.approx(sum(chosen) / 3, abs=TOL)
     assert s["reward_rejected"].item() == pytest.approx(sum(rejected) / 3, abs=TOL)
     assert s["reward_margin"].item() == pytest.approx(beta * sum(GAPS) / 3, abs=TOL)
@@ -205,8 +216,10 @@ def test_slices_with_a_normalizer_add_up_to_the_batch(loss_type):
     full.backward()
     g_full = pw.grad.clone()
     pw.grad = None
-    parts = [dpo_loss(pw[sl], pl[sl], rw[sl], rl[sl], beta=0.3, loss_type=loss_type, normalizer=3)[0]
-             for sl in (slice(0, 1), slice(1, 3))]
+    parts = [
+        dpo_loss(pw[sl], pl[sl], rw[sl], rl[sl], beta=0.3, loss_type=loss_type, normalizer=3)[0]
+        for sl in (slice(0, 1), slice(1, 3))
+    ]
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), abs=TOL)
     (parts[0] + parts[1]).backward()
     assert pw.grad.tolist() == pytest.approx(g_full.tolist(), abs=TOL)
@@ -239,6 +252,7 @@ def test_bad_arguments_raise():
 
 # ------------------------------------------------------------------------------- sequence log-probs
 
+
 def _two_token_logits(logps: list[float]) -> torch.Tensor:
     """(1, T, 2) logits whose token 0 has exactly the given log-probabilities: a = ℓ − log(1 − e^ℓ)."""
     return t([[[lp - math.log(-math.expm1(lp)), 0.0] for lp in logps]])
@@ -252,20 +266,35 @@ def test_sequence_logprobs_by_hand():
     labels = torch.tensor([[2, 0, 1], [1, 0, 0]])
     mask = torch.tensor([[False, True, True], [True, False, False]])
     total = sequence_logprobs(logits, labels, mask)
-    assert total.tolist() == pytest.approx([math.log(0.5) + math.log(0.25), math.log(0.25)], abs=1e-15)
+    assert total.tolist() == pytest.approx(
+        [math.log(0.5) + math.log(0.25), math.log(0.25)], abs=1e-15
+    )
     avg = sequence_logprobs(logits, labels, mask, average=True)
-    assert avg.tolist() == pytest.approx([(math.log(0.5) + math.log(0.25)) / 2, math.log(0.25)], abs=1e-15)
+    assert avg.tolist() == pytest.approx(
+        [(math.log(0.5) + math.log(0.25)) / 2, math.log(0.25)], abs=1e-15
+    )
 
 
 def test_sequence_logprobs_ignore_garbage_and_padding():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 7, generator=g, dtype=F64)
     labels = torch.randint(0, 7, (3, 5), generator=g)
-    mask = torch.tensor([[False, True, True, True, False], [True, True, False, False, False],
-                         [False, False, False, True, True]])
-    expected = [sum(float(torch.log_softmax(logits[b, j], -1)[labels[b, j]]) for j in range(5) if mask[b, j])
-                for b in range(3)]
-    dirty_logits = torch.where(mask[..., None], logits, torch.full_like(logits, math.nan)).requires_grad_(True)
+    mask = torch.tensor(
+        [
+            [False, True, True, True, False],
+            [True, True, False, False, False],
+            [False, False, False, True, True],
+        ]
+    )
+    expected = [
+        sum(
+            float(torch.log_softmax(logits[b, j], -1)[labels[b, j]]) for j in range(5) if mask[b, j]
+        )
+        for b in range(3)
+    ]
+    dirty_logits = torch.where(
+        mask[..., None], logits, torch.full_like(logits, math.nan)
+    ).requires_grad_(True)
     dirty_labels = torch.where(mask, labels, -100)
     got = sequence_logprobs(dirty_logits, dirty_labels, mask)
     assert got.tolist() == pytest.approx(expected, abs=1e-12)
@@ -274,9 +303,15 @@ def test_sequence_logprobs_ignore_garbage_and_padding():
     assert (dirty_logits.grad[~mask] == 0).all()
     # Right-padding with more columns (garbage, masked) changes nothing.
     pad = torch.full((3, 4, 7), math.inf, dtype=F64)
-    padded = sequence_logprobs(torch.cat([logits, pad], 1), torch.cat([labels, torch.zeros(3, 4, dtype=torch.long)], 1),
-                               torch.cat([mask, torch.zeros(3, 4, dtype=torch.bool)], 1), average=True)
-    assert padded.tolist() == pytest.approx([e / int(m.sum()) for e, m in zip(expected, mask)], abs=1e-12)
+    padded = sequence_logprobs(
+        torch.cat([logits, pad], 1),
+        torch.cat([labels, torch.zeros(3, 4, dtype=torch.long)], 1),
+        torch.cat([mask, torch.zeros(3, 4, dtype=torch.bool)], 1),
+        average=True,
+    )
+    assert padded.tolist() == pytest.approx(
+        [e / int(m.sum()) for e, m in zip(expected, mask)], abs=1e-12
+    )
 
 
 def test_sequence_logprobs_average_of_an_empty_row_raises():
@@ -290,17 +325,26 @@ def test_simpo_depends_on_length_only_through_the_averages():
     """A 2-token and a 4-token chosen response with the same average log-probability (−2) give the
     same SimPO loss; DPO's summed log-probabilities (−4 vs −8) would not."""
     short, long = _two_token_logits([-1.0, -3.0]), _two_token_logits([-2.0, -2.0, -2.0, -2.0])
-    avg_short = sequence_logprobs(short, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), True)
-    avg_long = sequence_logprobs(long, torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool), True)
-    assert avg_short.item() == pytest.approx(-2.0, abs=1e-12) and avg_long.item() == pytest.approx(-2.0, abs=1e-12)
+    avg_short = sequence_logprobs(
+        short, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), True
+    )
+    avg_long = sequence_logprobs(
+        long, torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool), True
+    )
+    assert avg_short.item() == pytest.approx(-2.0, abs=1e-12) and avg_long.item() == pytest.approx(
+        -2.0, abs=1e-12
+    )
     rejected = t([-2.5])
     a, _ = simpo_loss(avg_short, rejected, beta=2.0, gamma_beta_ratio=0.5)
     b, _ = simpo_loss(avg_long, rejected, beta=2.0, gamma_beta_ratio=0.5)
     assert a.item() == pytest.approx(b.item(), abs=1e-12)
-    assert a.item() == pytest.approx(softplus(-(2.0 * 0.5 - 1.0)), abs=1e-12)  # z = β·0.5 − γ = 0: ln 2
+    assert a.item() == pytest.approx(
+        softplus(-(2.0 * 0.5 - 1.0)), abs=1e-12
+    )  # z = β·0.5 − γ = 0: ln 2
 
 
 # ------------------------------------------------------------------------------- exact token KL
+
 
 def test_token_kl_by_hand():
     # p = (½, ½, 0), q = (¼, ½, ¼): KL = ½ ln(½/¼) + ½ ln(½/½) = ½ ln 2; the token p bans (−inf)
@@ -314,8 +358,13 @@ def test_token_kl_by_hand():
 
 def test_token_kl_matches_torch_and_ignores_masked_garbage():
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(2, 6, 9, generator=g, dtype=F64), torch.randn(2, 6, 9, generator=g, dtype=F64)
-    mask = torch.tensor([[True, True, False, True, False, False], [False, True, True, True, True, True]])
+    a, b = (
+        torch.randn(2, 6, 9, generator=g, dtype=F64),
+        torch.randn(2, 6, 9, generator=g, dtype=F64),
+    )
+    mask = torch.tensor(
+        [[True, True, False, True, False, False], [False, True, True, True, True, True]]
+    )
     want = (torch.softmax(a, -1) * (torch.log_softmax(a, -1) - torch.log_softmax(b, -1))).sum(-1)
     a_dirty = torch.where(mask[..., None], a, math.nan)
     got = token_kl(a_dirty, b, mask=mask, chunk_tokens=3)

@@ -6,14 +6,11 @@ import pathlib
 
 import pytest
 import torch
+from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proximal.core import masked_aggregate, masked_mean, masked_mean_var, masked_sum, masked_var
-
-from f64 import F64, INF, NAN, b, t  # tests/core/f64.py
-
-
 
 X = t([[1.0, 2.0, NAN], [4.0, INF, 6.0]])
 M = b([[True, True, False], [True, False, True]])
@@ -51,13 +48,16 @@ def test_masked_var_two_pass_keeps_float32_precision_when_mean_dominates():
     assert masked_var(x, torch.ones_like(x, dtype=torch.bool)).item() == 1.0
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, m: masked_mean(x, m),
-    lambda x, m: masked_var(x, m),
-    lambda x, m: masked_mean(x, m, dim=1),
-    lambda x, m: masked_aggregate(x, m, "token-mean"),
-    lambda x, m: masked_aggregate(x, m, "seq-mean-token-mean"),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, m: masked_mean(x, m),
+        lambda x, m: masked_var(x, m),
+        lambda x, m: masked_mean(x, m, dim=1),
+        lambda x, m: masked_aggregate(x, m, "token-mean"),
+        lambda x, m: masked_aggregate(x, m, "seq-mean-token-mean"),
+    ],
+)
 def test_empty_mask_raises(fn):
     with pytest.raises(ValueError, match="no valid"):
         fn(t([[1.0, 2.0], [3.0, 4.0]]), b([[False, False], [False, False]]))
@@ -114,8 +114,9 @@ def test_all_reduce_rank_without_tokens_is_fine_but_global_empty_raises(simulate
     x = t([[1.0, 2.0], [3.0, 5.0]])
     m = b([[True, True], [True, True]])
     empty = torch.zeros_like(m)
-    got = simulate_ranks([lambda ar: masked_var(x, m, all_reduce=ar),
-                          lambda ar: masked_var(x, empty, all_reduce=ar)])
+    got = simulate_ranks(
+        [lambda ar: masked_var(x, m, all_reduce=ar), lambda ar: masked_var(x, empty, all_reduce=ar)]
+    )
     # values 1, 2, 3, 5: mean 2.75, deviations² 3.0625 + 0.5625 + 0.0625 + 5.0625 = 8.75
     assert [v.item() for v in got] == [8.75 / 4, 8.75 / 4]
     with pytest.raises(ValueError, match="no valid"):
@@ -123,7 +124,7 @@ def test_all_reduce_rank_without_tokens_is_fine_but_global_empty_raises(simulate
 
 
 def test_core_imports_only_torch():
-    allowed = {"torch", "__future__", "typing", "math", "proximal"}
+    allowed = {"torch", "__future__", "typing", "collections", "dataclasses", "math", "proximal"}
     core = pathlib.Path(__file__).resolve().parents[2] / "proximal" / "core"
     for path in core.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -140,6 +141,7 @@ def test_core_imports_only_torch():
 
 # ---------------------------------------------------------------- properties: loop vs vectorised
 
+
 @st.composite
 def masked_batches(draw):
     B, T = draw(st.integers(1, 4)), draw(st.integers(1, 7))
@@ -148,7 +150,9 @@ def masked_batches(draw):
     x = torch.randn(B, T, generator=g, dtype=F64) * 5
     mask = torch.rand(B, T, generator=g) < 0.5
     mask[draw(st.integers(0, B - 1)), draw(st.integers(0, T - 1))] = True  # at least one token
-    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[torch.randint(0, 4, (B, T), generator=g)]
+    garbage = torch.tensor([NAN, INF, -INF, 1e300], dtype=F64)[
+        torch.randint(0, 4, (B, T), generator=g)
+    ]
     return x, mask, garbage
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from proximal import dist
 from proximal.data.collate import pad_left
 from proximal.models.parallel import full_state_dict, prepare_trained
 from proximal.models.policy import build_actor, build_critic
 from proximal.rollout.experience import compute_experience
 from proximal.rollout.sampling import Rollout, stop_mask
-from proximal.train import dist
 from proximal.train.optim import Trained, build_scheduler
 
 # Eight prompts and responses of different lengths, so the ranks' shares hold unequal token counts.
@@ -37,13 +37,17 @@ def fixed_rollout(tok) -> Rollout:
 def sgd(module: torch.nn.Module, lr: float) -> Trained:
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
-    return Trained(module, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=100))
+    return Trained(
+        module, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=100)
+    )
 
 
 def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters on every rank (rank 0 gathers; broadcast so every rank can return them)."""
     state = full_state_dict(module)
-    state = dist.broadcast_object({k: v.detach().clone() for k, v in state.items()} if dist.is_main() else None)
+    state = dist.broadcast_object(
+        {k: v.detach().clone() for k, v in state.items()} if dist.is_main() else None
+    )
     return state
 
 
@@ -52,8 +56,15 @@ def fixed_experience(tok, actor, critic):
     ratios leave the clip interval), and advantages and returns drawn once from a fixed seed."""
     r = fixed_rollout(tok)
     B = len(r)
-    exp = compute_experience(r, torch.linspace(-1, 1, B), torch.ones(B, dtype=torch.bool), actor=actor,
-                             critic=critic, temperature=1.0, micro_batch_size=3)
+    exp = compute_experience(
+        r,
+        torch.linspace(-1, 1, B),
+        torch.ones(B, dtype=torch.bool),
+        actor=actor,
+        critic=critic,
+        temperature=1.0,
+        micro_batch_size=3,
+    )
     g = torch.Generator().manual_seed(7)
     mask = r.response_mask
     old = torch.where(mask, exp.logprobs + 0.3 * torch.randn(exp.logprobs.shape, generator=g), 0.0)
@@ -62,8 +73,13 @@ def fixed_experience(tok, actor, critic):
     return exp.replace(logprobs=old, advantages=adv, returns=ret)
 
 
-def ppo_update_once(policy_path: str, rm_path: str, aggregation: str, micro_batch_size: int = 1,
-                    mini_batch_size: int = 4) -> dict[str, dict[str, torch.Tensor]]:
+def ppo_update_once(
+    policy_path: str,
+    rm_path: str,
+    aggregation: str,
+    micro_batch_size: int = 1,
+    mini_batch_size: int = 4,
+) -> dict[str, dict[str, torch.Tensor]]:
     """One PPO update (2 epochs × 2 mini-batches) with SGD on the fixed experience; the gathered
     actor and critic parameters after it."""
     from proximal.models.loading import load_tokenizer
@@ -73,25 +89,45 @@ def ppo_update_once(policy_path: str, rm_path: str, aggregation: str, micro_batc
     tok = load_tokenizer(policy_path)
     W = dist.world_size()
     actor = build_actor(policy_path, dtype="float32")
-    critic = build_critic("reward_model", policy_path=policy_path, reward_model_path=rm_path, dtype="float32",
-                          pad_token_id=tok.pad_token_id)
+    critic = build_critic(
+        "reward_model",
+        policy_path=policy_path,
+        reward_model_path=rm_path,
+        dtype="float32",
+        pad_token_id=tok.pad_token_id,
+    )
     exp = fixed_experience(tok, actor, critic)  # computed unsharded, identically on every rank
     for m in (actor, critic):
         prepare_trained(m, device=torch.device("cpu"), precision="32-true", world_size=W)
-    hp = PPOLossConfig(epochs=2, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
-                       aggregation=aggregation, entropy_coef=0.01)
-    out = ppo_update(exp, actor=sgd(actor, 0.5), critic=sgd(critic, 0.5), hp=hp, temperature=1.0,
-                     max_length=exp.rollout.response_ids.shape[1], max_grad_norm=0.0, shuffle_seed=3)
+    hp = PPOLossConfig(
+        epochs=2,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        aggregation=aggregation,
+        entropy_coef=0.01,
+    )
+    out = ppo_update(
+        exp,
+        actor=sgd(actor, 0.5),
+        critic=sgd(critic, 0.5),
+        hp=hp,
+        temperature=1.0,
+        max_length=exp.rollout.response_ids.shape[1],
+        max_grad_norm=0.0,
+        shuffle_seed=3,
+    )
     return {"actor": gathered(actor), "critic": gathered(critic), "stats": out["stats"]}
 
 
 def _shares(rows: list) -> list:
     """This rank's contiguous share of a global batch (as the samplers split it)."""
     per = len(rows) // dist.world_size()
-    return rows[dist.rank() * per:(dist.rank() + 1) * per]
+    return rows[dist.rank() * per : (dist.rank() + 1) * per]
 
 
-def sft_step_once(policy_path: str, records: list[dict], micro_batch_size: int) -> dict[str, torch.Tensor]:
+def sft_step_once(
+    policy_path: str, records: list[dict], micro_batch_size: int
+) -> dict[str, torch.Tensor]:
     """One SFT optimiser step (SGD) on ``records`` as one global batch; the gathered parameters."""
     from proximal.data.chat import encode_prompt, encode_response
     from proximal.data.sft import SFTExample
@@ -106,16 +142,23 @@ def sft_step_once(policy_path: str, records: list[dict], micro_batch_size: int) 
         p = encode_prompt(r["prompt"], tok)
         rows.append(SFTExample(p + encode_response(r["response"], tok), len(p), "test"))
     model = load_causal_lm(policy_path)
-    prepare_trained(model, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size())
+    prepare_trained(
+        model, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size()
+    )
     t = sgd(model, 0.5)
     n_tokens = sum(e.n_targets for e in rows)
-    sums = accumulate(_shares(rows), micro_batch_size,
-                      lambda b: nll_step(model, b, tok.pad_token_id, "cpu", n_tokens / dist.world_size()))
+    sums = accumulate(
+        _shares(rows),
+        micro_batch_size,
+        lambda b: nll_step(model, b, tok.pad_token_id, "cpu", n_tokens / dist.world_size()),
+    )
     clip_and_step(model, t.optimizer, t.scheduler, 0.0)
     return {"params": gathered(model), "loss": sums["loss_sum"] / n_tokens}
 
 
-def rm_step_once(policy_path: str, records: list[dict], micro_batch_size: int) -> dict[str, torch.Tensor]:
+def rm_step_once(
+    policy_path: str, records: list[dict], micro_batch_size: int
+) -> dict[str, torch.Tensor]:
     """One reward-model optimiser step (SGD) on preference ``records``; the gathered parameters."""
     from proximal.data.chat import encode_prompt, encode_response
     from proximal.data.preferences import PreferencePair
@@ -128,15 +171,29 @@ def rm_step_once(policy_path: str, records: list[dict], micro_batch_size: int) -
     pairs = []
     for r in records:
         p = encode_prompt(r["prompt"], tok)
-        pairs.append(PreferencePair(p + encode_response(r["chosen"], tok), p + encode_response(r["rejected"], tok),
-                                    None, "test", len(p)))
+        pairs.append(
+            PreferencePair(
+                p + encode_response(r["chosen"], tok),
+                p + encode_response(r["rejected"], tok),
+                None,
+                "test",
+                len(p),
+            )
+        )
     torch.manual_seed(0)
     model, _ = load_reward_model(policy_path, "float32", tok)
     with torch.no_grad():  # a non-zero head, so the first step has a gradient everywhere
-        model.score.weight.copy_(torch.linspace(-0.5, 0.5, model.score.weight.numel()).view_as(model.score.weight))
-    prepare_trained(model, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size())
+        model.score.weight.copy_(
+            torch.linspace(-0.5, 0.5, model.score.weight.numel()).view_as(model.score.weight)
+        )
+    prepare_trained(
+        model, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size()
+    )
     t = sgd(model, 0.1)
-    sums = accumulate(_shares(pairs), micro_batch_size,
-                      lambda b: pair_step(model, b, tok.pad_token_id, "cpu", len(pairs) / dist.world_size()))
+    sums = accumulate(
+        _shares(pairs),
+        micro_batch_size,
+        lambda b: pair_step(model, b, tok.pad_token_id, "cpu", len(pairs) / dist.world_size()),
+    )
     clip_and_step(model, t.optimizer, t.scheduler, 0.0)
     return {"params": gathered(model), "loss": sums["loss_sum"] / len(pairs)}

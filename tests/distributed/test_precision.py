@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from multiprocess import run_ranks
 from ppo_support import read_jsonl, tiny_config, without_timing, write_yaml
 
 
 def _ppo(cfg: dict):
+    from proximal import dist
     from proximal.config import load_config
-    from proximal.train import dist
     from proximal.trainers import ppo
 
     built = {}
@@ -37,9 +36,12 @@ def _ppo(cfg: dict):
     dist.barrier()
     ppo.train(load_config(ppo.PPOConfig, path))
     m = built["m"]
-    dtypes = {"actor": {p.dtype for p in m.actor.parameters()}, "critic": {p.dtype for p in m.critic.parameters()},
-              "reference": {p.dtype for p in m.reference.model.parameters()},
-              "reward_model": {p.dtype for p in m.scorer.reward_model.parameters()}}
+    dtypes = {
+        "actor": {p.dtype for p in m.actor.parameters()},
+        "critic": {p.dtype for p in m.critic.parameters()},
+        "reference": {p.dtype for p in m.reference.model.parameters()},
+        "reward_model": {p.dtype for p in m.scorer.reward_model.parameters()},
+    }
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     dtypes["checkpointed_blocks"] = sum(isinstance(x, CheckpointWrapper) for x in m.actor.modules())
@@ -48,10 +50,14 @@ def _ppo(cfg: dict):
 
 
 def _cfg(assets, run_dir, **train):
-    return tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                       model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                       ppo={"epochs": 1, "mini_batch_size": 4, "micro_batch_size": 2},
-                       train={"steps": 2, "save_every": 0, **train})
+    return tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        ppo={"epochs": 1, "mini_batch_size": 4, "micro_batch_size": 2},
+        train={"steps": 2, "save_every": 0, **train},
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -74,8 +80,13 @@ def test_bf16_true_holds_everything_in_bfloat16(assets, tmp_path):
 @pytest.mark.parametrize("world", [1, 2])
 def test_activation_checkpointing_changes_no_number(assets, tmp_path, world):
     plain, d0 = run_ranks(world, _ppo, _cfg(assets, tmp_path / "plain"))[0]
-    ckpt, d1 = run_ranks(world, _ppo, _cfg(assets, tmp_path / "ckpt", activation_checkpointing=True))[0]
-    assert (d0["checkpointed_blocks"], d1["checkpointed_blocks"]) == (0, 2)  # both blocks of the tiny llama
+    ckpt, d1 = run_ranks(
+        world, _ppo, _cfg(assets, tmp_path / "ckpt", activation_checkpointing=True)
+    )[0]
+    assert (d0["checkpointed_blocks"], d1["checkpointed_blocks"]) == (
+        0,
+        2,
+    )  # both blocks of the tiny llama
     for a, b in zip(plain, ckpt):
         a, b = without_timing(a), without_timing(b)
         for k in a:

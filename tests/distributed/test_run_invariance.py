@@ -28,7 +28,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from multiprocess import run_ranks
 from ppo_support import TIMING_PREFIXES, load_safetensors_dir, read_jsonl, tiny_config
 
@@ -37,13 +36,18 @@ REL, ABS = 1e-4, 1e-4
 
 def _train(command: str, cfg: dict, export: str):
     """Inside a rank: run the command's ``train()`` on ``cfg``; rank 0 returns metrics and weights."""
+    from proximal import dist
     from proximal.config import load_config
-    from proximal.train import dist
     from proximal.trainers import dpo, ppo, reward, sft
 
     module = {"sft": sft, "rm": reward, "ppo": ppo, "dpo": dpo, "simpo": dpo}[command]
-    cls = {"sft": sft.SFTConfig, "rm": reward.RMConfig, "ppo": ppo.PPOConfig, "dpo": dpo.DPOConfig,
-           "simpo": dpo.SimPOConfig}[command]
+    cls = {
+        "sft": sft.SFTConfig,
+        "rm": reward.RMConfig,
+        "ppo": ppo.PPOConfig,
+        "dpo": dpo.DPOConfig,
+        "simpo": dpo.SimPOConfig,
+    }[command]
     import yaml
 
     path = Path(cfg["output"]["dir"]).with_suffix(".yaml")
@@ -74,25 +78,39 @@ def _compare(one, two, skip=(), lr: float = 1e-2):
     (rows1, w1), (rows2, w2) = one, two
     assert [r["step"] for r in rows1] == [r["step"] for r in rows2]
     for a, b in zip(rows1, rows2):
-        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES) and (a["step"], k) not in skip}
+        keys = {
+            k
+            for k in a.keys() | b.keys()
+            if not k.startswith(TIMING_PREFIXES) and (a["step"], k) not in skip
+        }
         diff = {k: (a.get(k), b.get(k)) for k in keys if not _close(a.get(k), b.get(k))}
         assert not diff, f"step {a['step']}: 1 vs 2 processes: {diff}"
     assert w1.keys() == w2.keys()
     d = torch.cat([(w1[k].float() - w2[k].float()).abs().flatten() for k in sorted(w1)])
-    q = float(torch.quantile(d, 0.999)) if d.numel() <= 16_000_000 else float(d.kthvalue(int(0.999 * d.numel())).values)
-    assert q <= 2e-5, f"99.9 % of the final weights should agree within 2e-5; the 99.9th percentile is {q}"
+    q = (
+        float(torch.quantile(d, 0.999))
+        if d.numel() <= 16_000_000
+        else float(d.kthvalue(int(0.999 * d.numel())).values)
+    )
+    assert q <= 2e-5, (
+        f"99.9 % of the final weights should agree within 2e-5; the 99.9th percentile is {q}"
+    )
     assert float(d.max()) <= 2 * lr, f"a final weight differs by {float(d.max())} > 2·lr"
     return q
 
 
 def test_ppo_1_vs_2_processes(assets, tmp_path):
     def cfg(name):
-        return tiny_config(assets.policy("llama"), assets.prompts, tmp_path / name,
-                           model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                           rollout={"batch_size": 8, "max_new_tokens": 6},
-                           ppo={"epochs": 2, "mini_batch_size": 4, "micro_batch_size": 2},
-                           kl={"controller": "adaptive", "target": 0.05, "beta": 0.1},
-                           train={"steps": 3, "save_every": 0})
+        return tiny_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name,
+            model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+            rollout={"batch_size": 8, "max_new_tokens": 6},
+            ppo={"epochs": 2, "mini_batch_size": 4, "micro_batch_size": 2},
+            kl={"controller": "adaptive", "target": 0.05, "beta": 0.1},
+            train={"steps": 3, "save_every": 0},
+        )
 
     one = run_ranks(1, _train, "ppo", cfg("w1"), "checkpoints/step_000003/policy")[0]
     two = run_ranks(2, _train, "ppo", cfg("w2"), "checkpoints/step_000003/policy")[0]
@@ -105,16 +123,32 @@ def test_sft_1_vs_2_processes(assets, tmp_path):
     from proximal.data.jsonl import write_jsonl
 
     data = tmp_path / "sft.jsonl"
-    write_jsonl(data, [{"prompt": f"{c} {i % 10}", "response": c * (1 + i % 5)} for i, c in enumerate("abcdefgh" * 4)])
+    write_jsonl(
+        data,
+        [
+            {"prompt": f"{c} {i % 10}", "response": c * (1 + i % 5)}
+            for i, c in enumerate("abcdefgh" * 4)
+        ],
+    )
 
     def cfg(name):
-        return {"model": {"path": str(assets.policy("llama"))},
-                "data": {"train_file": str(data), "eval_file": str(data), "max_length": 16},
-                "optim": {"lr": 1e-2, "warmup_steps": 1},
-                "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2, "eval_every": 1, "device": "cpu"},
-                "output": {"dir": str(tmp_path / name), "progress": False}}
+        return {
+            "model": {"path": str(assets.policy("llama"))},
+            "data": {"train_file": str(data), "eval_file": str(data), "max_length": 16},
+            "optim": {"lr": 1e-2, "warmup_steps": 1},
+            "train": {
+                "steps": 3,
+                "batch_size": 8,
+                "micro_batch_size": 2,
+                "eval_every": 1,
+                "device": "cpu",
+            },
+            "output": {"dir": str(tmp_path / name), "progress": False},
+        }
 
-    _compare(run_ranks(1, _train, "sft", cfg("w1"), "")[0], run_ranks(2, _train, "sft", cfg("w2"), "")[0])
+    _compare(
+        run_ranks(1, _train, "sft", cfg("w1"), "")[0], run_ranks(2, _train, "sft", cfg("w2"), "")[0]
+    )
 
 
 def _preference_config(assets, tmp_path, **train):
@@ -122,25 +156,47 @@ def _preference_config(assets, tmp_path, **train):
     from proximal.data.jsonl import write_jsonl
 
     data = tmp_path / "prefs.jsonl"
-    write_jsonl(data, [{"prompt": f"{c} {i % 10}", "chosen": "a" * (1 + i % 4), "rejected": c * (1 + i % 3) + "h"}
-                       for i, c in enumerate("bcdefgh" * 4)])
+    write_jsonl(
+        data,
+        [
+            {
+                "prompt": f"{c} {i % 10}",
+                "chosen": "a" * (1 + i % 4),
+                "rejected": c * (1 + i % 3) + "h",
+            }
+            for i, c in enumerate("bcdefgh" * 4)
+        ],
+    )
 
     def cfg(name):
-        return {"model": {"path": str(assets.policy("llama"))},
-                "data": {"train_file": str(data), "eval_file": str(data), "max_length": 16},
-                "optim": {"lr": 1e-2},
-                "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2, "eval_every": 1, "device": "cpu",
-                          **train},
-                "output": {"dir": str(tmp_path / name), "progress": False}}
+        return {
+            "model": {"path": str(assets.policy("llama"))},
+            "data": {"train_file": str(data), "eval_file": str(data), "max_length": 16},
+            "optim": {"lr": 1e-2},
+            "train": {
+                "steps": 3,
+                "batch_size": 8,
+                "micro_batch_size": 2,
+                "eval_every": 1,
+                "device": "cpu",
+                **train,
+            },
+            "output": {"dir": str(tmp_path / name), "progress": False},
+        }
+
     return cfg
 
 
 def test_rm_1_vs_2_processes(assets, tmp_path):
     cfg = _preference_config(assets, tmp_path)
-    _compare(run_ranks(1, _train, "rm", cfg("w1"), "")[0], run_ranks(2, _train, "rm", cfg("w2"), "")[0])
+    _compare(
+        run_ranks(1, _train, "rm", cfg("w1"), "")[0], run_ranks(2, _train, "rm", cfg("w2"), "")[0]
+    )
 
 
-@pytest.mark.parametrize("command, train", [("dpo", {}), ("dpo", {"precompute_ref_logprobs": True}), ("simpo", {})])
+@pytest.mark.parametrize(
+    "command, train", [("dpo", {}), ("dpo", {"precompute_ref_logprobs": True}), ("simpo", {})]
+)
 def test_dpo_and_simpo_1_vs_2_processes(assets, tmp_path, command, train):
     cfg = _preference_config(assets, tmp_path, **train)
     # Before the first update DPO's implicit rewards are exactly 0 when the reference scores the very batch

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_support import ids
 from multiprocess import run_ranks
 
@@ -16,12 +15,12 @@ PROMPTS = ["ab 1", "hhhh 2", "c", "dd 3"]
 
 
 def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: bool = True):
+    from proximal import dist
     from proximal.data.collate import pad_left
     from proximal.models.loading import load_tokenizer
     from proximal.models.parallel import prepare_trained
     from proximal.models.policy import build_actor
     from proximal.rollout.engine import HFEngine, SamplingParams, row_seed
-    from proximal.train import dist
 
     tok = load_tokenizer(policy_path)
     actor = build_actor(policy_path, dtype="float32")
@@ -33,8 +32,9 @@ def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: 
     prompt_ids, mask = pad_left([ids(tok, PROMPTS[i]) for i in rows], tok.pad_token_id)
     # "Stop" on a token this rank samples often, so its rows end long before max_new_tokens; the
     # other rank keeps decoding to the limit. Any collective per decode step would hang here.
-    stops = (tok.eos_token_id,) + ((ids(tok, "a")[0], ids(tok, "b")[0], ids(tok, " ")[0])
-                                   if rank == force_stop_on_rank else ())
+    stops = (tok.eos_token_id,) + (
+        (ids(tok, "a")[0], ids(tok, "b")[0], ids(tok, " ")[0]) if rank == force_stop_on_rank else ()
+    )
     params = SamplingParams(max_new_tokens=24, stop_token_ids=stops, temperature=1.0)
     from proximal.rollout import decode
 
@@ -49,7 +49,10 @@ def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: 
     engine = HFEngine(actor, tok.pad_token_id, gather_weights=gather_weights)
     out = engine.generate(prompt_ids, mask, [row_seed(0, 1, i) for i in rows], params)
     # Each row up to and including its first stop token (the engine pads after it).
-    rows = [row[:next((k + 1 for k, t in enumerate(row) if t in stops), len(row))] for row in out.tolist()]
+    rows = [
+        row[: next((k + 1 for k, t in enumerate(row) if t in stops), len(row))]
+        for row in out.tolist()
+    ]
     return rows, lean_steps[0]
 
 
@@ -57,7 +60,9 @@ def _generate(policy_path: str, force_stop_on_rank: int | None, gather_weights: 
 def test_generation_under_sharding_matches_the_unsharded_model(assets, gather_weights):
     """Gathered once (ranks stop on their own) or block by block (ranks decode in step until all are done)."""
     policy = str(assets.policy("llama"))
-    sharded = run_ranks(2, _generate, policy, 1, gather_weights, timeout_s=120, collective_timeout_s=30)
+    sharded = run_ranks(
+        2, _generate, policy, 1, gather_weights, timeout_s=120, collective_timeout_s=30
+    )
     sharded, lean_steps = [rows for rows, _ in sharded], [n for _, n in sharded]
     alone = [run_ranks(1, _generate, policy, None)[0][0]]
     # Gathered weights decode the lean way (rollout/decode.py); block-by-block gathering needs the
@@ -68,15 +73,15 @@ def test_generation_under_sharding_matches_the_unsharded_model(assets, gather_we
     # The same row seeds give the same tokens; rank 1's rows are prefixes cut by its extra stop tokens.
     for rank, rows in enumerate(sharded):
         for j, row in enumerate(rows):
-            assert row == alone[0][rank * 2 + j][:len(row)], (rank, j)
+            assert row == alone[0][rank * 2 + j][: len(row)], (rank, j)
 
 
 def _scorers(rm_path: str):
+    from proximal import dist
     from proximal.data.collate import pad_right
     from proximal.models.heads import last_token_scores, token_values
     from proximal.models.loading import load_sequence_scorer, load_tokenizer
     from proximal.models.parallel import prepare_frozen, prepare_trained
-    from proximal.train import dist
 
     tok = load_tokenizer(rm_path, padding_side="right")
     ids_, att = pad_right([ids(tok, t) + [tok.eos_token_id] for t in PROMPTS], tok.pad_token_id)
@@ -94,25 +99,33 @@ def _scorers(rm_path: str):
 
 def test_critic_and_reward_model_work_sharded(assets):
     rm = str(assets.reward_model("llama"))
-    (v1, s1), = run_ranks(1, _scorers, rm)
+    ((v1, s1),) = run_ranks(1, _scorers, rm)
     (v2, s2), _ = run_ranks(2, _scorers, rm)
     torch.testing.assert_close(v2, v1, rtol=0, atol=1e-6)
     torch.testing.assert_close(s2, s1, rtol=0, atol=1e-6)
 
 
 def _export(policy_path: str, out: str, lora: bool):
+    from proximal import dist
+    from proximal.models.loading import load_tokenizer
     from proximal.models.parallel import export_pretrained, full_state_dict, prepare_trained
     from proximal.models.policy import build_actor
-    from proximal.models.loading import load_tokenizer
-    from proximal.train import dist
 
     torch.manual_seed(0)
-    actor = build_actor(policy_path, dtype="float32", lora=dict(r=4, alpha=8, target_modules=["all-linear"]) if lora else None)
-    with torch.no_grad():  # move the weights away from the checkpoint, so the export has something to show
+    actor = build_actor(
+        policy_path,
+        dtype="float32",
+        lora=dict(r=4, alpha=8, target_modules=["all-linear"]) if lora else None,
+    )
+    with (
+        torch.no_grad()
+    ):  # move the weights away from the checkpoint, so the export has something to show
         for p in actor.parameters():
             if p.requires_grad:
                 p.add_(0.01 * torch.randn(p.shape))
-    prepare_trained(actor, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size())
+    prepare_trained(
+        actor, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size()
+    )
     export_pretrained(actor, load_tokenizer(policy_path), out, is_main=dist.is_main())
     full = full_state_dict(actor)
     return {k: v.clone() for k, v in full.items()} if dist.is_main() else None
@@ -129,7 +142,9 @@ def test_export_reloads_to_the_gathered_parameters(assets, tmp_path):
     assert all(torch.equal(full[k], reloaded[k]) for k in full)
 
     lora = run_ranks(2, _export, policy, str(tmp_path / "lora"), True)[0]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(policy), tmp_path / "lora")
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(policy), tmp_path / "lora"
+    )
     state = model.state_dict()
     adapters = [k for k in lora if "lora_" in k]
     assert adapters and all(torch.equal(lora[k], state[k]) for k in adapters)

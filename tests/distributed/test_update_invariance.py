@@ -11,7 +11,6 @@ whole mini-batch give the same update.
 from __future__ import annotations
 
 import pytest
-
 from dist_support import ppo_update_once, rm_step_once, sft_step_once
 from multiprocess import run_ranks
 
@@ -23,19 +22,25 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_ppo_update_is_the_same_on_1_2_and_4_processes(aggregation, assets):
     args = (str(assets.policy("llama")), str(assets.reward_model("llama")), aggregation)
     one, two, four = (run_ranks(w, ppo_update_once, *args)[0] for w in (1, 2, 4))
     initial = run_ranks(1, ppo_update_once, *args, mini_batch_size=8, micro_batch_size=8)[0]
     for name in ("actor", "critic"):
-        assert _max_diff(one[name], initial[name]) > 1e-3, "the update moved nothing (the test could not fail)"
+        assert _max_diff(one[name], initial[name]) > 1e-3, (
+            "the update moved nothing (the test could not fail)"
+        )
         assert _max_diff(one[name], two[name]) <= ATOL, f"{name}: W=2 differs from W=1"
         assert _max_diff(one[name], four[name]) <= ATOL, f"{name}: W=4 differs from W=1"
     for key in ("loss/policy", "loss/value", "policy/clipfrac", "policy/entropy"):
         assert two["stats"][key] == pytest.approx(one["stats"][key], abs=1e-6), key
         assert four["stats"][key] == pytest.approx(one["stats"][key], abs=1e-6), key
-    assert one["stats"]["policy/clipfrac"] > 0  # the perturbed π_old puts some ratios outside [1 − ε, 1 + ε]
+    assert (
+        one["stats"]["policy/clipfrac"] > 0
+    )  # the perturbed π_old puts some ratios outside [1 − ε, 1 + ε]
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
@@ -47,12 +52,32 @@ def test_ppo_micro_batches_accumulate_to_the_mini_batch(aggregation, assets):
         assert _max_diff(whole[name], split[name]) <= ATOL, name
 
 
-SFT_ROWS = [{"prompt": p, "response": r} for p, r in [("ab 1", "abc"), ("c", "a"), ("dd 3", "cdefgh"),
-                                                     ("hhhhhhh 4", "hh"), ("e 5", "b"), ("fg", "abcdefg"),
-                                                     ("a", "gg"), ("bbbbb 8", "defg")]]
-PAIRS = [{"prompt": p, "chosen": r, "rejected": r[::-1] + "a"} for p, r in
-         [("ab 1", "abc"), ("c", "ab"), ("dd 3", "cdefgh"), ("hhhhhhh 4", "hhe"),
-          ("e 5", "bd"), ("fg", "abcdefg"), ("a", "gg"), ("bbbbb 8", "defg")]]
+SFT_ROWS = [
+    {"prompt": p, "response": r}
+    for p, r in [
+        ("ab 1", "abc"),
+        ("c", "a"),
+        ("dd 3", "cdefgh"),
+        ("hhhhhhh 4", "hh"),
+        ("e 5", "b"),
+        ("fg", "abcdefg"),
+        ("a", "gg"),
+        ("bbbbb 8", "defg"),
+    ]
+]
+PAIRS = [
+    {"prompt": p, "chosen": r, "rejected": r[::-1] + "a"}
+    for p, r in [
+        ("ab 1", "abc"),
+        ("c", "ab"),
+        ("dd 3", "cdefgh"),
+        ("hhhhhhh 4", "hhe"),
+        ("e 5", "bd"),
+        ("fg", "abcdefg"),
+        ("a", "gg"),
+        ("bbbbb 8", "defg"),
+    ]
+]
 
 
 def test_sft_step_is_the_same_on_1_2_and_4_processes_and_micro_batches(assets):
@@ -83,9 +108,12 @@ def test_a_per_rank_normaliser_would_be_caught(assets):
     original = ppo.aggregation_units
 
     def per_rank_units(mask, aggregation):  # the count of this rank's share only, times W
-        from proximal.train import dist
+        from proximal import dist
 
-        share = mask[dist.rank() * (len(mask) // dist.world_size()):(dist.rank() + 1) * (len(mask) // dist.world_size())]
+        share = mask[
+            dist.rank() * (len(mask) // dist.world_size()) : (dist.rank() + 1)
+            * (len(mask) // dist.world_size())
+        ]
         return original(share, aggregation) * dist.world_size()
 
     def wrong(*a):

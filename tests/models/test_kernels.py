@@ -103,8 +103,15 @@ def test_falls_back_where_onednn_does_not_pay_or_apply(calls, monkeypatch):
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -127,7 +134,9 @@ def test_a_patched_model_trains_like_the_plain_one(calls):
     assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
     for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
         scale = q.grad.abs().max().item()
-        assert (p.grad.double() - q.grad).abs().max().item() <= 1e-5 * scale, name  # measured 1.4e-6
+        assert (p.grad.double() - q.grad).abs().max().item() <= 1e-5 * scale, (
+            name
+        )  # measured 1.4e-6
 
 
 def test_lora_base_layers_are_routed(calls):
@@ -136,16 +145,30 @@ def test_lora_base_layers_are_routed(calls):
     from peft import LoraConfig, get_peft_model
 
     def lora_model():
-        return get_peft_model(_llama(), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"],
-                                                   init_lora_weights=False))  # B ≠ 0: gradients reach A
+        return get_peft_model(
+            _llama(),
+            LoraConfig(
+                r=8,
+                lora_alpha=16,
+                lora_dropout=0.0,
+                target_modules=["q_proj"],
+                init_lora_weights=False,
+            ),
+        )  # B ≠ 0: gradients reach A
 
     model, plain = lora_model(), lora_model()
-    assert kernels.use_onednn_linears(model) == 15 + 2 * 2  # the base linears, and each adapter's A and B
+    assert (
+        kernels.use_onednn_linears(model) == 15 + 2 * 2
+    )  # the base linears, and each adapter's A and B
     ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(4))
     model(input_ids=ids, labels=ids).loss.backward()
     assert calls[0] > 15  # every base linear's forward, and backward products
     plain(input_ids=ids, labels=ids).loss.backward()
-    trained = [(n, p, q) for (n, p), q in zip(model.named_parameters(), plain.parameters()) if p.requires_grad]
+    trained = [
+        (n, p, q)
+        for (n, p), q in zip(model.named_parameters(), plain.parameters())
+        if p.requires_grad
+    ]
     assert len(trained) == 4
     for name, p, q in trained:
         assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
@@ -163,10 +186,14 @@ def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
         want = ref(input_ids=ids).logits
     with kernels.packed_weights(model, rows=16) as n:
         assert n == 15
-        assert not any("_proximal_packed" in m.__dict__ for m in model.modules())  # nothing reordered yet
+        assert not any(
+            "_proximal_packed" in m.__dict__ for m in model.modules()
+        )  # nothing reordered yet
         with torch.no_grad():
             got = model(input_ids=ids).logits
-        assert all("_proximal_packed" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+        assert all(
+            "_proximal_packed" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear
+        )
         _close(got, want, rel=1e-5)
         packed = model.lm_head._proximal_packed
         with torch.no_grad():
@@ -232,12 +259,17 @@ def test_under_autocast_the_packed_copies_are_bfloat16(calls):
     attn = model.model.layers[0].self_attn
     x = torch.randn(16, 1, 256, generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        want = [torch.nn.functional.linear(x, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        want = [
+            torch.nn.functional.linear(x, p.weight, p.bias)
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj)
+        ]
         with kernels.packed_weights(model, rows=16) as n:
             assert n == sum(type(m) is torch.nn.Linear for m in model.modules())
             before = calls[0]
             got = attn.q_proj(x)
-            assert calls[0] == before + 1 and attn.q_proj._proximal_packed[0].dtype == torch.bfloat16
+            assert (
+                calls[0] == before + 1 and attn.q_proj._proximal_packed[0].dtype == torch.bfloat16
+            )
             assert got.dtype == torch.bfloat16 and torch.equal(got, want[0])
             w, b = kernels.fused_packed([attn.q_proj, attn.k_proj, attn.v_proj])
             assert w.dtype == torch.bfloat16 and b is None
@@ -253,14 +285,17 @@ AMD_AVX2 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n"
 INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f\n"
 
 
-@pytest.mark.parametrize("machine,cpuinfo,on", [
-    ("x86_64", AMD, True),            # what was measured: MKL takes its AVX2 path there
-    ("x86_64", AMD_AVX2, False),      # no AVX-512: nothing measured to gain
-    ("x86_64", INTEL, False),         # MKL runs AVX-512 on Intel's own CPUs
-    ("arm64", "", False),             # Apple silicon: torch's BLAS is Accelerate
-    ("aarch64", AMD, False),
-    ("x86_64", "", False),            # no /proc/cpuinfo (not Linux): off unless asked for
-])
+@pytest.mark.parametrize(
+    "machine,cpuinfo,on",
+    [
+        ("x86_64", AMD, True),  # what was measured: MKL takes its AVX2 path there
+        ("x86_64", AMD_AVX2, False),  # no AVX-512: nothing measured to gain
+        ("x86_64", INTEL, False),  # MKL runs AVX-512 on Intel's own CPUs
+        ("arm64", "", False),  # Apple silicon: torch's BLAS is Accelerate
+        ("aarch64", AMD, False),
+        ("x86_64", "", False),  # no /proc/cpuinfo (not Linux): off unless asked for
+    ],
+)
 def test_where_onednn_is_the_default(machine, cpuinfo, on):
     assert kernels.default_on(machine, cpuinfo) is on
 

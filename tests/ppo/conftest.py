@@ -29,7 +29,8 @@ class Run:
 
 
 def run_with_models(monkeypatch, config: dict, *args: str) -> Run:
-    """Run the CLI and keep the ``_Models`` the trainer built (``ppo.build_models``; for bitwise checks after training)."""
+    """Run the CLI and keep the ``_Models`` the trainer built (``ppo.build_models``; for bitwise
+    checks after training)."""
     from proximal.trainers import ppo
 
     spy = Spy(ppo.build_models)
@@ -43,9 +44,13 @@ def llama_run(assets, tmp_path_factory) -> Run:
     """3 steps on Llama with a reward model (same tokenizer), a reward function, the critic initialised
     from the reward model (the default), checkpoints at steps 2 and 3."""
     run_dir = tmp_path_factory.mktemp("llama_run") / "run"
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                      model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                      ppo={"epochs": 2})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        ppo={"epochs": 2},
+    )
     with pytest.MonkeyPatch.context() as mp:
         return run_with_models(mp, cfg, "--train.steps", "3", "--train.save_every", "2")
 
@@ -54,8 +59,12 @@ def llama_run(assets, tmp_path_factory) -> Run:
 def lora_run(assets, tmp_path_factory) -> Run:
     """2 steps on Llama with LoRA on the actor and on the critic (initialised from the reward model)."""
     run_dir = tmp_path_factory.mktemp("lora_run") / "run"
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                      model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                      optim={"lr": 1e-2, "critic_lr": 1e-2})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        optim={"lr": 1e-2, "critic_lr": 1e-2},
+    )
     with pytest.MonkeyPatch.context() as mp:
         return run_with_models(mp, cfg, "--model.lora_r", "4", "--model.critic_lora", "true")

@@ -27,28 +27,29 @@ TIMING_PREFIXES = ("time/", "speed/", "memory/")
 # Every per-step metric issue 3 (item 8) asks for, under the names trainers/ppo.py logs them.
 REQUIRED_METRICS = (
     "step",
-    "score/mean",                   # score mean
-    "reward/total_mean",            # total (shaped) reward mean
-    "kl/seq_mean",                  # sequence KL mean
-    "kl/beta",                      # β
-    "loss/policy",                  # policy loss
-    "loss/value",                   # value loss
-    "policy/clipfrac",              # clip fraction
-    "value/clipfrac",               # value clip fraction
-    "policy/approx_kl",             # approximate KL to the rollout policy
-    "policy/entropy",               # entropy
-    "value/explained_variance",     # explained variance
-    "response/length_mean",         # mean response length
-    "response/eos_frac",            # EOS fraction
-    "speed/gen_tokens_per_s",       # generation tokens/s
-    "speed/train_tokens_per_s",     # training tokens/s
-    "time/wall_s",                  # wall seconds
+    "score/mean",  # score mean
+    "reward/total_mean",  # total (shaped) reward mean
+    "kl/seq_mean",  # sequence KL mean
+    "kl/beta",  # β
+    "loss/policy",  # policy loss
+    "loss/value",  # value loss
+    "policy/clipfrac",  # clip fraction
+    "value/clipfrac",  # value clip fraction
+    "policy/approx_kl",  # approximate KL to the rollout policy
+    "policy/entropy",  # entropy
+    "value/explained_variance",  # explained variance
+    "response/length_mean",  # mean response length
+    "response/eos_frac",  # EOS fraction
+    "speed/gen_tokens_per_s",  # generation tokens/s
+    "speed/train_tokens_per_s",  # training tokens/s
+    "time/wall_s",  # wall seconds
 )
 
 
 # ----------------------------------------------------------------------------------------------
 # Rule-based rewards (``model.reward_functions: [ppo_support:<name>]``)
 # ----------------------------------------------------------------------------------------------
+
 
 def frac_a(prompts: list[str], completions: list[str]) -> list[float]:
     """The fraction of the completion's characters that are 'a' (0 for an empty completion)."""
@@ -63,7 +64,9 @@ def length(prompts: list[str], completions: list[str]) -> list[float]:
 
 def nan_for_h(prompts: list[str], completions: list[str]) -> list[float]:
     """NaN for every prompt that starts with 'h', else the fraction of 'a'."""
-    return [math.nan if p.startswith("h") else s for p, s in zip(prompts, frac_a(prompts, completions))]
+    return [
+        math.nan if p.startswith("h") else s for p, s in zip(prompts, frac_a(prompts, completions))
+    ]
 
 
 def constant(prompts: list[str], completions: list[str]) -> list[float]:
@@ -74,10 +77,15 @@ def constant(prompts: list[str], completions: list[str]) -> list[float]:
 # Running the real CLI
 # ----------------------------------------------------------------------------------------------
 
+
 def tiny_config(policy: Path | str, prompts: Path | str, run_dir: Path | str, **sections) -> dict:
     """A nested config dict for a few cheap PPO steps; ``sections`` update it (``ppo={"epochs": 2}``)."""
     cfg = {
-        "model": {"path": str(policy), "critic": "policy", "reward_functions": ["ppo_support:frac_a"]},
+        "model": {
+            "path": str(policy),
+            "critic": "policy",
+            "reward_functions": ["ppo_support:frac_a"],
+        },
         "data": {"prompts": str(prompts), "max_prompt_length": 16},
         "rollout": {"batch_size": 4, "max_new_tokens": 8},
         "ppo": {"epochs": 1, "mini_batch_size": 4, "micro_batch_size": 2},
@@ -96,7 +104,9 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def command_main(command: str, config: dict | None, *args: str, config_path: Path | None = None) -> int:
+def command_main(
+    command: str, config: dict | None, *args: str, config_path: Path | None = None
+) -> int:
     """``proximal COMMAND --config FILE ARGS...`` through :func:`proximal.cli.main` (``config`` written
     beside its output dir, or to ``config_path``); returns the exit code."""
     from proximal.cli import main
@@ -136,7 +146,9 @@ def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_state_equal(module: torch.nn.Module, reference: dict[str, torch.Tensor], what: str) -> None:
+def assert_state_equal(
+    module: torch.nn.Module, reference: dict[str, torch.Tensor], what: str
+) -> None:
     """Every tensor of ``reference`` equals (bitwise) the module's tensor of the same name."""
     state = module.state_dict()
     missing = [k for k in reference if k not in state]

@@ -5,8 +5,8 @@ architecture (``proximal.models.tiny`` is what the tests and the demo use instea
 from __future__ import annotations
 
 import pytest
-
 from ppo_support import ALPHABET, prompt_texts
+
 from proximal.models.loading import load_tokenizer
 
 
@@ -16,7 +16,8 @@ def test_tiny_checkpoint_tokenizer_round_trips(arch, assets):
     loaded = load_tokenizer(str(assets.policy(arch)))
     for text in prompt_texts()[:6] + [ALPHABET]:
         ids = built(text, add_special_tokens=False).input_ids
-        assert loaded(text, add_special_tokens=False).input_ids == ids, \
+        assert loaded(text, add_special_tokens=False).input_ids == ids, (
             f"{arch}: {type(loaded).__name__} encodes {text!r} differently from the tokenizer it was saved with"
+        )
         assert loaded.decode(ids) == text
     assert (loaded.pad_token_id, loaded.eos_token_id) == (built.pad_token_id, built.eos_token_id)

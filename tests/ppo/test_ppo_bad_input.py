@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from ppo_support import ppo_main, read_jsonl, tiny_config
+
 from proximal.data.jsonl import write_jsonl
 
 
@@ -33,6 +33,7 @@ def _run(capsys, cfg, *args):
 # Config errors: exit 2, one message, nothing loaded, nothing written
 # ----------------------------------------------------------------------------------------------
 
+
 def test_missing_prompts_path(assets, tmp_path, capsys, no_model_loading):
     missing = tmp_path / "nowhere" / "prompts.jsonl"
     cfg = tiny_config(assets.policy("llama"), missing, tmp_path / "run")
@@ -54,8 +55,16 @@ def test_unknown_config_keys(assets, tmp_path, capsys, no_model_loading):
 
 def test_batch_sizes_that_do_not_divide(assets, tmp_path, capsys, no_model_loading):
     cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run")
-    rc, err = _run(capsys, cfg, "--rollout.batch_size", "6", "--ppo.mini_batch_size", "4",
-                   "--ppo.micro_batch_size", "3")
+    rc, err = _run(
+        capsys,
+        cfg,
+        "--rollout.batch_size",
+        "6",
+        "--ppo.mini_batch_size",
+        "4",
+        "--ppo.micro_batch_size",
+        "3",
+    )
     assert rc == 2
     assert err.count("invalid configuration") == 1
     assert "rollout.batch_size = 6 is not divisible by ppo.mini_batch_size = 4" in err
@@ -74,9 +83,12 @@ def test_wrong_type(assets, tmp_path, capsys, no_model_loading):
 # Data and model errors: exit 1 with the file, line or value named
 # ----------------------------------------------------------------------------------------------
 
+
 def test_malformed_jsonl_line(assets, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "ab 1"}\n{"prompt": "cd 2"}\n{"prompt": "ef 3"\n{"prompt": "gh 4"}\n')
+    prompts.write_text(
+        '{"prompt": "ab 1"}\n{"prompt": "cd 2"}\n{"prompt": "ef 3"\n{"prompt": "gh 4"}\n'
+    )
     rc, err = _run(capsys, tiny_config(assets.policy("llama"), prompts, tmp_path / "run"))
     assert rc == 2
     assert f"{prompts}:3: not valid JSON" in err
@@ -107,8 +119,12 @@ def test_missing_policy_path(assets, tmp_path, capsys):
 
 
 def test_reward_model_with_two_labels(assets, tmp_path, capsys):
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_model": str(assets.two_label_reward_model)})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_model": str(assets.two_label_reward_model)},
+    )
     rc, err = _run(capsys, cfg)
     assert rc == 2
     assert "reward model" in err and str(assets.two_label_reward_model) in err
@@ -116,16 +132,26 @@ def test_reward_model_with_two_labels(assets, tmp_path, capsys):
 
 
 def test_reward_function_that_cannot_be_imported(assets, tmp_path, capsys, no_model_loading):
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_functions": ["ppo_support:no_such_function", "no_such_module_xyz:f", "frac_a"]})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={
+            "reward_functions": ["ppo_support:no_such_function", "no_such_module_xyz:f", "frac_a"]
+        },
+    )
     rc, err = _run(capsys, cfg)
     assert rc == 2
     assert "model.reward_functions[2] = 'frac_a': expected 'module:function'" in err
 
 
 def test_reward_function_import_error_names_the_spec(assets, tmp_path, capsys, no_model_loading):
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      model={"reward_functions": ["ppo_support:no_such_function"]})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_functions": ["ppo_support:no_such_function"]},
+    )
     rc, err = _run(capsys, cfg)
     assert rc == 2
     assert "reward function 'ppo_support:no_such_function': cannot import" in err
@@ -138,7 +164,9 @@ def test_output_dir_holding_a_run_is_not_overwritten(assets, tmp_path, capsys, n
     rc, err = _run(capsys, tiny_config(assets.policy("llama"), assets.prompts, run_dir))
     assert rc == 2
     assert f"output.dir {run_dir} already holds a run" in err and "--resume" in err
-    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing already written is lost
+    assert (
+        run_dir / "metrics.jsonl"
+    ).read_text() == '{"step": 1}\n'  # nothing already written is lost
 
 
 def test_tokenizer_without_pad_token_is_handled(assets, tmp_path, capsys):
@@ -157,6 +185,7 @@ def test_tokenizer_without_pad_token_is_handled(assets, tmp_path, capsys):
 # Non-finite scores: skipped and counted, or a stop — never trained on
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def nan_prompts(tmp_path):
     """4 prompts, one starting with 'h' (which ppo_support:nan_for_h scores NaN); batch 4 = all of them."""
@@ -166,8 +195,13 @@ def nan_prompts(tmp_path):
 
 
 def _nan_config(assets, prompts, run_dir, **sections):
-    return tiny_config(assets.policy("llama"), prompts, run_dir,
-                       model={"reward_functions": ["ppo_support:nan_for_h"]}, **sections)
+    return tiny_config(
+        assets.policy("llama"),
+        prompts,
+        run_dir,
+        model={"reward_functions": ["ppo_support:nan_for_h"]},
+        **sections,
+    )
 
 
 def test_nan_scores_are_skipped_and_counted(assets, tmp_path, nan_prompts, capsys):
@@ -193,7 +227,9 @@ def test_skipped_count_survives_resume(assets, tmp_path, nan_prompts, capsys):
 
 def test_nan_scores_can_stop_the_run(assets, tmp_path, nan_prompts, capsys):
     run_dir = tmp_path / "run"
-    rc, err = _run(capsys, _nan_config(assets, nan_prompts, run_dir), "--rollout.nonfinite_scores", "error")
+    rc, err = _run(
+        capsys, _nan_config(assets, nan_prompts, run_dir), "--rollout.nonfinite_scores", "error"
+    )
     assert rc == 1
     assert "step 1: non-finite scores [nan]" in err and "h 2" in err
     assert "rollout.nonfinite_scores" in err  # says how to skip instead

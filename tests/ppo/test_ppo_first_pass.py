@@ -12,16 +12,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ppo_support import checkpoint_dirs, load_safetensors_dir, ppo_main, read_jsonl, tiny_config, without_timing
+from ppo_support import (
+    checkpoint_dirs,
+    load_safetensors_dir,
+    ppo_main,
+    read_jsonl,
+    tiny_config,
+    without_timing,
+)
 
 
 def _config(assets, run_dir, *, reuse: bool, micro: int = 4, **extra):
-    ppo = {"epochs": 2, "mini_batch_size": 4, "micro_batch_size": micro, "reuse_first_pass": reuse,
-           **extra.pop("ppo", {})}
-    return tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                       model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                       ppo=ppo, train={"steps": 3}, **extra)
+    ppo = {
+        "epochs": 2,
+        "mini_batch_size": 4,
+        "micro_batch_size": micro,
+        "reuse_first_pass": reuse,
+        **extra.pop("ppo", {}),
+    }
+    return tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        ppo=ppo,
+        train={"steps": 3},
+        **extra,
+    )
 
 
 def _count_forwards(monkeypatch):
@@ -59,16 +76,26 @@ def test_the_same_run_with_one_forward_fewer(assets, tmp_path, monkeypatch, entr
     runs = {}
     for reuse in (False, True):
         with monkeypatch.context() as mp:
-            cfg = _config(assets, tmp_path / f"reuse-{reuse}", reuse=reuse, ppo={"entropy_coef": entropy_coef})
+            cfg = _config(
+                assets, tmp_path / f"reuse-{reuse}", reuse=reuse, ppo={"entropy_coef": entropy_coef}
+            )
             runs[reuse] = (_run(cfg, mp), tmp_path / f"reuse-{reuse}")
     (separate, sep_dir), (reused, reuse_dir) = runs[False], runs[True]
     steps, epochs = 3, 2
     # separate passes: π_old, π_ref and V_old in the experience, one forward of each model per epoch
-    assert separate == {"update_actor": steps * epochs, "update_critic": steps * epochs,
-                        "experience_logits": 2 * steps, "experience_critic": steps}
+    assert separate == {
+        "update_actor": steps * epochs,
+        "update_critic": steps * epochs,
+        "experience_logits": 2 * steps,
+        "experience_critic": steps,
+    }
     # reused: the experience runs π_ref and V_old only; the first epoch's actor forward is the first pass's
-    assert reused == {"update_actor": steps * epochs, "update_critic": steps * epochs,
-                      "experience_logits": steps, "experience_critic": steps}
+    assert reused == {
+        "update_actor": steps * epochs,
+        "update_critic": steps * epochs,
+        "experience_logits": steps,
+        "experience_critic": steps,
+    }
 
     a, b = read_jsonl(sep_dir / "metrics.jsonl"), read_jsonl(reuse_dir / "metrics.jsonl")
     assert len(a) == len(b) == steps
@@ -82,9 +109,17 @@ def test_the_same_run_with_one_forward_fewer(assets, tmp_path, monkeypatch, entr
         wa = load_safetensors_dir(checkpoint_dirs(sep_dir)[-1] / part)
         wb = load_safetensors_dir(checkpoint_dirs(reuse_dir)[-1] / part)
         for k in wa:
-            assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6), (part, k, (wa[k] - wb[k]).abs().max())
-        start = load_safetensors_dir(assets.policy("llama") if part == "policy" else assets.reward_model("llama"))
-        assert any(not torch.equal(start[k], wb[k]) for k in wb if k in start), f"{part} did not train"
+            assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6), (
+                part,
+                k,
+                (wa[k] - wb[k]).abs().max(),
+            )
+        start = load_safetensors_dir(
+            assets.policy("llama") if part == "policy" else assets.reward_model("llama")
+        )
+        assert any(not torch.equal(start[k], wb[k]) for k in wb if k in start), (
+            f"{part} did not train"
+        )
 
 
 def test_first_epoch_ratio_is_exactly_one(assets, tmp_path, monkeypatch):

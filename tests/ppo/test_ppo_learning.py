@@ -16,11 +16,16 @@ MARGIN = 0.3
 
 
 def learning_config(assets, run_dir, seed: int = 0) -> dict:
-    return tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                       rollout={"batch_size": 8, "max_new_tokens": 8},
-                       ppo={"epochs": 2, "mini_batch_size": 8, "micro_batch_size": 8},
-                       optim={"lr": 1e-2, "critic_lr": 1e-2},
-                       kl={"beta": 0.01}, train={"steps": STEPS, "seed": seed})
+    return tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        rollout={"batch_size": 8, "max_new_tokens": 8},
+        ppo={"epochs": 2, "mini_batch_size": 8, "micro_batch_size": 8},
+        optim={"lr": 1e-2, "critic_lr": 1e-2},
+        kl={"beta": 0.01},
+        train={"steps": STEPS, "seed": seed},
+    )
 
 
 def test_mean_score_rises_with_a_rule_based_reward(assets, tmp_path, capsys):
@@ -30,7 +35,9 @@ def test_mean_score_rises_with_a_rule_based_reward(assets, tmp_path, capsys):
     assert len(rows) == STEPS
     scores = [r["score/mean"] for r in rows]
     first, last = statistics.mean(scores[:5]), statistics.mean(scores[-5:])
-    assert last > first + MARGIN, f"mean score did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}; {scores}"
+    assert last > first + MARGIN, (
+        f"mean score did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}; {scores}"
+    )
     # The KL to the reference is reported every step, and it grew as the policy moved.
     kls = [r["kl/seq_mean"] for r in rows]
     assert all(isinstance(k, float) and math.isfinite(k) for k in kls)

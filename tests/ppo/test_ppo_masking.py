@@ -1,13 +1,12 @@
-"""Stop handling (the MDP of Ziegler et al. 2019: the episode ends at EOS, a stop token or a stop string) and the guarantee
-that tokens after the stop never influence any loss."""
+"""Stop handling (the MDP of Ziegler et al. 2019: the episode ends at EOS, a stop token or a stop
+string) and the guarantee that tokens after the stop never influence any loss."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from ppo_support import Spy, read_jsonl, tiny_config, without_timing, write_yaml
+
 from proximal.rollout.sampling import Rollout, _stop_string_lengths, sample, stop_mask
 
 EOS, STOP = 1, 7
@@ -17,24 +16,29 @@ EOS, STOP = 1, 7
 # stop_mask
 # ----------------------------------------------------------------------------------------------
 
+
 def test_stop_mask_includes_the_stop_and_excludes_everything_after():
-    ids = torch.tensor([[5, 6, EOS, 8, EOS],     # EOS mid-row: kept, the rest masked
-                        [EOS, 5, 6, 7, 8],       # EOS first: a one-token response
-                        [5, 6, 8, 9, 10],        # no stop: all valid, not ended
-                        [5, 6, 8, 9, EOS]])      # EOS in the last slot: ended
+    ids = torch.tensor(
+        [
+            [5, 6, EOS, 8, EOS],  # EOS mid-row: kept, the rest masked
+            [EOS, 5, 6, 7, 8],  # EOS first: a one-token response
+            [5, 6, 8, 9, 10],  # no stop: all valid, not ended
+            [5, 6, 8, 9, EOS],
+        ]
+    )  # EOS in the last slot: ended
     mask, ended = stop_mask(ids, [EOS])
     assert mask.dtype == torch.bool
-    assert mask.tolist() == [[True, True, True, False, False],
-                             [True, False, False, False, False],
-                             [True, True, True, True, True],
-                             [True, True, True, True, True]]
+    assert mask.tolist() == [
+        [True, True, True, False, False],
+        [True, False, False, False, False],
+        [True, True, True, True, True],
+        [True, True, True, True, True],
+    ]
     assert ended.tolist() == [True, True, False, True]
 
 
 def test_stop_mask_with_several_stop_ids_stops_at_the_first():
-    ids = torch.tensor([[5, STOP, 6, EOS, 8],
-                        [5, 6, EOS, STOP, 8],
-                        [5, 6, 8, 9, 10]])
+    ids = torch.tensor([[5, STOP, 6, EOS, 8], [5, 6, EOS, STOP, 8], [5, 6, 8, 9, 10]])
     mask, ended = stop_mask(ids, [EOS, STOP])
     assert mask.sum(1).tolist() == [2, 3, 5]
     assert ended.tolist() == [True, True, False]
@@ -45,13 +49,18 @@ def test_stop_mask_with_several_stop_ids_stops_at_the_first():
 def test_stop_mask_generated_len_caps_rows():
     ids = torch.tensor([[5, 6, 8, EOS, 9], [5, 6, 8, 9, 10], [5, EOS, 8, 9, 10]])
     mask, ended = stop_mask(ids, [EOS], generated_len=torch.tensor([2, 5, 4]))
-    assert mask.sum(1).tolist() == [2, 5, 2]   # a cap before the EOS wins; an EOS before the cap wins
+    assert mask.sum(1).tolist() == [
+        2,
+        5,
+        2,
+    ]  # a cap before the EOS wins; an EOS before the cap wins
     assert ended.tolist() == [True, False, True]
 
 
 # ----------------------------------------------------------------------------------------------
 # sample(): stop strings and stop tokens, with a policy whose "generation" is fixed
 # ----------------------------------------------------------------------------------------------
+
 
 class FixedPolicy:
     """Stands in for the rollout engine in :func:`sample`: ``generate`` returns fixed rows."""
@@ -60,7 +69,7 @@ class FixedPolicy:
         self.continuations = torch.tensor(continuations)
 
     def generate(self, prompt_ids, prompt_mask, seeds, params):
-        return self.continuations[:, :params.max_new_tokens]
+        return self.continuations[:, : params.max_new_tokens]
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -70,8 +79,15 @@ def _ids(tok, text: str) -> list[int]:
 def _sample(tok, rows: list[str], **kw) -> Rollout:
     conts = [_ids(tok, r) for r in rows]
     prompt = torch.tensor([_ids(tok, "ab")] * len(rows))
-    return sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), seeds=[0] * len(rows),
-                  max_new_tokens=len(conts[0]), **kw)
+    return sample(
+        FixedPolicy(conts),
+        tok,
+        prompt,
+        torch.ones_like(prompt),
+        seeds=[0] * len(rows),
+        max_new_tokens=len(conts[0]),
+        **kw,
+    )
 
 
 def test_sample_stop_strings(assets):
@@ -97,15 +113,26 @@ def test_sample_stop_string_in_the_last_slot_counts_as_ended(assets):
 def test_sample_stop_token_ids_and_eos(assets):
     tok = assets.tokenizer
     stop = _ids(tok, "h")[0]
-    conts = [_ids(tok, "abc") + [tok.eos_token_id] + _ids(tok, "de"),
-             _ids(tok, "ab") + [stop] + _ids(tok, "cde"),
-             _ids(tok, "abcdef")]
+    conts = [
+        _ids(tok, "abc") + [tok.eos_token_id] + _ids(tok, "de"),
+        _ids(tok, "ab") + [stop] + _ids(tok, "cde"),
+        _ids(tok, "abcdef"),
+    ]
     prompt = torch.tensor([_ids(tok, "ab")] * 3)
-    r = sample(FixedPolicy(conts), tok, prompt, torch.ones_like(prompt), seeds=[0] * 3, max_new_tokens=6,
-               stop_token_ids=[stop])
+    r = sample(
+        FixedPolicy(conts),
+        tok,
+        prompt,
+        torch.ones_like(prompt),
+        seeds=[0] * 3,
+        max_new_tokens=6,
+        stop_token_ids=[stop],
+    )
     assert r.response_mask.sum(1).tolist() == [4, 3, 6]
     assert r.ended.tolist() == [True, True, False]
-    assert r.response_ids[0, 3] == tok.eos_token_id and r.response_ids[1, 2] == stop  # the stop itself stays
+    assert (
+        r.response_ids[0, 3] == tok.eos_token_id and r.response_ids[1, 2] == stop
+    )  # the stop itself stays
 
 
 def test_stop_string_lengths_across_token_boundaries(assets):
@@ -147,7 +174,9 @@ def _fixed_rollout(tok, variant: str):
         if variant == "pad":
             resp = torch.where(mask, resp, tok.pad_token_id)
         elif variant == "junk":
-            junk = torch.tensor(letters + [tok.eos_token_id])[torch.randint(len(letters) + 1, (B, T), generator=g)]
+            junk = torch.tensor(letters + [tok.eos_token_id])[
+                torch.randint(len(letters) + 1, (B, T), generator=g)
+            ]
             resp = torch.where(mask, resp, junk)
         elif variant == "pre":
             resp = torch.where(mask, resp, tok.pad_token_id)
@@ -167,7 +196,9 @@ def _train_with_fixed_rollout(assets, tmp_path, monkeypatch, variant: str):
     grads = []
     clip_and_step = ppo.clip_and_step
 
-    def record_then_step(model, opt, sched, max_norm, **kw):  # the accumulated gradient, before clipping
+    def record_then_step(
+        model, opt, sched, max_norm, **kw
+    ):  # the accumulated gradient, before clipping
         grads.append([p.grad.clone() for p in trainable_parameters(model)])
         return clip_and_step(model, opt, sched, max_norm, **kw)
 
@@ -178,11 +209,16 @@ def _train_with_fixed_rollout(assets, tmp_path, monkeypatch, variant: str):
     builds = Spy(ppo.build_models)
     monkeypatch.setattr(ppo, "build_models", builds)
     run_dir = tmp_path / variant
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, run_dir,
-                      model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                      rollout={"batch_size": 8, "max_new_tokens": T},
-                      ppo={"epochs": 2, "mini_batch_size": 4, "micro_batch_size": 2},
-                      train={"steps": 1}, kl={"beta": 0.1})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        run_dir,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        rollout={"batch_size": 8, "max_new_tokens": T},
+        ppo={"epochs": 2, "mini_batch_size": 4, "micro_batch_size": 2},
+        train={"steps": 1},
+        kl={"beta": 0.1},
+    )
     ppo.train(load_config(ppo.PPOConfig, write_yaml(tmp_path / f"{variant}.yaml", cfg)))
     m = builds.results[-1]
     [row] = read_jsonl(run_dir / "metrics.jsonl")
@@ -194,14 +230,18 @@ def fixed_rollout_runs(assets, tmp_path_factory):
     out = {}
     for variant in ("pad", "junk", "pre"):
         with pytest.MonkeyPatch.context() as mp:
-            out[variant] = _train_with_fixed_rollout(assets, tmp_path_factory.mktemp("fixed"), mp, variant)
+            out[variant] = _train_with_fixed_rollout(
+                assets, tmp_path_factory.mktemp("fixed"), mp, variant
+            )
     return out
 
 
 def test_tokens_after_the_stop_never_change_gradients(fixed_rollout_runs):
     grads_pad, row_pad, m_pad = fixed_rollout_runs["pad"]
     grads_junk, row_junk, m_junk = fixed_rollout_runs["junk"]
-    assert len(grads_pad) == len(grads_junk) == 2 * 2 * 2  # (actor, critic) × 2 mini-batches × 2 epochs
+    assert (
+        len(grads_pad) == len(grads_junk) == 2 * 2 * 2
+    )  # (actor, critic) × 2 mini-batches × 2 epochs
     for i, (a, b) in enumerate(zip(grads_pad, grads_junk)):
         which = "actor" if i % 2 == 0 else "critic"
         assert len(a) == len(b)
@@ -217,6 +257,7 @@ def test_a_token_before_the_stop_does_change_gradients(fixed_rollout_runs):
     """The control: the comparison above can fail — one valid token changed changes both models' gradients."""
     grads_pad, row_pad, _ = fixed_rollout_runs["pad"]
     grads_pre, row_pre, _ = fixed_rollout_runs["pre"]
+
     def same(i):
         return all(torch.equal(a, b) for a, b in zip(grads_pad[i], grads_pre[i]))
 
@@ -236,15 +277,29 @@ def test_experience_ignores_tokens_after_the_stop(assets):
     tok = assets.tokenizer
     actor = load_causal_lm(str(assets.policy("llama")))
     critic = load_sequence_scorer(str(assets.reward_model("llama")))
-    reference = Reference(actor, path=str(assets.policy("llama")), dtype="float32", shares_actor=False)
-    prompt_ids, prompt_mask = pad_left([_ids(tok, p) for p in ("ab 1", "c", "dd 3")], tok.pad_token_id)
+    reference = Reference(
+        actor, path=str(assets.policy("llama")), dtype="float32", shares_actor=False
+    )
+    prompt_ids, prompt_mask = pad_left(
+        [_ids(tok, p) for p in ("ab 1", "c", "dd 3")], tok.pad_token_id
+    )
     resp = torch.tensor([_ids(tok, "ab") + [1, 4, 5], _ids(tok, "abcde"), [1] + _ids(tok, "dcba")])
     mask, ended = stop_mask(resp, [1])
     junk = torch.where(mask, resp, torch.tensor(_ids(tok, "hhhhh")))
     ones = torch.ones(3, dtype=torch.bool)
-    exps = [compute_experience(Rollout(prompt_ids, prompt_mask, r, mask, ended), torch.zeros(3), ones, actor=actor,
-                               reference=reference, critic=critic, temperature=0.7, micro_batch_size=2)
-            for r in (resp, junk)]
+    exps = [
+        compute_experience(
+            Rollout(prompt_ids, prompt_mask, r, mask, ended),
+            torch.zeros(3),
+            ones,
+            actor=actor,
+            reference=reference,
+            critic=critic,
+            temperature=0.7,
+            micro_batch_size=2,
+        )
+        for r in (resp, junk)
+    ]
     out = [(e.logprobs, e.ref_logprobs, e.values) for e in exps]
     for a, b in zip(*out):
         assert torch.equal(torch.where(mask, a, 0.0), torch.where(mask, b, 0.0))
@@ -253,6 +308,7 @@ def test_experience_ignores_tokens_after_the_stop(assets):
     assert (values[~mask] == 0).all()
     # log π_old is the log-probability under the *sampling* temperature (rollout.temperature = 0.7).
     from proximal.rollout.sampling import response_logits
+
     with torch.no_grad():
         logits = response_logits(actor, Rollout(prompt_ids, prompt_mask, resp, mask, ended))
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)

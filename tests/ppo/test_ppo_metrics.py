@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from ppo_support import read_jsonl, tiny_config, write_yaml
+
 from proximal.rollout.sampling import Rollout, stop_mask
 
 
@@ -36,14 +36,21 @@ def test_explained_variance_is_defined_with_one_token_responses(assets, tmp_path
         resp[0, 0] = tok.eos_token_id  # row 0: EOS first, a one-token response
         resp[1, 3] = tok.eos_token_id
         mask, ended = stop_mask(resp, [tok.eos_token_id])
-        return Rollout(prompt_ids, prompt_mask, torch.where(mask, resp, tok.pad_token_id), mask, ended)
+        return Rollout(
+            prompt_ids, prompt_mask, torch.where(mask, resp, tok.pad_token_id), mask, ended
+        )
 
     from proximal.rollout import collect
 
     monkeypatch.setattr(collect, "sample", fake_sample)
-    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run",
-                      rollout={"max_new_tokens": 6}, ppo={"mini_batch_size": 4, "micro_batch_size": 1},
-                      train={"steps": 1})
+    cfg = tiny_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        rollout={"max_new_tokens": 6},
+        ppo={"mini_batch_size": 4, "micro_batch_size": 1},
+        train={"steps": 1},
+    )
     ppo.train(load_config(ppo.PPOConfig, write_yaml(tmp_path / "run.yaml", cfg)))
     [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     ev = row["value/explained_variance"]

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ppo_support import (
+    checkpoint_dirs,
+    load_safetensors_dir,
+    ppo_main,
+    read_jsonl,
+    tiny_config,
+    without_timing,
+    write_yaml,
+)
 
-from ppo_support import (checkpoint_dirs, load_safetensors_dir, ppo_main, read_jsonl, tiny_config, without_timing,
-                         write_yaml)
 from proximal.data.jsonl import write_jsonl
 
 N, K = 4, 2
@@ -25,16 +32,22 @@ class _Crash(Exception):
 def _resume_config(assets, tmp_path, name: str, steps: int) -> dict:
     prompts = tmp_path / "prompts6.jsonl"  # 6 prompts, 4 per step: the checkpoint falls mid-pass
     if not prompts.exists():
-        write_jsonl(prompts, [{"prompt": p} for p in ("ab 1", "cc 2", "h 3", "dddd 4", "e 5", "fg 6")])
+        write_jsonl(
+            prompts, [{"prompt": p} for p in ("ab 1", "cc 2", "h 3", "dddd 4", "e 5", "fg 6")]
+        )
     ptx = tmp_path / "ptx.txt"
     ptx.write_text("abc def\ngh 123\n0 1 2 3\nhgfedcba\n")
-    return tiny_config(assets.policy("llama"), prompts, tmp_path / name,
-                       model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
-                       data={"ptx_file": str(ptx), "ptx_batch_size": 2},
-                       ppo={"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 1, "ptx_coef": 0.5},
-                       kl={"controller": "adaptive", "target": 0.01, "k_beta": 0.2},
-                       optim={"warmup_steps": 6},
-                       train={"steps": steps, "save_every": K, "keep_checkpoints": 3})
+    return tiny_config(
+        assets.policy("llama"),
+        prompts,
+        tmp_path / name,
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model"},
+        data={"ptx_file": str(ptx), "ptx_batch_size": 2},
+        ppo={"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 1, "ptx_coef": 0.5},
+        kl={"controller": "adaptive", "target": 0.01, "k_beta": 0.2},
+        optim={"warmup_steps": 6},
+        train={"steps": steps, "save_every": K, "keep_checkpoints": 3},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +59,10 @@ def uninterrupted(assets, tmp_path_factory):
 
 
 def _assert_same_run(full_dir, resumed_dir):
-    full, resumed = read_jsonl(full_dir / "metrics.jsonl"), read_jsonl(resumed_dir / "metrics.jsonl")
+    full, resumed = (
+        read_jsonl(full_dir / "metrics.jsonl"),
+        read_jsonl(resumed_dir / "metrics.jsonl"),
+    )
     assert [r["step"] for r in resumed] == list(range(1, N + 1)), "each step logged exactly once"
     for a, b in zip(full, resumed):
         a, b = without_timing(a), without_timing(b)
@@ -58,7 +74,9 @@ def _assert_same_run(full_dir, resumed_dir):
     for sub in ("policy", "critic"):
         a = load_safetensors_dir(checkpoint_dirs(full_dir)[-1] / sub)
         b = load_safetensors_dir(checkpoint_dirs(resumed_dir)[-1] / sub)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final {sub} weights differ"
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (
+            f"final {sub} weights differ"
+        )
 
 
 def test_resume_after_a_crash_reproduces_the_run(uninterrupted, monkeypatch, capsys):
@@ -90,7 +108,9 @@ def test_resume_a_finished_run_to_more_steps(uninterrupted, capsys):
     tmp, make_config = uninterrupted
     short = tmp / "short"
     assert ppo_main(make_config("short", K)) == 0
-    assert ppo_main(None, "--resume", str(short), "--train.steps", str(N)) == 0, capsys.readouterr().err
+    assert ppo_main(None, "--resume", str(short), "--train.steps", str(N)) == 0, (
+        capsys.readouterr().err
+    )
     _assert_same_run(tmp / "full", short)
 
 
@@ -102,25 +122,44 @@ def test_resume_without_a_checkpoint_is_an_error(assets, tmp_path, capsys):
     # A run that died before its first checkpoint: config.yaml is there, a checkpoint is not.
     write_yaml(run / "config.yaml", tiny_config(assets.policy("llama"), assets.prompts, run))
     assert ppo_main(None, "--resume", str(run)) == 2
-    assert f"--resume {run}: no intact checkpoint under {run / 'checkpoints'} (none was ever written)" in capsys.readouterr().err
+    assert (
+        f"--resume {run}: no intact checkpoint under {run / 'checkpoints'} (none was ever written)"
+        in capsys.readouterr().err
+    )
 
 
 def test_resume_with_lora_reproduces_the_run(assets, tmp_path, capsys):
     """The LoRA path resumes from adapter checkpoints (actor and critic) instead of full weights."""
 
     def config(name, steps):
-        return tiny_config(assets.policy("llama"), assets.prompts, tmp_path / name,
-                           model={"reward_model": str(assets.reward_model("llama")), "critic": "reward_model",
-                                  "lora_r": 4, "critic_lora": True},
-                           ppo={"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 2},
-                           optim={"lr": 1e-2, "critic_lr": 1e-2}, train={"steps": steps, "save_every": 1})
+        return tiny_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name,
+            model={
+                "reward_model": str(assets.reward_model("llama")),
+                "critic": "reward_model",
+                "lora_r": 4,
+                "critic_lora": True,
+            },
+            ppo={"epochs": 2, "mini_batch_size": 2, "micro_batch_size": 2},
+            optim={"lr": 1e-2, "critic_lr": 1e-2},
+            train={"steps": steps, "save_every": 1},
+        )
 
     assert ppo_main(config("full", 3)) == 0
     assert ppo_main(config("short", 1)) == 0
-    assert ppo_main(None, "--resume", str(tmp_path / "short"), "--train.steps", "3") == 0, capsys.readouterr().err
-    full, resumed = read_jsonl(tmp_path / "full" / "metrics.jsonl"), read_jsonl(tmp_path / "short" / "metrics.jsonl")
+    assert ppo_main(None, "--resume", str(tmp_path / "short"), "--train.steps", "3") == 0, (
+        capsys.readouterr().err
+    )
+    full, resumed = (
+        read_jsonl(tmp_path / "full" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "short" / "metrics.jsonl"),
+    )
     assert [without_timing(r) for r in resumed] == [without_timing(r) for r in full]
     for sub in ("policy", "critic"):
         a = load_safetensors_dir(checkpoint_dirs(tmp_path / "full")[-1] / sub)
         b = load_safetensors_dir(checkpoint_dirs(tmp_path / "short")[-1] / sub)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final {sub} adapters differ"
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (
+            f"final {sub} adapters differ"
+        )

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from proximal.data.collate import pad_left
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import load_sequence_scorer, load_tokenizer
-from proximal.data.collate import pad_left
 from proximal.rollout.sampling import Rollout, stop_mask
 from proximal.rollout.scoring import Scorer, same_tokenizer
 
-TEMPLATE = ("{% for m in messages %}x{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}y{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}x{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}y{% endif %}"
+)
 
 
 def _ids(tok, text):
@@ -27,18 +29,26 @@ def setup(assets):
     rm_tok = load_tokenizer(str(assets.other_tokenizer_reward_model), padding_side="right")
     rm = load_sequence_scorer(str(assets.other_tokenizer_reward_model))
     prompts = ["ab 1", "cdd 2", "h 3"]
-    prompt_ids, prompt_mask = pad_left([_ids(policy_tok, p) for p in prompts], policy_tok.pad_token_id)
+    prompt_ids, prompt_mask = pad_left(
+        [_ids(policy_tok, p) for p in prompts], policy_tok.pad_token_id
+    )
     eos, pad = policy_tok.eos_token_id, policy_tok.pad_token_id
-    resp = torch.tensor([_ids(policy_tok, "hg") + [eos, pad, pad, pad],    # ended with EOS
-                         _ids(policy_tok, "abcdef"),                      # ran out of tokens
-                         [eos, pad, pad, pad, pad, pad]])                 # an empty completion
+    resp = torch.tensor(
+        [
+            _ids(policy_tok, "hg") + [eos, pad, pad, pad],  # ended with EOS
+            _ids(policy_tok, "abcdef"),  # ran out of tokens
+            [eos, pad, pad, pad, pad, pad],
+        ]
+    )  # an empty completion
     mask, ended = stop_mask(resp, [eos])
     return policy_tok, rm_tok, rm, prompts, Rollout(prompt_ids, prompt_mask, resp, mask, ended)
 
 
 def _score_alone(rm, ids):
     with torch.no_grad():
-        return last_token_scores(rm, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        return last_token_scores(
+            rm, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
+        )[0]
 
 
 def test_reward_model_with_another_tokenizer_reads_retokenized_text(setup):
@@ -48,14 +58,21 @@ def test_reward_model_with_another_tokenizer_reads_retokenized_text(setup):
     assert not scorer.reuse_ids
     scores, parts = scorer(rollout, prompts)
     eos = rm_tok.eos_token_id
-    expected_rows = [_ids(rm_tok, "ab 1hg") + [eos], _ids(rm_tok, "cdd 2abcdef"), _ids(rm_tok, "h 3") + [eos]]
+    expected_rows = [
+        _ids(rm_tok, "ab 1hg") + [eos],
+        _ids(rm_tok, "cdd 2abcdef"),
+        _ids(rm_tok, "h 3") + [eos],
+    ]
     assert scorer._reward_model_inputs(rollout, prompts, None) == expected_rows
     expected = torch.stack([_score_alone(rm, ids) for ids in expected_rows])
     torch.testing.assert_close(parts["reward_model"], expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(scores, expected, rtol=0, atol=1e-6)
 
     # The control: feeding the policy's ids to this reward model scores something else entirely.
-    policy_row = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist() + rollout.response_ids[0][:3].tolist()
+    policy_row = (
+        rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+        + rollout.response_ids[0][:3].tolist()
+    )
     assert abs(float(_score_alone(rm, policy_row)) - float(expected[0])) > 1e-4
 
 
@@ -67,7 +84,11 @@ def test_reward_model_chat_template_is_honoured(setup):
     messages = [[{"role": "user", "content": p}] for p in prompts]
     rows = scorer._reward_model_inputs(rollout, prompts, messages)
     eos = rm_tok.eos_token_id
-    assert rows == [_ids(rm_tok, "xab 1yhg") + [eos], _ids(rm_tok, "xcdd 2yabcdef"), _ids(rm_tok, "xh 3y") + [eos]]
+    assert rows == [
+        _ids(rm_tok, "xab 1yhg") + [eos],
+        _ids(rm_tok, "xcdd 2yabcdef"),
+        _ids(rm_tok, "xh 3y") + [eos],
+    ]
 
 
 def test_same_tokenizer_reuses_the_policy_ids(assets, setup):
@@ -78,6 +99,12 @@ def test_same_tokenizer_reuses_the_policy_ids(assets, setup):
     assert scorer.reuse_ids
     rows = scorer._reward_model_inputs(rollout, prompts, None)
     eos = policy_tok.eos_token_id
-    assert rows == [_ids(policy_tok, "ab 1hg") + [eos], _ids(policy_tok, "cdd 2abcdef"), _ids(policy_tok, "h 3") + [eos]]
+    assert rows == [
+        _ids(policy_tok, "ab 1hg") + [eos],
+        _ids(policy_tok, "cdd 2abcdef"),
+        _ids(policy_tok, "h 3") + [eos],
+    ]
     scores, _ = scorer(rollout, prompts)
-    torch.testing.assert_close(scores, torch.stack([_score_alone(rm, ids) for ids in rows]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        scores, torch.stack([_score_alone(rm, ids) for ids in rows]), rtol=0, atol=1e-6
+    )

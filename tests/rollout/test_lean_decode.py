@@ -24,15 +24,27 @@ V = 97
 def _model(arch: str, tmp_path, attn: str | None = None, **extra) -> torch.nn.Module:
     """A tiny randomly initialised causal LM, saved and loaded back through ``from_pretrained``
     (with the attention implementation ``attn``, else transformers' default, "sdpa")."""
-    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
-              bos_token_id=2, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     if arch == "qwen3":
         kw["head_dim"] = 16
     kw.update(extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
-    with torch.no_grad():  # larger weights than the initialiser's, so the logits are far from uniform
+    with (
+        torch.no_grad()
+    ):  # larger weights than the initialiser's, so the logits are far from uniform
         for p in model.parameters():
             p.mul_(3.0) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(tmp_path / arch)
@@ -53,7 +65,12 @@ def _prompts(B: int = 6, P: int = 7, seed: int = 1):
 def _lean_logits(model, ids, mask, continuation):
     """The lean decoder's logits after each token of ``continuation`` (B, T), teacher-forced. (B, T, V)."""
     with torch.no_grad(), kernels.packed_weights(model, rows=ids.shape[0]):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+        )
         lean = decode.LeanDecoder.start(model, out.past_key_values, mask, continuation.shape[1] + 1)
         assert lean is not None
         fused = [w is not None for w in lean.qkv + lean.gate_up]
@@ -70,19 +87,36 @@ def _full_logits(model, ids, mask, continuation):
     full_ids = torch.cat([ids, continuation], 1)
     full_mask = torch.cat([mask, torch.ones_like(continuation)], 1)
     with torch.no_grad():
-        logits = model(input_ids=full_ids, attention_mask=full_mask,
-                       position_ids=position_ids_from_mask(full_mask)).logits
+        logits = model(
+            input_ids=full_ids,
+            attention_mask=full_mask,
+            position_ids=position_ids_from_mask(full_mask),
+        ).logits
     P = ids.shape[1]
     return logits[:, P:]
 
 
-ARCHS = [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 4}),
-         ("llama", {"attention_bias": True, "mlp_bias": True}), ("llama", {"attn": "eager"}),
-         ("qwen3", {"attn": "eager"})]
+ARCHS = [
+    ("llama", {}),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("llama", {"num_key_value_heads": 4}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"attn": "eager"}),
+    ("qwen3", {"attn": "eager"}),
+]
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "blas"])
-@pytest.mark.parametrize("arch,extra", ARCHS, ids=[f"{a}-{'-'.join(map(str, e.values())) if 'attn' in e else '-'.join(e) or 'gqa'}" for a, e in ARCHS])
+@pytest.mark.parametrize(
+    "arch,extra",
+    ARCHS,
+    ids=[
+        f"{a}-{'-'.join(map(str, e.values())) if 'attn' in e else '-'.join(e) or 'gqa'}"
+        for a, e in ARCHS
+    ],
+)
 def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, monkeypatch):
     if matmul == "onednn" and kernels._OP is None:
         pytest.skip("this torch has no oneDNN linear")
@@ -91,7 +125,9 @@ def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, mo
     kernels.use_onednn_linears(model)
     assert decode.unsupported(model) is None
     ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 9), generator=torch.Generator().manual_seed(2))
+    continuation = torch.randint(
+        3, V, (ids.shape[0], 9), generator=torch.Generator().manual_seed(2)
+    )
     got, fused = _lean_logits(model, ids, mask, continuation)
     want = _full_logits(model, ids, mask, continuation)
     assert want.abs().max() > 1.0  # logits of a size where a wrong rotation or mask would show
@@ -104,12 +140,19 @@ def test_a_wrong_position_or_a_missed_pad_is_seen(tmp_path):
     logits by far more than its tolerance."""
     model = _model("llama", tmp_path)
     ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 4), generator=torch.Generator().manual_seed(2))
+    continuation = torch.randint(
+        3, V, (ids.shape[0], 4), generator=torch.Generator().manual_seed(2)
+    )
     want = _full_logits(model, ids, mask, continuation)
     with torch.no_grad():
+
         def prompt_cache():  # each decoder empties the cache it starts from
-            return model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                         use_cache=True).past_key_values
+            return model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=True,
+            ).past_key_values
 
         lean = decode.LeanDecoder.start(model, prompt_cache(), mask, 5)
         shifted = lean.step(continuation[:, 0], mask.sum(1, keepdim=True) + 1)
@@ -173,13 +216,23 @@ def _cached_logits(model, ids, mask, continuation):
     """The model's own decode with its DynamicCache after each token of ``continuation``, teacher-forced.
     (B, T, V)."""
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    cache=DynamicCache(config=model.config), use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            cache=DynamicCache(config=model.config),
+            use_cache=True,
+        )
         m, pos, want = mask, mask.sum(1, keepdim=True), []
         for t in range(continuation.shape[1]):
             m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
-            out = model(input_ids=continuation[:, t:t + 1], attention_mask=m, position_ids=pos,
-                        cache=out.past_key_values, use_cache=True)
+            out = model(
+                input_ids=continuation[:, t : t + 1],
+                attention_mask=m,
+                position_ids=pos,
+                cache=out.past_key_values,
+                use_cache=True,
+            )
             want.append(out.logits[:, -1])
             pos = pos + 1
     return torch.stack(want, 1)
@@ -189,13 +242,19 @@ def test_the_hf_cached_decode_agrees_too(tmp_path):
     """Against the engine's other path step by step: the model's forward with its DynamicCache."""
     model = _model("qwen2", tmp_path)
     ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    continuation = torch.randint(
+        3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3)
+    )
     got, _ = _lean_logits(model, ids, mask, continuation)
-    torch.testing.assert_close(got, _cached_logits(model, ids, mask, continuation), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        got, _cached_logits(model, ids, mask, continuation), rtol=0, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decodes(attn, tmp_path, monkeypatch):
+def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decodes(
+    attn, tmp_path, monkeypatch
+):
     """Under bfloat16 autocast (bf16-mixed) the key and value buffers hold bfloat16 — the attention
     would cast the cache to it anyway — and the products are the packed bfloat16 copies: the logits
     are still those of the model's own cached decode under autocast, whose cache stays float32."""
@@ -203,11 +262,18 @@ def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decod
     model = _model("llama", tmp_path, attn=attn)
     kernels.use_onednn_linears(model)
     ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    continuation = torch.randint(
+        3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got, fused = _lean_logits(model, ids, mask, continuation)
         want = _cached_logits(model, ids, mask, continuation)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+        )
         assert out.past_key_values.layers[0].keys.dtype == torch.float32  # the model's own cache
         lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 2)
         assert {b.dtype for b in lean.keys + lean.values} == {torch.bfloat16}
@@ -223,7 +289,9 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     from proximal.models.policy import lora_config, with_adapters
 
     model = _model("llama", tmp_path)
-    lora = with_adapters(model, lora_config("CAUSAL_LM", r=4, alpha=8, target_modules=["all-linear"])).eval()
+    lora = with_adapters(
+        model, lora_config("CAUSAL_LM", r=4, alpha=8, target_modules=["all-linear"])
+    ).eval()
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
@@ -231,7 +299,9 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     kernels.use_onednn_linears(lora)
     assert decode.unsupported(lora) is None
     ids, mask = _prompts()
-    continuation = torch.randint(3, V, (ids.shape[0], 5), generator=torch.Generator().manual_seed(4))
+    continuation = torch.randint(
+        3, V, (ids.shape[0], 5), generator=torch.Generator().manual_seed(4)
+    )
     got, fused = _lean_logits(lora, ids, mask, continuation)
     assert not any(fused)
     want = _full_logits(lora, ids, mask, continuation)
@@ -244,12 +314,15 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     apply_activation_checkpointing(wrapped)
     assert decode.unsupported(wrapped) is None
     got, _ = _lean_logits(wrapped, ids, mask, continuation)
-    torch.testing.assert_close(got, _full_logits(wrapped, ids, mask, continuation), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        got, _full_logits(wrapped, ids, mask, continuation), rtol=0, atol=2e-5
+    )
 
 
 def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
-    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=V, n_embd=32, n_layer=1,
-                                                                 n_head=2, n_positions=64))
+    gpt2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    )
     assert "GPT2LMHeadModel is not one of" in decode.unsupported(gpt2)
     assert HFEngine(gpt2, 0).lean_reason() == decode.unsupported(gpt2)
 
@@ -257,11 +330,18 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
     eager.config._attn_implementation = "flash_attention_2"  # its masks have another form
     assert "attention implementation 'flash_attention_2'" in decode.unsupported(eager)
 
-    sliding = _model("mistral", tmp_path, sliding_window=4)  # narrower than a 7-token prompt: it acts
+    sliding = _model(
+        "mistral", tmp_path, sliding_window=4
+    )  # narrower than a 7-token prompt: it acts
     assert decode.unsupported(sliding) is None
     ids, mask = _prompts()
     with torch.no_grad():
-        out = sliding(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        out = sliding(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+        )
     assert decode.LeanDecoder.start(sliding, out.past_key_values, mask, 4) is None
 
     dropout = _model("llama", tmp_path, attention_dropout=0.1)
@@ -279,8 +359,9 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
     assert HFEngine(llama, 0).lean_reason() is None
 
     # The sliding-window model still samples (its own forward at every token).
-    out = HFEngine(sliding, 0).generate(ids, mask, list(range(6)), SamplingParams(max_new_tokens=5,
-                                                                                  stop_token_ids=(1,)))
+    out = HFEngine(sliding, 0).generate(
+        ids, mask, list(range(6)), SamplingParams(max_new_tokens=5, stop_token_ids=(1,))
+    )
     assert out.shape[0] == 6 and 1 <= out.shape[1] <= 5
 
 
@@ -288,16 +369,23 @@ def test_a_cache_of_another_shape_is_declined(tmp_path):
     model = _model("llama", tmp_path)
     ids, mask = _prompts()
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+        )
     assert decode.LeanDecoder.start(model, object(), mask, 4) is None
     assert decode.LeanDecoder.start(model, out.past_key_values, mask[:, 1:], 4) is None  # P differs
     prompt_keys = [layer.keys.clone() for layer in out.past_key_values.layers]
-    assert all(layer.keys is not None for layer in out.past_key_values.layers)  # a declined cache is intact
+    assert all(
+        layer.keys is not None for layer in out.past_key_values.layers
+    )  # a declined cache is intact
     lean = decode.LeanDecoder.start(model, out.past_key_values, mask, 1)
     # The prompt's keys moved into the buffers (P of P + 1 positions); the prompt's cache let them go.
     assert all(layer.keys is None and layer.values is None for layer in out.past_key_values.layers)
     for kept, buf in zip(prompt_keys, lean.keys):
-        assert buf.shape[2] == ids.shape[1] + 1 and torch.equal(buf[:, :, :ids.shape[1]], kept)
+        assert buf.shape[2] == ids.shape[1] + 1 and torch.equal(buf[:, :, : ids.shape[1]], kept)
     with torch.no_grad():
         lean.step(ids[:, 0], mask.sum(1, keepdim=True))
         with pytest.raises(RuntimeError, match="more tokens than"):

@@ -7,19 +7,22 @@ import pytest
 
 from proximal.tasks import digits as D
 
-
 # --- gold score, hand-checked --------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt, completion, expected", [
-    ("31415=", "11345", 1.0),         # right
-    ("31415=", "11354", 3 / 5),       # last two digits swapped: positions 4 and 5 wrong
-    ("31415=", "1134", 4 / 5),        # one digit missing: 4 right, over the answer's 5
-    ("31415=", "113455", 5 / 6),      # one digit too many: 5 right, over the response's 6
-    ("31415=", "", 0.0),              # empty
-    ("9=", "9", 1.0),
-    ("2200=", "0022", 1.0),
-    ("2200=", "2200", 0.0),
-])
+
+@pytest.mark.parametrize(
+    "prompt, completion, expected",
+    [
+        ("31415=", "11345", 1.0),  # right
+        ("31415=", "11354", 3 / 5),  # last two digits swapped: positions 4 and 5 wrong
+        ("31415=", "1134", 4 / 5),  # one digit missing: 4 right, over the answer's 5
+        ("31415=", "113455", 5 / 6),  # one digit too many: 5 right, over the response's 6
+        ("31415=", "", 0.0),  # empty
+        ("9=", "9", 1.0),
+        ("2200=", "0022", 1.0),
+        ("2200=", "2200", 0.0),
+    ],
+)
 def test_gold_by_hand(prompt, completion, expected):
     assert D.gold(prompt, completion) == pytest.approx(expected, abs=1e-12)
 
@@ -61,6 +64,7 @@ def test_gold_is_in_unit_interval_on_random_strings():
 
 # --- the noisy sources ---------------------------------------------------------------------------
 
+
 def test_slips_do_what_they_say():
     rng = random.Random(1)
     for _ in range(200):
@@ -80,7 +84,9 @@ def test_bradley_terry_probability():
     tau = 0.2
     # sigma(1) = 0.7310585786...
     assert D.preference_probability(0.7, 0.5, tau) == pytest.approx(0.7310585786300049, abs=1e-12)
-    assert D.preference_probability(0.5, 0.7, tau) == pytest.approx(1 - 0.7310585786300049, abs=1e-12)
+    assert D.preference_probability(0.5, 0.7, tau) == pytest.approx(
+        1 - 0.7310585786300049, abs=1e-12
+    )
 
 
 def test_labeller_agreement_rate_is_the_designed_one():
@@ -92,7 +98,7 @@ def test_labeller_agreement_rate_is_the_designed_one():
     n = sum(D.gold(r["prompt"], r["chosen"]) != D.gold(r["prompt"], r["rejected"]) for r in rows)
     stderr = (expected * (1 - expected) / n) ** 0.5
     assert abs(observed - expected) < 4 * stderr
-    assert 0.80 < expected < 0.88          # the design: noisy, but clearly better than chance
+    assert 0.80 < expected < 0.88  # the design: noisy, but clearly better than chance
     # a noise-free labeller (tiny tau) agrees always; a very noisy one is near chance
     sharp = D._pairs([D.random_digits(rng) for _ in range(500)], rng, 1e-4)
     assert D.gold_agreement(sharp) == 1.0
@@ -105,14 +111,20 @@ def test_teacher_is_imperfect():
     prompts = [D.random_digits(rng) for _ in range(4000)]
     g = [D.gold(d + "=", D.teacher_response(d, rng)) for d in prompts]
     mean = sum(g) / len(g)
-    assert 0.45 < mean < 0.6            # clearly below the ceiling of 1
+    assert 0.45 < mean < 0.6  # clearly below the ceiling of 1
     assert 0.1 < sum(x == 1.0 for x in g) / len(g) < 0.25
 
 
 # --- the files --------------------------------------------------------------------------------------
 
-SMALL = dict(n_sft_train=60, n_sft_eval=20, n_prefs_train=60, n_prefs_eval=20, n_prompts_train=30,
-             n_prompts_eval=10)
+SMALL = dict(
+    n_sft_train=60,
+    n_sft_eval=20,
+    n_prefs_train=60,
+    n_prefs_eval=20,
+    n_prompts_train=30,
+    n_prompts_eval=10,
+)
 
 
 def _read(path):
@@ -130,12 +142,14 @@ def test_make_task_data_writes_every_file(tmp_path):
     assert json.loads((tmp_path / "task.json").read_text()) == info
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     assert tok.convert_ids_to_tokens(tok("31415=")["input_ids"]) == list("31415=")
     assert tok.decode(tok("31415=")["input_ids"]) == "31415="
     assert (tok.pad_token, tok.eos_token) == ("<pad>", "<eos>")
-    rendered = tok.apply_chat_template([{"role": "user", "content": "31="}, {"role": "assistant", "content": "13"}],
-                                       tokenize=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "31="}, {"role": "assistant", "content": "13"}], tokenize=False
+    )
     assert rendered == "31=13<eos>"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base_model")
     assert model.config.vocab_size == len(tok) == 15
@@ -143,8 +157,16 @@ def test_make_task_data_writes_every_file(tmp_path):
 
 def test_held_out_prompts_never_in_training(tmp_path):
     D.make_task_data(tmp_path, seed=1, **SMALL)
-    held = {r["prompt"] for f in ("sft_eval", "prefs_eval", "prompts_eval") for r in _read(tmp_path / f"{f}.jsonl")}
-    train = {r["prompt"] for f in ("sft_train", "prefs_train", "prompts_train") for r in _read(tmp_path / f"{f}.jsonl")}
+    held = {
+        r["prompt"]
+        for f in ("sft_eval", "prefs_eval", "prompts_eval")
+        for r in _read(tmp_path / f"{f}.jsonl")
+    }
+    train = {
+        r["prompt"]
+        for f in ("sft_train", "prefs_train", "prompts_train")
+        for r in _read(tmp_path / f"{f}.jsonl")
+    }
     assert len(held) == 50 and not held & train
 
 
@@ -156,4 +178,6 @@ def test_same_seed_same_files_other_seed_other_files(tmp_path):
     names += ["task.json", "base_model/model.safetensors", "tokenizer/tokenizer.json"]
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    assert (tmp_path / "a" / "sft_train.jsonl").read_bytes() != (tmp_path / "c" / "sft_train.jsonl").read_bytes()
+    assert (tmp_path / "a" / "sft_train.jsonl").read_bytes() != (
+        tmp_path / "c" / "sft_train.jsonl"
+    ).read_bytes()

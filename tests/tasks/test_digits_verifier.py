@@ -6,17 +6,20 @@ import pytest
 from proximal.tasks import digits as D
 
 
-@pytest.mark.parametrize("prompt, completion, exact, gold", [
-    ("31415=", "11345", 1.0, 1.0),
-    ("31415=", "11345<eos>999", 1.0, 1.0),        # what follows EOS is not the answer
-    ("31415=", " 11345\n", 1.0, 1.0),             # surrounding whitespace neither
-    ("31415=", "11354", 0.0, 3 / 5),              # two digits out of place
-    ("31415=", "1134", 0.0, 4 / 5),               # one missing
-    ("31415=", "113455", 0.0, 5 / 6),             # one extra
-    ("31415=", "11 345", 0.0, 2 / 6),             # a space inside the answer
-    ("31415=", "", 0.0, 0.0),
-    ("2200=", "0022", 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "prompt, completion, exact, gold",
+    [
+        ("31415=", "11345", 1.0, 1.0),
+        ("31415=", "11345<eos>999", 1.0, 1.0),  # what follows EOS is not the answer
+        ("31415=", " 11345\n", 1.0, 1.0),  # surrounding whitespace neither
+        ("31415=", "11354", 0.0, 3 / 5),  # two digits out of place
+        ("31415=", "1134", 0.0, 4 / 5),  # one missing
+        ("31415=", "113455", 0.0, 5 / 6),  # one extra
+        ("31415=", "11 345", 0.0, 2 / 6),  # a space inside the answer
+        ("31415=", "", 0.0, 0.0),
+        ("2200=", "0022", 1.0, 1.0),
+    ],
+)
 def test_exact_sort_beside_the_gold_score(prompt, completion, exact, gold):
     assert D.exact_sort([prompt], [completion]) == [exact]
     assert D.gold_score([prompt], [completion]) == [pytest.approx(gold, abs=1e-12)]

@@ -7,19 +7,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from ppo_support import command_main, read_jsonl, write_yaml  # noqa: F401  (read_jsonl, write_yaml re-exported)
 
 # Every per-step metric issue 10 asks for, under the names trainers/grpo.py logs them.
 REQUIRED_METRICS = (
-    "score/mean", "score/std",                          # score mean and std
-    "data/uniform_group_frac",                          # fraction of uniform groups
-    "policy/clipfrac_low", "policy/clipfrac_high",      # clip fractions
-    "kl/ref_k3",                                        # k3 KL to the reference (β > 0)
-    "response/length_mean", "response/eos_frac",        # length, EOS rate
-    "policy/entropy", "grad_norm/actor",                # entropy, gradient norm
-    "speed/gen_tokens_per_s", "speed/train_tokens_per_s",  # tokens/s
-    "loss/total", "loss/policy", "loss/kl", "policy/ratio_mean", "policy/approx_kl", "time/wall_s",
+    "score/mean",
+    "score/std",  # score mean and std
+    "data/uniform_group_frac",  # fraction of uniform groups
+    "policy/clipfrac_low",
+    "policy/clipfrac_high",  # clip fractions
+    "kl/ref_k3",  # k3 KL to the reference (β > 0)
+    "response/length_mean",
+    "response/eos_frac",  # length, EOS rate
+    "policy/entropy",
+    "grad_norm/actor",  # entropy, gradient norm
+    "speed/gen_tokens_per_s",
+    "speed/train_tokens_per_s",  # tokens/s
+    "loss/total",
+    "loss/policy",
+    "loss/kl",
+    "policy/ratio_mean",
+    "policy/approx_kl",
+    "time/wall_s",
 )
 
 
@@ -63,8 +72,14 @@ def record_gradients(monkeypatch) -> list[list[torch.Tensor]]:
     step = grpo.clip_and_step
 
     def record_then_step(model, opt, sched, max_norm, **kw):
-        grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                      for p in trainable_parameters(model)])
+        grads.append(
+            [
+                (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                .detach()
+                .clone()
+                for p in trainable_parameters(model)
+            ]
+        )
         return step(model, opt, sched, max_norm, **kw)
 
     monkeypatch.setattr(grpo, "clip_and_step", record_then_step)

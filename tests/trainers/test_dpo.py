@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-
 from ppo_support import TIMING_PREFIXES as TIMING
+
 from proximal.config import load_config
 from proximal.logging import read_metrics
 from proximal.trainers import dpo as dpo_module
@@ -43,9 +43,15 @@ def write_jsonl(path, rows):
 
 
 def make_cfg(method, model_path, tmp_path, train_rows, eval_rows=None, **overrides):
-    o = {"model.path": str(model_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
-         "data.max_length": 16, "output.dir": str(tmp_path / "run"), "train.device": "cpu",
-         "output.progress": False, **overrides}
+    o = {
+        "model.path": str(model_path),
+        "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
+        "data.max_length": 16,
+        "output.dir": str(tmp_path / "run"),
+        "train.device": "cpu",
+        "output.progress": False,
+        **overrides,
+    }
     if eval_rows is not None:
         o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
     return load_config(CONFIGS[method], overrides={k: str(v) for k, v in o.items()})
@@ -64,7 +70,9 @@ def plain_logps(model, tok, rows) -> list[tuple[list[float], list[float]]]:
             sides = []
             for key in ("chosen", "rejected"):
                 y = tok(r[key], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                logp = torch.log_softmax(model(input_ids=torch.tensor([p + y])).logits[0].double(), -1)
+                logp = torch.log_softmax(
+                    model(input_ids=torch.tensor([p + y])).logits[0].double(), -1
+                )
                 sides.append([float(logp[len(p) + j - 1, target]) for j, target in enumerate(y)])
             out.append(tuple(sides))
     return out
@@ -77,8 +85,13 @@ def softplus(x: float) -> float:
 @pytest.fixture(scope="module")
 def llama(assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     path = assets.policy("llama")
-    return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    return (
+        path,
+        AutoModelForCausalLM.from_pretrained(path).eval(),
+        AutoTokenizer.from_pretrained(path),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,9 +103,21 @@ def test_dpo_learns_held_out_preferences_and_logs_what_it_computes(llama, tmp_pa
     base_path, base, tok = llama
     train_rows, eval_rows = count_task(256, seed=1), count_task(64, seed=2)
     beta = 0.5
-    cfg = make_cfg("dpo", base_path, tmp_path, train_rows, eval_rows, **{
-        "dpo.beta": beta, "optim.lr": 3e-3, "train.steps": 24, "train.batch_size": 16, "train.micro_batch_size": 16,
-        "train.eval_every": 12})
+    cfg = make_cfg(
+        "dpo",
+        base_path,
+        tmp_path,
+        train_rows,
+        eval_rows,
+        **{
+            "dpo.beta": beta,
+            "optim.lr": 3e-3,
+            "train.steps": 24,
+            "train.batch_size": 16,
+            "train.micro_batch_size": 16,
+            "train.eval_every": 12,
+        },
+    )
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
@@ -100,7 +125,11 @@ def test_dpo_learns_held_out_preferences_and_logs_what_it_computes(llama, tmp_pa
 
     # Step 0: π_θ = π_ref, so every implicit reward is 0: loss ln 2, every pair a tie (counted wrong), KL 0.
     assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-7)
-    assert evals[0]["eval/accuracy"] == 0.0 and evals[0]["eval/reward_margin"] == 0.0 and evals[0]["eval/kl"] == 0.0
+    assert (
+        evals[0]["eval/accuracy"] == 0.0
+        and evals[0]["eval/reward_margin"] == 0.0
+        and evals[0]["eval/kl"] == 0.0
+    )
     assert rows[0]["model/reference_resident"] == 1 and rows[0]["data/train_rows"] == 256
     final = evals[24]
     assert final["eval/accuracy"] >= 0.8  # chance is 0.5 (64 pairs: 0.8 by luck is p < 1e-5)
@@ -109,6 +138,7 @@ def test_dpo_learns_held_out_preferences_and_logs_what_it_computes(llama, tmp_pa
 
     # The exported policy, each held-out response alone, against the starting model: the logged numbers.
     from transformers import AutoModelForCausalLM
+
     policy = AutoModelForCausalLM.from_pretrained(out).eval()
     pol, ref = plain_logps(policy, tok, eval_rows), plain_logps(base, tok, eval_rows)
     rw = [beta * (sum(p[0]) - sum(q[0])) for p, q in zip(pol, ref)]
@@ -116,8 +146,10 @@ def test_dpo_learns_held_out_preferences_and_logs_what_it_computes(llama, tmp_pa
     n = len(eval_rows)
     assert final["eval/reward_chosen"] == pytest.approx(sum(rw) / n, rel=1e-4)
     assert final["eval/reward_rejected"] == pytest.approx(sum(rl) / n, rel=1e-4)
-    assert final["eval/accuracy"] == sum(w > l for w, l in zip(rw, rl)) / n
-    assert final["eval/loss"] == pytest.approx(sum(softplus(-(w - l)) for w, l in zip(rw, rl)) / n, rel=1e-5)
+    assert final["eval/accuracy"] == sum(w > lo for w, lo in zip(rw, rl)) / n
+    assert final["eval/loss"] == pytest.approx(
+        sum(softplus(-(w - lo)) for w, lo in zip(rw, rl)) / n, rel=1e-5
+    )
     assert final["eval/logp_chosen"] == pytest.approx(sum(sum(p[0]) for p in pol) / n, rel=1e-5)
 
     # eval/kl: Σ_t Σ_v π_θ log(π_θ / π_ref) over each held-out response, mean over the 2n responses.
@@ -128,8 +160,8 @@ def test_dpo_learns_held_out_preferences_and_logs_what_it_computes(llama, tmp_pa
             for key in ("chosen", "rejected"):
                 y = tok(r[key], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 x = torch.tensor([p + y])
-                a = torch.log_softmax(policy(input_ids=x).logits[0, len(p) - 1:-1].double(), -1)
-                b = torch.log_softmax(base(input_ids=x).logits[0, len(p) - 1:-1].double(), -1)
+                a = torch.log_softmax(policy(input_ids=x).logits[0, len(p) - 1 : -1].double(), -1)
+                b = torch.log_softmax(base(input_ids=x).logits[0, len(p) - 1 : -1].double(), -1)
                 kl += float((a.exp() * (a - b)).sum())
     assert final["eval/kl"] == pytest.approx(kl / (2 * n), rel=1e-4)
 
@@ -138,9 +170,23 @@ def test_simpo_learns_held_out_preferences_with_one_model(llama, tmp_path):
     base_path, _, tok = llama
     train_rows, eval_rows = count_task(256, seed=3), count_task(64, seed=4)
     beta, ratio = 2.0, 0.5
-    cfg = make_cfg("simpo", base_path, tmp_path, train_rows, eval_rows, **{
-        "simpo.beta": beta, "simpo.gamma_beta_ratio": ratio, "optim.lr": 3e-3, "train.steps": 24,
-        "train.batch_size": 16, "train.micro_batch_size": 16, "train.eval_every": 0, "train.eval_kl": False})
+    cfg = make_cfg(
+        "simpo",
+        base_path,
+        tmp_path,
+        train_rows,
+        eval_rows,
+        **{
+            "simpo.beta": beta,
+            "simpo.gamma_beta_ratio": ratio,
+            "optim.lr": 3e-3,
+            "train.steps": 24,
+            "train.batch_size": 16,
+            "train.micro_batch_size": 16,
+            "train.eval_every": 0,
+            "train.eval_kl": False,
+        },
+    )
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
@@ -149,12 +195,15 @@ def test_simpo_learns_held_out_preferences_with_one_model(llama, tmp_path):
     assert evals[24]["eval/accuracy"] >= 0.8 > evals[0]["eval/accuracy"] + 0.1
 
     from transformers import AutoModelForCausalLM
+
     pol = plain_logps(AutoModelForCausalLM.from_pretrained(out).eval(), tok, eval_rows)
     avg = [(sum(c) / len(c), sum(r) / len(r)) for c, r in pol]
     n = len(eval_rows)
     hand = sum(softplus(-(beta * (c - r) - ratio * beta)) for c, r in avg) / n
     assert evals[24]["eval/loss"] == pytest.approx(hand, rel=1e-5)
-    assert evals[24]["eval/reward_chosen"] == pytest.approx(beta * sum(c for c, _ in avg) / n, rel=1e-5)
+    assert evals[24]["eval/reward_chosen"] == pytest.approx(
+        beta * sum(c for c, _ in avg) / n, rel=1e-5
+    )
     assert evals[24]["eval/accuracy"] == sum(c > r for c, r in avg) / n
 
 
@@ -163,9 +212,15 @@ def test_simpo_learns_held_out_preferences_with_one_model(llama, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, extra", [("dpo", {}), ("dpo", {"dpo.loss_type": "ipo"}),
-                                           ("dpo", {"dpo.loss_type": "robust", "dpo.label_smoothing": 0.2}),
-                                           ("simpo", {})])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("dpo", {}),
+        ("dpo", {"dpo.loss_type": "ipo"}),
+        ("dpo", {"dpo.loss_type": "robust", "dpo.label_smoothing": 0.2}),
+        ("simpo", {}),
+    ],
+)
 def test_accumulation_equals_the_full_batch(llama, tmp_path, method, extra):
     """Two steps over 4 pairs of different lengths, as 1 micro-batch of 4 or 4 of 1: the same run."""
     base_path = llama[0]
@@ -174,8 +229,19 @@ def test_accumulation_equals_the_full_batch(llama, tmp_path, method, extra):
     for micro in (4, 1):
         d = tmp_path / f"m{micro}"
         d.mkdir()
-        cfg = make_cfg(method, base_path, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
-                                                      "train.steps": 2, "optim.lr": 1e-3, **extra})
+        cfg = make_cfg(
+            method,
+            base_path,
+            d,
+            rows,
+            **{
+                "train.batch_size": 4,
+                "train.micro_batch_size": micro,
+                "train.steps": 2,
+                "optim.lr": 1e-3,
+                **extra,
+            },
+        )
         logged[micro] = [without_timing(r) for r in read_metrics(train(cfg) / "metrics.jsonl")]
     for a, b in zip(logged[4][1:], logged[1][1:]):
         assert a.keys() == b.keys()
@@ -191,14 +257,31 @@ def test_precomputed_reference_gives_the_same_run(llama, tmp_path):
     for pre in (False, True):
         d = tmp_path / f"pre{pre}"
         d.mkdir()
-        cfg = make_cfg("dpo", base_path, d, rows, eval_rows, **{
-            "train.batch_size": 4, "train.micro_batch_size": 2, "train.steps": 3, "optim.lr": 1e-2,
-            "train.eval_every": 1, "train.precompute_ref_logprobs": pre})
+        cfg = make_cfg(
+            "dpo",
+            base_path,
+            d,
+            rows,
+            eval_rows,
+            **{
+                "train.batch_size": 4,
+                "train.micro_batch_size": 2,
+                "train.steps": 3,
+                "optim.lr": 1e-2,
+                "train.eval_every": 1,
+                "train.precompute_ref_logprobs": pre,
+            },
+        )
         logged[pre] = [without_timing(r) for r in read_metrics(train(cfg) / "metrics.jsonl")]
-    assert logged[False][0].pop("model/reference_resident") == 1 and logged[True][0].pop("model/reference_resident") == 0
+    assert (
+        logged[False][0].pop("model/reference_resident") == 1
+        and logged[True][0].pop("model/reference_resident") == 0
+    )
     for a, b in zip(logged[False], logged[True]):
         assert a.keys() == b.keys()
-        for k in a:  # the log-probabilities are the same function of the same weights, batched differently
+        for k in (
+            a
+        ):  # the log-probabilities are the same function of the same weights, batched differently
             if (a["step"], k) in ((0, "eval/accuracy"), (1, "train/accuracy")):
                 # Before the first update every pair is a tie (margin 0, counted wrong) on the fly; precomputed
                 # in other batches, the margins are round-off (~1e-8) of either sign. Only the ties are checked.
@@ -206,7 +289,9 @@ def test_precomputed_reference_gives_the_same_run(llama, tmp_path):
                 assert a[k] == 0.0 and abs(b[f"{split}/reward_margin"]) < 1e-6
                 continue
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
-    assert logged[True][3]["eval/kl"] > 0  # with no resident reference the starting model came back for the KL
+    assert (
+        logged[True][3]["eval/kl"] > 0
+    )  # with no resident reference the starting model came back for the KL
 
 
 def _resident_parameters() -> int:
@@ -214,9 +299,15 @@ def _resident_parameters() -> int:
     return sum(o.numel() for o in gc.get_objects() if torch.nn.Parameter in type(o).__mro__)
 
 
-@pytest.mark.parametrize("method, extra, models", [
-    ("simpo", {}, 1), ("dpo", {"train.precompute_ref_logprobs": True}, 1), ("dpo", {}, 2),
-    ("dpo", {"model.lora_r": 2}, 1)])
+@pytest.mark.parametrize(
+    "method, extra, models",
+    [
+        ("simpo", {}, 1),
+        ("dpo", {"train.precompute_ref_logprobs": True}, 1),
+        ("dpo", {}, 2),
+        ("dpo", {"model.lora_r": 2}, 1),
+    ],
+)
 def test_resident_models(llama, tmp_path, monkeypatch, method, extra, models):
     """At the optimiser step, count every parameter alive in the process: SimPO and DPO with precomputed
     reference log-probabilities hold one model, DPO with its reference two, DPO with LoRA one (plus the
@@ -231,8 +322,14 @@ def test_resident_models(llama, tmp_path, monkeypatch, method, extra, models):
 
     original = dpo_module.clip_and_step
     monkeypatch.setattr(dpo_module, "clip_and_step", counting)
-    cfg = make_cfg(method, base_path, tmp_path, count_task(4, seed=8), count_task(2, seed=9), **{
-        "train.batch_size": 4, "train.micro_batch_size": 4, "train.steps": 1, **extra})
+    cfg = make_cfg(
+        method,
+        base_path,
+        tmp_path,
+        count_task(4, seed=8),
+        count_task(2, seed=9),
+        **{"train.batch_size": 4, "train.micro_batch_size": 4, "train.steps": 1, **extra},
+    )
     before = _resident_parameters()
     train(cfg)
     adapters = seen[0] - before - models * n_model
@@ -245,15 +342,32 @@ class _Crash(Exception):
 
 def test_resume_after_a_crash_reproduces_the_run(llama, tmp_path, monkeypatch):
     from proximal.train import run as run_module
+
     base_path = llama[0]
-    rows, eval_rows = count_task(10, seed=10), count_task(4, seed=11)  # 4 pairs a step: resumes mid-pass
+    rows, eval_rows = (
+        count_task(10, seed=10),
+        count_task(4, seed=11),
+    )  # 4 pairs a step: resumes mid-pass
 
     def cfg(name):
         d = tmp_path / name
         d.mkdir()
-        return make_cfg("dpo", base_path, d, rows, eval_rows, **{
-            "train.batch_size": 4, "train.micro_batch_size": 2, "train.steps": 4, "train.save_every": 2,
-            "train.eval_every": 1, "optim.lr": 1e-2, "optim.warmup_steps": 3})
+        return make_cfg(
+            "dpo",
+            base_path,
+            d,
+            rows,
+            eval_rows,
+            **{
+                "train.batch_size": 4,
+                "train.micro_batch_size": 2,
+                "train.steps": 4,
+                "train.save_every": 2,
+                "train.eval_every": 1,
+                "optim.lr": 1e-2,
+                "optim.warmup_steps": 3,
+            },
+        )
 
     full = train(cfg("full"))
     original = run_module.save_checkpoint
@@ -272,16 +386,29 @@ def test_resume_after_a_crash_reproduces_the_run(llama, tmp_path, monkeypatch):
     resumed = train(crashed_cfg, resume_dir=crashed_cfg.output.dir)
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(5))
-    assert [without_timing(r) for r in a] == [without_timing(r) for r in b]  # bitwise on CPU float32
+    assert [without_timing(r) for r in a] == [
+        without_timing(r) for r in b
+    ]  # bitwise on CPU float32
     from safetensors.torch import load_file
+
     wa, wb = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_bf16_mixed_runs(llama, tmp_path):
-    cfg = make_cfg("dpo", llama[0], tmp_path, count_task(4, seed=12), **{
-        "train.batch_size": 4, "train.micro_batch_size": 2, "train.steps": 2, "train.precision": "bf16-mixed",
-        "optim.lr": 1e-2})
+    cfg = make_cfg(
+        "dpo",
+        llama[0],
+        tmp_path,
+        count_task(4, seed=12),
+        **{
+            "train.batch_size": 4,
+            "train.micro_batch_size": 2,
+            "train.steps": 2,
+            "train.precision": "bf16-mixed",
+            "optim.lr": 1e-2,
+        },
+    )
     rows = read_metrics(train(cfg) / "metrics.jsonl")
     # a bfloat16 reference against the float32 policy under bfloat16 autocast: h ≈ 0, not exactly
     assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-2)

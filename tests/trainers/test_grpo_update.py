@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from grpo_support import grpo_config, read_jsonl, record_gradients, train_config
 from ppo_support import TIMING_PREFIXES, without_timing
+
 from proximal.rollout.sampling import Rollout, stop_mask
 
 T = 6
@@ -20,45 +20,74 @@ T = 6
 VARIED_LENGTHS = {"stop_strings": ["a", "b"]}
 
 
-def _one_step(assets, tmp_path, monkeypatch, name: str, rollout: dict | None = None, model: dict | None = None,
-              **sections):
+def _one_step(
+    assets,
+    tmp_path,
+    monkeypatch,
+    name: str,
+    rollout: dict | None = None,
+    model: dict | None = None,
+    **sections,
+):
     """One GRPO step (8 responses: 2 prompts × G = 4); returns the recorded gradients and the metrics row."""
     from proximal.trainers import grpo
 
     grads = record_gradients(monkeypatch)
-    cfg = grpo_config(assets.policy("llama"), assets.prompts, tmp_path / name, train={"steps": 1},
-                      rollout={"max_new_tokens": T, **(rollout or {})}, model=model or {}, **sections)
+    cfg = grpo_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / name,
+        train={"steps": 1},
+        rollout={"max_new_tokens": T, **(rollout or {})},
+        model=model or {},
+        **sections,
+    )
     grpo.train(train_config(cfg, tmp_path / f"{name}.yaml"))
     [row] = read_jsonl(tmp_path / name / "metrics.jsonl")
     return grads, without_timing(row)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
-def test_micro_batch_accumulation_gives_the_whole_batch_gradient(loss, assets, tmp_path, monkeypatch):
+def test_micro_batch_accumulation_gives_the_whole_batch_gradient(
+    loss, assets, tmp_path, monkeypatch
+):
     """Micro-batches of 1 response vs the whole batch at once: the same optimiser steps (two
     mini-batches of 4) up to float32 round-off — the loss of a micro-batch is normalised by the
     aggregation's count over its whole mini-batch, not its own (huggingface/trl#3938)."""
     runs = {}
     for micro in (1, 4):
         with pytest.MonkeyPatch.context() as mp:
-            runs[micro] = _one_step(assets, tmp_path, mp, f"{loss}-{micro}", rollout=VARIED_LENGTHS,
-                                    model={"reward_functions": ["ppo_support:length"]},
-                                    grpo={"loss": loss, "mini_batch_size": 4, "micro_batch_size": micro,
-                                          "beta": 0.1})
+            runs[micro] = _one_step(
+                assets,
+                tmp_path,
+                mp,
+                f"{loss}-{micro}",
+                rollout=VARIED_LENGTHS,
+                model={"reward_functions": ["ppo_support:length"]},
+                grpo={"loss": loss, "mini_batch_size": 4, "micro_batch_size": micro, "beta": 0.1},
+            )
     (g1, row1), (g4, row4) = runs[1], runs[4]
     assert len(g1) == len(g4) == 2
     for step1, step4 in zip(g1, g4):
-        norm = torch.sqrt(sum((g ** 2).sum() for g in step4))
+        norm = torch.sqrt(sum((g**2).sum() for g in step4))
         assert norm > 1e-3  # a real gradient to compare
         for a, b in zip(step1, step4):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    for k in ("loss/total", "loss/policy", "loss/kl", "policy/clipfrac_high", "kl/ref_k3", "grad_norm/actor"):
+    for k in (
+        "loss/total",
+        "loss/policy",
+        "loss/kl",
+        "policy/clipfrac_high",
+        "kl/ref_k3",
+        "grad_norm/actor",
+    ):
         assert row1[k] == pytest.approx(row4[k], rel=1e-4, abs=1e-7), k
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokens after a stop never influence a gradient
 # ----------------------------------------------------------------------------------------------
+
 
 def _fixed_rollout(tok, variant: str):
     """A ``sample`` replacement: fixed responses whose EOS sits at t = 1, none, 3, 0, … by row; after the
@@ -76,7 +105,9 @@ def _fixed_rollout(tok, variant: str):
                 resp[b, stop] = tok.eos_token_id
         mask, ended = stop_mask(resp, [tok.eos_token_id])
         if variant == "junk":
-            junk = torch.tensor(letters + [tok.eos_token_id])[torch.randint(len(letters) + 1, (B, T), generator=g)]
+            junk = torch.tensor(letters + [tok.eos_token_id])[
+                torch.randint(len(letters) + 1, (B, T), generator=g)
+            ]
             resp = torch.where(mask, resp, junk)
         else:
             resp = torch.where(mask, resp, tok.pad_token_id)
@@ -95,9 +126,13 @@ def fixed_rollout_runs(assets, tmp_path_factory):
     for variant in ("pad", "junk", "pre"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(collect, "sample", _fixed_rollout(assets.tokenizer, variant))
-            out[variant] = _one_step(assets, tmp_path_factory.mktemp("fixed"), mp, variant,
-                                     grpo={"iterations": 2, "mini_batch_size": 4, "micro_batch_size": 2,
-                                           "beta": 0.1})
+            out[variant] = _one_step(
+                assets,
+                tmp_path_factory.mktemp("fixed"),
+                mp,
+                variant,
+                grpo={"iterations": 2, "mini_batch_size": 4, "micro_batch_size": 2, "beta": 0.1},
+            )
     return out
 
 
@@ -121,6 +156,7 @@ def test_a_token_before_the_stop_does_change_gradients(fixed_rollout_runs):
 # π_old over μ iterations; the first on-policy update
 # ----------------------------------------------------------------------------------------------
 
+
 def test_every_iteration_ratios_against_the_policy_that_sampled(assets, tmp_path, monkeypatch):
     """μ = 3 iterations of one optimiser step each on the whole batch: every call sees the same
     log π_old (recorded once, in the experience), the first has ratio 1 (up to the round-off of
@@ -137,8 +173,14 @@ def test_every_iteration_ratios_against_the_policy_that_sampled(assets, tmp_path
         return out
 
     monkeypatch.setattr(grpo, "grpo_policy_loss", spy)
-    _, row = _one_step(assets, tmp_path, monkeypatch, "mu", optim={"lr": 1e-2},
-                       grpo={"iterations": 3, "micro_batch_size": 8, "beta": 0.0})
+    _, row = _one_step(
+        assets,
+        tmp_path,
+        monkeypatch,
+        "mu",
+        optim={"lr": 1e-2},
+        grpo={"iterations": 3, "micro_batch_size": 8, "beta": 0.0},
+    )
     assert len(calls) == 3 and row["policy/optimizer_steps"] == 3
     first, *later = calls
     for old_rows, _ in later:
@@ -147,15 +189,18 @@ def test_every_iteration_ratios_against_the_policy_that_sampled(assets, tmp_path
     assert float(stats["ratio_min"]) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["ratio_max"]) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["clipfrac_low"]) == float(stats["clipfrac_high"]) == 0.0
-    assert float(later[-1][1]["approx_kl"]) > float(later[0][1]["approx_kl"]) > 1e-6  # drifting from π_old
+    assert (
+        float(later[-1][1]["approx_kl"]) > float(later[0][1]["approx_kl"]) > 1e-6
+    )  # drifting from π_old
 
 
 # ----------------------------------------------------------------------------------------------
 # 1 process vs 2
 # ----------------------------------------------------------------------------------------------
 
+
 def _train_on_rank(cfg: dict, tmp) -> tuple[list, list]:
-    from proximal.train import dist
+    from proximal import dist
     from proximal.trainers import grpo
 
     grads = grpo.clip_and_step.grads  # the recording wrapper's list, inherited through fork
@@ -173,32 +218,53 @@ def test_one_and_two_processes_compute_the_same_steps(assets, tmp_path, monkeypa
     gradient (sharper than the weights, which AdamW's 1/√v makes sensitive to round-off on
     near-zero gradients) at rtol 1e-4, and the logged losses and norms at rel 1e-4."""
     from multiprocess import run_ranks
+
     from proximal.trainers import grpo
 
     grads = record_gradients(monkeypatch)
     grpo.clip_and_step.grads = grads
 
     def config(name):
-        return grpo_config(assets.policy("llama"), assets.prompts, tmp_path / name / "run",
-                           grpo={"loss": "dapo", "iterations": 2, "mini_batch_size": 4, "micro_batch_size": 1,
-                                 "beta": 0.1}, rollout=VARIED_LENGTHS, optim={"lr": 1e-2}, train={"steps": 2})
+        return grpo_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name / "run",
+            grpo={
+                "loss": "dapo",
+                "iterations": 2,
+                "mini_batch_size": 4,
+                "micro_batch_size": 1,
+                "beta": 0.1,
+            },
+            rollout=VARIED_LENGTHS,
+            optim={"lr": 1e-2},
+            train={"steps": 2},
+        )
 
     (tmp_path / "one").mkdir()
     one_grads, one_rows = _train_on_rank(config("one"), tmp_path / "one")
     (tmp_path / "two").mkdir()
-    [(two_grads, two_rows), (other_grads, _)] = run_ranks(2, _train_on_rank, config("two"), tmp_path / "two",
-                                                          timeout_s=180)
+    [(two_grads, two_rows), (other_grads, _)] = run_ranks(
+        2, _train_on_rank, config("two"), tmp_path / "two", timeout_s=180
+    )
     assert len(one_grads) == len(two_grads) == len(other_grads) == 2 * 2 * 2
     for i, (a, b, c) in enumerate(zip(one_grads, two_grads, other_grads)):
         for x, y, z in zip(a, b, c):
             assert torch.equal(y, z)  # both ranks hold the same full gradient
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6, msg=lambda m: f"optimiser step {i}: {m}")
-    assert 1.5 < one_rows[0]["response/length_mean"] < 6  # responses of many lengths: the normaliser matters
+            torch.testing.assert_close(
+                x, y, rtol=1e-4, atol=1e-6, msg=lambda m: f"optimiser step {i}: {m}"
+            )
+    assert (
+        1.5 < one_rows[0]["response/length_mean"] < 6
+    )  # responses of many lengths: the normaliser matters
     for r1, r2 in zip(one_rows, two_rows):
         for k, v in r1.items():
             if k.startswith(TIMING_PREFIXES) or not isinstance(v, (int, float)):
                 continue
-            if k.startswith(("score/", "data/", "response/")) or k in ("step", "policy/optimizer_steps"):
+            if k.startswith(("score/", "data/", "response/")) or k in (
+                "step",
+                "policy/optimizer_steps",
+            ):
                 assert r2[k] == pytest.approx(v, abs=1e-6), k  # the same rollouts, the same counts
             else:
                 assert r2[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k

@@ -60,8 +60,14 @@ def write_jsonl(path, rows):
 
 
 def make_cfg(model_path, tmp_path, train_rows, eval_rows=None, **overrides) -> RMConfig:
-    o = {"model.path": str(model_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
-         "data.max_length": 16, "output.dir": str(tmp_path / "run"), "train.device": "cpu", **overrides}
+    o = {
+        "model.path": str(model_path),
+        "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
+        "data.max_length": 16,
+        "output.dir": str(tmp_path / "run"),
+        "train.device": "cpu",
+        **overrides,
+    }
     if eval_rows is not None:
         o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
     return load_config(RMConfig, overrides=o)
@@ -80,13 +86,19 @@ def softplus(x: float) -> float:
 
 def test_scores_are_the_head_at_the_last_real_token(classifier, tok, tmp_path):
     from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
-    rows = [{"prompt": "=", "chosen": "a", "rejected": "abbbbab"}, {"prompt": "ab=", "chosen": "bbbb", "rejected": "b"}]
+    rows = [
+        {"prompt": "=", "chosen": "a", "rejected": "abbbbab"},
+        {"prompt": "ab=", "chosen": "bbbb", "rejected": "b"},
+    ]
     pairs, _ = load_preference_pairs(write_jsonl(tmp_path / "p.jsonl", rows), tok, max_length=16)
     batch = collate_pairs(pairs, tok.pad_token_id)  # right-padded, lengths 3..9
     with torch.no_grad():
         r_w, r_l = pair_scores(model, batch)
-        hf_pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        hf_pooled = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits[:, 0]
     expected_w = [plain_score(model, tok, r["prompt"], r["chosen"]) for r in rows]
     expected_l = [plain_score(model, tok, r["prompt"], r["rejected"]) for r in rows]
     assert r_w.tolist() == pytest.approx(expected_w, abs=1e-5)
@@ -100,6 +112,7 @@ def test_pad_equal_to_eos_is_warned_about(lm):
     from transformers import AutoTokenizer
 
     from proximal.trainers.reward import load_reward_model
+
     tok = AutoTokenizer.from_pretrained(lm)
     tok.pad_token = tok.eos_token
     with pytest.warns(UserWarning, match="pad token is its EOS token"):
@@ -109,9 +122,19 @@ def test_pad_equal_to_eos_is_warned_about(lm):
 
 def test_rm_learns_a_preference_and_saves_a_plain_classifier(lm, tok, tmp_path):
     train_rows, eval_rows = count_task(256, seed=1), count_task(128, seed=2)
-    cfg = make_cfg(lm, tmp_path, train_rows, eval_rows, **{
-        "optim.lr": 3e-3, "train.steps": 60, "train.batch_size": 16, "train.micro_batch_size": 8,
-        "train.eval_every": 20})
+    cfg = make_cfg(
+        lm,
+        tmp_path,
+        train_rows,
+        eval_rows,
+        **{
+            "optim.lr": 3e-3,
+            "train.steps": 60,
+            "train.batch_size": 16,
+            "train.micro_batch_size": 8,
+            "train.eval_every": 20,
+        },
+    )
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
@@ -129,66 +152,112 @@ def test_rm_learns_a_preference_and_saves_a_plain_classifier(lm, tok, tmp_path):
 
     # Plain transformers loads it; scoring each held-out pair alone reproduces the logged numbers.
     from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
     assert model.config.architectures == ["LlamaForSequenceClassification"]
-    gaps = [plain_score(model, tok, r["prompt"], r["chosen"]) - plain_score(model, tok, r["prompt"], r["rejected"])
-            for r in eval_rows]
+    gaps = [
+        plain_score(model, tok, r["prompt"], r["chosen"])
+        - plain_score(model, tok, r["prompt"], r["rejected"])
+        for r in eval_rows
+    ]
     assert sum(g > 0 for g in gaps) / len(gaps) == final["eval/accuracy"]
     assert sum(gaps) / len(gaps) == pytest.approx(final["eval/reward_gap"], rel=1e-4)
-    assert sum(softplus(-g) for g in gaps) / len(gaps) == pytest.approx(final["eval/loss"], rel=1e-4)
+    assert sum(softplus(-g) for g in gaps) / len(gaps) == pytest.approx(
+        final["eval/loss"], rel=1e-4
+    )
     assert load_config(RMConfig, out / "config.yaml") == cfg
 
 
 def test_margin_enters_the_loss(lm, tmp_path):
     margins = [0.0, 1.0, 2.0, 3.0]
     rows = [{"prompt": "=", "chosen": "a", "rejected": "b", "margin": m} for m in margins]
-    cfg = make_cfg(lm, tmp_path, rows, rows, **{"train.batch_size": 4, "train.micro_batch_size": 2,
-                                                "train.steps": 1})
+    cfg = make_cfg(
+        lm,
+        tmp_path,
+        rows,
+        rows,
+        **{"train.batch_size": 4, "train.micro_batch_size": 2, "train.steps": 1},
+    )
     metrics = read_metrics(train(cfg) / "metrics.jsonl")
     # Zero head: r_w = r_l = 0, so −log σ(0 − m) = softplus(m) per pair.
     expected = sum(softplus(m) for m in margins) / 4
     assert metrics[0]["eval/loss"] == pytest.approx(expected, rel=1e-6)
-    assert metrics[1]["train/loss"] == pytest.approx(expected, rel=1e-6)  # measured before the update
+    assert metrics[1]["train/loss"] == pytest.approx(
+        expected, rel=1e-6
+    )  # measured before the update
 
 
 def test_existing_classifier_keeps_its_head_and_accumulation_matches(classifier, tok, tmp_path):
     """One step from a random classifier: same loss and gradient norm as 1 micro-batch of 4 or 4 of 1."""
     rows = count_task(4, seed=3)
     from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
-    gaps = [plain_score(model, tok, r["prompt"], r["chosen"]) - plain_score(model, tok, r["prompt"], r["rejected"])
-            for r in rows]
+    gaps = [
+        plain_score(model, tok, r["prompt"], r["chosen"])
+        - plain_score(model, tok, r["prompt"], r["rejected"])
+        for r in rows
+    ]
     expected_loss = sum(softplus(-g) for g in gaps) / 4
     logged = {}
     for micro in (4, 1):
         d = tmp_path / f"m{micro}"
         d.mkdir()
-        cfg = make_cfg(classifier, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
-                                               "train.steps": 1})
+        cfg = make_cfg(
+            classifier,
+            d,
+            rows,
+            **{"train.batch_size": 4, "train.micro_batch_size": micro, "train.steps": 1},
+        )
         logged[micro] = read_metrics(train(cfg) / "metrics.jsonl")
     assert logged[4][0]["model/new_head"] == 0
     for micro in (4, 1):
         assert logged[micro][1]["train/loss"] == pytest.approx(expected_loss, rel=1e-5)
         assert logged[micro][1]["train/reward_gap"] == pytest.approx(sum(gaps) / 4, rel=1e-4)
-    assert logged[1][1]["train/grad_norm"] == pytest.approx(logged[4][1]["train/grad_norm"], rel=1e-4)
+    assert logged[1][1]["train/grad_norm"] == pytest.approx(
+        logged[4][1]["train/grad_norm"], rel=1e-4
+    )
 
 
 def write_yaml(path, model_path, tmp_path, train_file=None):
-    cfg = {"model": {"path": str(model_path)},
-           "data": {"train_file": train_file or write_jsonl(tmp_path / "train.jsonl", count_task(16, seed=5)),
-                    "eval_file": write_jsonl(tmp_path / "eval.jsonl", count_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
-           "optim": {"lr": 1e-3},
-           "output": {"dir": str(tmp_path / "run")}}
+    cfg = {
+        "model": {"path": str(model_path)},
+        "data": {
+            "train_file": train_file
+            or write_jsonl(tmp_path / "train.jsonl", count_task(16, seed=5)),
+            "eval_file": write_jsonl(tmp_path / "eval.jsonl", count_task(8, seed=6)),
+            "max_length": 16,
+        },
+        "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
+        "optim": {"lr": 1e-3},
+        "output": {"dir": str(tmp_path / "run")},
+    }
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
 
 
 def test_cli_runs(lm, tmp_path, capsys):
-    assert main(["rm", "--config", write_yaml(tmp_path / "rm.yaml", lm, tmp_path), "--train.eval_every", "1"]) == 0
+    assert (
+        main(
+            [
+                "rm",
+                "--config",
+                write_yaml(tmp_path / "rm.yaml", lm, tmp_path),
+                "--train.eval_every",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "run"
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "config.yaml", "metrics.jsonl"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "config.yaml",
+        "metrics.jsonl",
+    ):
         assert (out / name).is_file(), name
     assert len([r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]) == 3
     assert "proximal rm: held-out accuracy" in capsys.readouterr().out
@@ -196,7 +265,9 @@ def test_cli_runs(lm, tmp_path, capsys):
 
 def test_cli_bad_preference_row_names_file_and_line(lm, tmp_path, capsys):
     bad = tmp_path / "prefs.jsonl"
-    bad.write_text('{"prompt": "=", "chosen": "a", "rejected": "b"}\n\n{"prompt": "=", "rejected": "b"}\n')
+    bad.write_text(
+        '{"prompt": "=", "chosen": "a", "rejected": "b"}\n\n{"prompt": "=", "rejected": "b"}\n'
+    )
     assert main(["rm", "--config", write_yaml(tmp_path / "rm.yaml", lm, tmp_path, str(bad))]) == 2
     err = capsys.readouterr().err
     assert f"proximal rm: {bad}:3: missing field 'chosen'" in err
@@ -205,8 +276,22 @@ def test_cli_bad_preference_row_names_file_and_line(lm, tmp_path, capsys):
 
 def test_cli_config_error_is_one_message(lm, tmp_path, capsys):
     config = write_yaml(tmp_path / "rm.yaml", lm, tmp_path)
-    assert main(["rm", "--config", config, "--train.batch_size", "10", "--train.micro_batch_size", "4",
-                 "--optim.max_grad_norm", "-1"]) == 2
+    assert (
+        main(
+            [
+                "rm",
+                "--config",
+                config,
+                "--train.batch_size",
+                "10",
+                "--train.micro_batch_size",
+                "4",
+                "--optim.max_grad_norm",
+                "-1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("proximal rm:") == 1
     assert "train.batch_size = 10 is not divisible by train.micro_batch_size = 4" in err

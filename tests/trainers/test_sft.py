@@ -45,8 +45,14 @@ def write_jsonl(path, rows):
 
 
 def make_cfg(base_path, tmp_path, train_rows, eval_rows=None, **overrides) -> SFTConfig:
-    o = {"model.path": str(base_path), "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
-         "data.max_length": 16, "output.dir": str(tmp_path / "run"), "train.device": "cpu", **overrides}
+    o = {
+        "model.path": str(base_path),
+        "data.train_file": write_jsonl(tmp_path / "train.jsonl", train_rows),
+        "data.max_length": 16,
+        "output.dir": str(tmp_path / "run"),
+        "train.device": "cpu",
+        **overrides,
+    }
     if eval_rows is not None:
         o["data.eval_file"] = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
     return load_config(SFTConfig, overrides=o)
@@ -89,8 +95,10 @@ def test_lr_schedule_by_hand():
     assert _lrs(2.0, "linear", 0, 4) == [2.0, 1.5, 1.0, 0.5]
     assert _lrs(1.0, "constant", 2, 5) == [0.0, 0.5, 1.0, 1.0, 1.0]
     cos = _lrs(1.0, "cosine", 1, 5)  # ½(1 + cos(π·(k − 1)/4)) after one warm-up step
-    assert cos == pytest.approx([0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))],
-                                abs=1e-12)
+    assert cos == pytest.approx(
+        [0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))],
+        abs=1e-12,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,9 +109,20 @@ def test_lr_schedule_by_hand():
 def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
     base_path, tok = base
     train_rows, eval_rows = repeat_task(256, seed=1), repeat_task(64, seed=2)
-    cfg = make_cfg(base_path, tmp_path, train_rows, eval_rows, **{
-        "optim.lr": 3e-3, "train.steps": 100, "train.batch_size": 16, "train.micro_batch_size": 8,
-        "optim.warmup_steps": 5, "train.eval_every": 25})
+    cfg = make_cfg(
+        base_path,
+        tmp_path,
+        train_rows,
+        eval_rows,
+        **{
+            "optim.lr": 3e-3,
+            "train.steps": 100,
+            "train.batch_size": 16,
+            "train.micro_batch_size": 8,
+            "optim.warmup_steps": 5,
+            "train.eval_every": 25,
+        },
+    )
     out = train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
@@ -120,13 +139,14 @@ def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
     blind = -sum(k * math.log(k / sum(c.values())) for c in by_pos.values() for k in c.values()) / n
     assert 1.4 < blind < 1.7  # ~ 3/4 · ln 8
 
-    assert evals[0] > 2.0                     # random init: about ln(13 tokens) = 2.56
-    assert evals[100] < 0.25 < blind / 5      # it reads the prompt
+    assert evals[0] > 2.0  # random init: about ln(13 tokens) = 2.56
+    assert evals[100] < 0.25 < blind / 5  # it reads the prompt
     assert evals[100] < evals[50] < evals[0]
 
     # The checkpoint loads with plain transformers, and its held-out loss — recomputed row by row
     # without padding or masks — is the logged one.
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(out)
     tok2 = AutoTokenizer.from_pretrained(out)
     total, count = hand_nll(model, tok2, eval_rows)
@@ -145,16 +165,30 @@ def test_sft_lowers_held_out_loss_below_any_prompt_blind_model(base, tmp_path):
 def test_accumulation_gives_the_full_batch_token_mean(base, tmp_path):
     """One step over 4 rows of very different response lengths, as 1 micro-batch of 4 or 4 of 1."""
     base_path, tok = base
-    rows = [{"prompt": "a=", "response": "b"}, {"prompt": "c=", "response": "defghabc"},
-            {"prompt": "d=", "response": "aa"}, {"prompt": "e=", "response": "hhhhh"}]
+    rows = [
+        {"prompt": "a=", "response": "b"},
+        {"prompt": "c=", "response": "defghabc"},
+        {"prompt": "d=", "response": "aa"},
+        {"prompt": "e=", "response": "hhhhh"},
+    ]
     from transformers import AutoModelForCausalLM
+
     total, count = hand_nll(AutoModelForCausalLM.from_pretrained(base_path), tok, rows)
     logged = {}
     for micro in (4, 1):
         d = tmp_path / f"m{micro}"
         d.mkdir()
-        cfg = make_cfg(base_path, d, rows, **{"train.batch_size": 4, "train.micro_batch_size": micro,
-                                              "train.steps": 1, "optim.lr": 1e-3})
+        cfg = make_cfg(
+            base_path,
+            d,
+            rows,
+            **{
+                "train.batch_size": 4,
+                "train.micro_batch_size": micro,
+                "train.steps": 1,
+                "optim.lr": 1e-3,
+            },
+        )
         logged[micro] = read_metrics(train(cfg) / "metrics.jsonl")[1]
     assert logged[4]["train/tokens"] == logged[1]["train/tokens"] == count == 2 + 9 + 3 + 6
     # the loss is a mean over tokens of the whole batch, however it is split
@@ -166,14 +200,21 @@ def test_accumulation_gives_the_full_batch_token_mean(base, tmp_path):
 def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
     base_path, _ = base
     rows = repeat_task(8, seed=3)
-    cfg = make_cfg(base_path, tmp_path, rows, **{"train.batch_size": 8, "train.micro_batch_size": 8})
+    cfg = make_cfg(
+        base_path, tmp_path, rows, **{"train.batch_size": 8, "train.micro_batch_size": 8}
+    )
     out = train(cfg)
+
     def metrics():
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
-                for r in read_metrics(out / "metrics.jsonl")]
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
+            for r in read_metrics(out / "metrics.jsonl")
+        ]
 
     first = metrics()
-    with pytest.raises(FileExistsError, match=r"output.dir .*run already holds a run; continue it with --resume"):
+    with pytest.raises(
+        FileExistsError, match=r"output.dir .*run already holds a run; continue it with --resume"
+    ):
         train(cfg)
     cfg.output.overwrite = True
     assert train(cfg) == out
@@ -190,7 +231,12 @@ def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
 
 def test_batch_larger_than_data_is_a_clear_error(base, tmp_path):
     base_path, _ = base
-    cfg = make_cfg(base_path, tmp_path, repeat_task(5, seed=4), **{"train.batch_size": 8, "train.micro_batch_size": 4})
+    cfg = make_cfg(
+        base_path,
+        tmp_path,
+        repeat_task(5, seed=4),
+        **{"train.batch_size": 8, "train.micro_batch_size": 4},
+    )
     with pytest.raises(ConfigError, match=r"train.batch_size = 8 is larger than the 5 usable rows"):
         train(cfg)
 
@@ -201,11 +247,16 @@ def test_batch_larger_than_data_is_a_clear_error(base, tmp_path):
 
 
 def write_yaml(path, base_path, tmp_path, **sections):
-    cfg = {"model": {"path": str(base_path)},
-           "data": {"train_file": write_jsonl(tmp_path / "train.jsonl", repeat_task(16, seed=5)),
-                    "eval_file": write_jsonl(tmp_path / "eval.jsonl", repeat_task(8, seed=6)), "max_length": 16},
-           "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
-           "output": {"dir": str(tmp_path / "run")}}
+    cfg = {
+        "model": {"path": str(base_path)},
+        "data": {
+            "train_file": write_jsonl(tmp_path / "train.jsonl", repeat_task(16, seed=5)),
+            "eval_file": write_jsonl(tmp_path / "eval.jsonl", repeat_task(8, seed=6)),
+            "max_length": 16,
+        },
+        "train": {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "device": "cpu"},
+        "output": {"dir": str(tmp_path / "run")},
+    }
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
     path.write_text(yaml.safe_dump(cfg))
@@ -217,7 +268,13 @@ def test_cli_runs(base, tmp_path, capsys):
     config = write_yaml(tmp_path / "sft.yaml", base_path, tmp_path)
     assert main(["sft", "--config", config, "--optim.lr", "1e-3", "--train.seed=3"]) == 0
     out = tmp_path / "run"
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "config.yaml", "metrics.jsonl"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "config.yaml",
+        "metrics.jsonl",
+    ):
         assert (out / name).is_file(), name
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["optim"]["lr"] == 1e-3 and saved["train"]["seed"] == 3
@@ -229,7 +286,10 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learning_rate": 0.1})
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
-    assert "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, device," in err
+    assert (
+        "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, device,"
+        in err
+    )
 
     # A field of the first release that moved names its new place.
     assert main(["sft", "--config", config, "--train.lr", "0.1", "--seed", "3"]) == 2
@@ -238,8 +298,26 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     assert "seed: no longer a field; the seed is train.seed" in err
 
     config = write_yaml(tmp_path / "b.yaml", base_path, tmp_path)
-    assert main(["sft", "--config", config, "--train.batch_size", "6", "--train.micro_batch_size", "4",
-                 "--optim.lr", "-1", "--model.path", "", "--train.device", "tpu"]) == 2
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                config,
+                "--train.batch_size",
+                "6",
+                "--train.micro_batch_size",
+                "4",
+                "--optim.lr",
+                "-1",
+                "--model.path",
+                "",
+                "--train.device",
+                "tpu",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("proximal sft:") == 1
     assert "train.batch_size = 6 is not divisible by train.micro_batch_size = 4" in err
@@ -253,7 +331,9 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
 def test_cli_data_error_names_file_and_line_without_traceback(base, tmp_path, capsys):
     base_path, _ = base
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a=", "response": "aaa"}\n{"prompt": "b=", "response": "bbbbbbbbbbbbbbbbbbbb"}\n')
+    bad.write_text(
+        '{"prompt": "a=", "response": "aaa"}\n{"prompt": "b=", "response": "bbbbbbbbbbbbbbbbbbbb"}\n'
+    )
     config = write_yaml(tmp_path / "c.yaml", base_path, tmp_path, data={"train_file": str(bad)})
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
@@ -263,6 +343,7 @@ def test_cli_data_error_names_file_and_line_without_traceback(base, tmp_path, ca
 
 def test_every_field_is_documented(tmp_path):
     from pathlib import Path
+
     doc = (Path(__file__).parents[2] / "docs" / "sft.md").read_text()
     for name, _, _, help_ in describe(SFTConfig):
         assert help_, name

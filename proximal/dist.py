@@ -74,8 +74,11 @@ def init(device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def shutdown_and_exit(code: int) -> None:
@@ -120,15 +123,22 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 def global_sum(value: float | int | torch.Tensor, device: torch.device | str = "cpu") -> float:
     """Σ of a number over ranks, as a Python float."""
-    t = value.detach().double().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value),
-                                                                                                 dtype=torch.float64)
+    t = (
+        value.detach().double().reshape(())
+        if isinstance(value, torch.Tensor)
+        else torch.tensor(float(value), dtype=torch.float64)
+    )
     return float(all_reduce_sum(t.to(device)))
 
 
 def global_mean(values: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Mean of ``values`` (optionally weighted) over every element on every rank; NaN for no weight."""
     values = values.detach().double().flatten()
-    w = torch.ones_like(values) if weights is None else weights.detach().double().flatten().to(values.device)
+    w = (
+        torch.ones_like(values)
+        if weights is None
+        else weights.detach().double().flatten().to(values.device)
+    )
     s = all_reduce_sum(torch.stack([torch.where(w > 0, values * w, 0.0).sum(), w.sum()]))
     return (s[0] / s[1]).item() if s[1] > 0 else float("nan")
 
