@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from proximal.models.loading import score_head, unwrap
+from proximal.models.loading import accepts_logits_to_keep, backbone, score_head, unwrap
+from proximal.models.parallel import autocast
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -19,16 +20,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def backbone(model):
-    """The transformer under a task head (``model.model`` for Llama/Qwen2, ``model.transformer`` for GPT-2)."""
-    base = getattr(model, model.base_model_prefix, None)
-    return base if base is not None else model.base_model
-
-
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The scalar head applied at every position. Shape: (B, L) from (B, L) inputs."""
-    from proximal.models.parallel import autocast
-
     with autocast(model):
         inner = unwrap(model)
         hidden = backbone(inner)(
@@ -62,9 +55,6 @@ def lm_logits(
     and no slice of a larger logits tensor is kept (its backward would build and zero the whole
     tensor again). Positions count real tokens only, so left padding never shifts them.
     """
-    from proximal.models.loading import accepts_logits_to_keep
-    from proximal.models.parallel import autocast
-
     keep = accepts_logits_to_keep(model)
     extra = {"logits_to_keep": torch.arange(start, stop, device=input_ids.device)} if keep else {}
     with autocast(model):

@@ -191,6 +191,12 @@ def score_head(model) -> torch.nn.Module:
     )
 
 
+def backbone(model):
+    """The transformer under a task head (``model.model`` for Llama/Qwen2, ``model.transformer`` for GPT-2)."""
+    base = getattr(model, model.base_model_prefix, None)
+    return base if base is not None else model.base_model
+
+
 def unwrap(model):
     """The Hugging Face model under a peft wrapper (the model itself otherwise); LoRA layers live inside it."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

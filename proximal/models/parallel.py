@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from proximal.models.kernels import use_onednn_linears
-from proximal.models.loading import freeze, score_head, unwrap
+from proximal.models.loading import backbone, freeze, score_head, unwrap
 
 
 def load_dtype(precision: str, *, trained: bool) -> str:
@@ -48,8 +48,6 @@ def _is_scorer(model) -> bool:
 
 
 def _backbone(model):
-    from proximal.models.heads import backbone
-
     return backbone(unwrap(model))
 
 
