@@ -134,7 +134,7 @@ def reward_model_gold_agreement(
     from proximal.data.jsonl import read_jsonl
     from proximal.data.preferences import collate_pairs, load_preference_pairs
     from proximal.models.loading import freeze, load_tokenizer
-    from proximal.trainers.reward import load_reward_model, pair_scores
+    from proximal.models.reward import load_reward_model, pair_scores
 
     if gold is None:
         from proximal.tasks.digits import gold

@@ -29,6 +29,19 @@ PRECISION_HELP = (
 )
 
 
+#: Fields of the first release that moved to the shared sections.
+RENAMED_BATCH_FIELDS = {
+    "seed": "the seed is train.seed (the same field in every command)",
+    "train.lr": "the learning rate is optim.lr",
+    "train.weight_decay": "weight decay is optim.weight_decay",
+    "train.warmup_steps": "warm-up is optim.warmup_steps",
+    "train.max_grad_norm": "gradient clipping is optim.max_grad_norm (0 = off)",
+    "train.max_steps": "the step count is train.steps (null = train.epochs passes)",
+    "model.dtype": "use train.precision ('32-true'; 'bf16-mixed' for bfloat16 compute with float32 master "
+    "weights; 'bf16-true' for what model.dtype: bfloat16 did)",
+}
+
+
 @dataclass
 class ModelSection:
     path: str = option(

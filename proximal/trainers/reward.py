@@ -19,7 +19,6 @@ Config layout, optimiser, schedule, batching and checkpoints are the shared laye
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -31,22 +30,22 @@ from proximal.core import bradley_terry_loss
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.sampler import Sampler
 from proximal.logging import read_metrics
-from proximal.models.heads import last_token_scores
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
+from proximal.models.reward import load_reward_model, pair_scores
 from proximal.train.batches import accumulate, evaluate, plan_steps
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, open_run
 from proximal.train.sections import (
+    RENAMED_BATCH_FIELDS,
     BatchTrainSection,
     ModelSection,
     OptimSection,
     OutputSection,
     PreferenceDataSection,
 )
-from proximal.trainers.sft import RENAMED_BATCH_FIELDS
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -100,13 +99,6 @@ class RMConfig:
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
-
-
-def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(r_w, r_l)``, each (B,), from a batch built by :func:`collate_pairs` (chosen rows first)."""
-    scores = last_token_scores(model, batch["input_ids"], batch["attention_mask"]).float()
-    B = scores.shape[0] // 2
-    return scores[:B], scores[B:]
 
 
 def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
@@ -278,35 +270,6 @@ def pair_step(
         "reward_sq_sum": (r_w**2).sum() + (r_l**2).sum(),
         "pairs": torch.tensor(len(pairs)),
     }
-
-
-def load_reward_model(path: str, dtype: str, tokenizer):
-    """``(model, new_head)``: a one-label sequence classifier with ``config.pad_token_id`` set.
-
-    A checkpoint whose architecture is already ``...ForSequenceClassification`` keeps its head; any
-    other (a causal LM, e.g. the SFT model) gets a fresh zero-initialised one, so every initial score is
-    0 and the first steps cannot be dominated by a random head.
-    """
-    from transformers import AutoConfig
-
-    from proximal.models.loading import ModelLoadError, load_sequence_scorer
-
-    try:
-        architectures = AutoConfig.from_pretrained(path).architectures or []
-    except Exception as e:
-        raise ModelLoadError(f"model.path: cannot read a model config from {path!r}: {e}") from e
-    new_head = not any(a.endswith("ForSequenceClassification") for a in architectures)
-    model = load_sequence_scorer(path, role="model.path", dtype=dtype, new_head=new_head)
-    # HF's own pooling (used by anyone calling model(...).logits on the saved checkpoint) needs it.
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        warnings.warn(
-            f"the tokenizer's pad token is its EOS token ({tokenizer.eos_token!r}): score this reward "
-            "model with proximal.models.heads.last_token_scores (as proximal ppo does), not with "
-            "model(...).logits, whose pooling skips the trailing EOS",
-            stacklevel=2,
-        )
-    return model, new_head
 
 
 def cli(argv: list[str]) -> int:

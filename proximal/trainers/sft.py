@@ -31,7 +31,13 @@ from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import check_per_rank, open_run
-from proximal.train.sections import BatchTrainSection, ModelSection, OptimSection, OutputSection
+from proximal.train.sections import (
+    RENAMED_BATCH_FIELDS,
+    BatchTrainSection,
+    ModelSection,
+    OptimSection,
+    OutputSection,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -74,19 +80,6 @@ class SFTData:
                 f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)"
             )
         return e
-
-
-#: Fields of the first release that moved to the shared sections.
-RENAMED_BATCH_FIELDS = {
-    "seed": "the seed is train.seed (the same field in every command)",
-    "train.lr": "the learning rate is optim.lr",
-    "train.weight_decay": "weight decay is optim.weight_decay",
-    "train.warmup_steps": "warm-up is optim.warmup_steps",
-    "train.max_grad_norm": "gradient clipping is optim.max_grad_norm (0 = off)",
-    "train.max_steps": "the step count is train.steps (null = train.epochs passes)",
-    "model.dtype": "use train.precision ('32-true'; 'bf16-mixed' for bfloat16 compute with float32 master "
-    "weights; 'bf16-true' for what model.dtype: bfloat16 did)",
-}
 
 
 @dataclass

@@ -163,9 +163,10 @@ def rm_step_once(
     from proximal.data.chat import encode_prompt, encode_response
     from proximal.data.preferences import PreferencePair
     from proximal.models.loading import load_tokenizer
+    from proximal.models.reward import load_reward_model
     from proximal.train.batches import accumulate
     from proximal.train.optim import clip_and_step
-    from proximal.trainers.reward import load_reward_model, pair_step
+    from proximal.trainers.reward import pair_step
 
     tok = load_tokenizer(policy_path, padding_side="right")
     pairs = []
