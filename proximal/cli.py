@@ -13,6 +13,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from proximal import __version__
+from proximal.train.host import tune_allocator  # the standard library only: --help stays instant
+
 # command -> (module, function taking argv, one-line summary)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "ppo": (
@@ -58,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        from proximal import __version__
-
         print(f"proximal {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -69,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     module, func, _ = COMMANDS[name]
     _quiet_transformers()
     if "-h" not in rest and "--help" not in rest:
-        from proximal.train.host import tune_allocator
-
         tune_allocator()
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
@@ -79,7 +78,7 @@ def entry() -> None:
     """The ``proximal`` console script: :func:`main`, then exit — under torchrun through
     :func:`proximal.dist.shutdown_and_exit`, which leaves the process group cleanly."""
     code = main()
-    from proximal import dist
+    from proximal import dist  # lazy: torch, which `proximal --help` never loads
 
     if dist.is_distributed():
         dist.shutdown_and_exit(code)
@@ -89,7 +88,9 @@ def entry() -> None:
 def _quiet_transformers() -> None:
     """Our own progress bars say what is happening; the per-file loading bars of transformers are noise."""
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import (
+            logging as hf_logging,
+        )  # lazy: `proximal --help` stays instant
     except ImportError:  # pragma: no cover
         return
     hf_logging.disable_progress_bar()

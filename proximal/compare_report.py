@@ -374,9 +374,11 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
     """``plots/gold_vs_kl.png``, ``plots/gold_vs_time.png`` and ``plots/curves.png``; the file names
     written (none without matplotlib)."""
     try:
+        # lazy: matplotlib loads only when a figure is drawn
         import matplotlib
 
         matplotlib.use("Agg")
+        # lazy: matplotlib loads only when a figure is drawn
         import matplotlib.pyplot as plt
     except ImportError:
         return []

@@ -33,7 +33,15 @@ from pathlib import Path
 
 import torch
 
+from proximal import report
+from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
+from proximal.logging import read_metrics
+from proximal.methods import METHODS, config_class, input_overrides
+from proximal.methods import final_policy as final
+from proximal.tasks.digits import make_task_data
+from proximal.train.command import run_reporting
+from proximal.trainers import dpo, grpo, ppo, reward, sft
 
 #: The demo's YAML configs, shipped inside the package (so a plain ``pip install`` runs the demo).
 DEFAULT_CONFIGS = Path(__file__).resolve().parent / "configs" / "demo"
@@ -117,10 +125,6 @@ def run_demo(
     the over-optimisation summary (``overopt``), timings and the paths of the report and its plots.
     Raises ConfigError for a bad config file, DataError / ModelLoadError for bad inputs.
     """
-    from proximal import report
-    from proximal.tasks.digits import make_task_data
-    from proximal.trainers import dpo, grpo, ppo, reward, sft
-
     out = Path(out_dir)
     configs = Path(configs) if configs is not None else DEFAULT_CONFIGS
     missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()]
@@ -261,10 +265,6 @@ def stage_configs(
 
     All are loaded (and validated) together; ConfigError lists what is wrong.
     """
-    from proximal.config import ConfigError, load_config
-    from proximal.methods import METHODS, config_class, input_overrides
-    from proximal.trainers import reward, sft
-
     task = out / "task"
     shared = dict(
         sft=out / "sft",
@@ -362,14 +362,10 @@ def command_arg(value) -> str:
 
 def final_policy(run_dir: Path) -> Path:
     """The policy saved by a finished run: ``run_dir/checkpoints/<latest>/policy``."""
-    from proximal.methods import final_policy as final
-
     return final(run_dir)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    from proximal.logging import read_metrics
-
     return list(read_metrics(Path(run_dir) / "metrics.jsonl"))
 
 
@@ -407,7 +403,6 @@ def cli(argv: list[str]) -> int:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}: must be at least 1")
         torch.set_num_threads(args.threads)
-    from proximal.train.command import run_reporting
 
     code, _ = run_reporting(
         "demo", lambda: run_demo(args.out, quick=args.quick, seed=args.seed, configs=args.configs)

@@ -15,6 +15,17 @@ from pathlib import Path
 
 import torch
 
+from proximal.data.collate import pad_left
+from proximal.data.jsonl import read_jsonl
+from proximal.data.preferences import collate_pairs, load_preference_pairs
+from proximal.data.prompts import load_prompts
+from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
+from proximal.models.reward import load_reward_model, pair_scores
+from proximal.rollout.engine import row_seed
+from proximal.rollout.sampling import response_logits, sample
+from proximal.rollout.scoring import Scorer, load_reward_function
+from proximal.tasks.digits import gold as digits_gold
+
 ScoreFn = Callable[[list[str], list[str]], list[float]]
 
 
@@ -49,13 +60,6 @@ def evaluate_policy(
 
     Returns the means under ``mean`` and every response under ``rows``.
     """
-    from proximal.data.collate import pad_left
-    from proximal.data.prompts import load_prompts
-    from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
-    from proximal.rollout.engine import row_seed
-    from proximal.rollout.sampling import response_logits, sample
-    from proximal.rollout.scoring import Scorer, load_reward_function
-
     if scores is None:
         scores = {"gold": "proximal.tasks.digits:gold_score"}
     functions = {
@@ -131,13 +135,7 @@ def reward_model_gold_agreement(
 
     Pairs are loaded, batched and scored exactly as ``proximal rm`` evaluates them.
     """
-    from proximal.data.jsonl import read_jsonl
-    from proximal.data.preferences import collate_pairs, load_preference_pairs
-    from proximal.models.loading import freeze, load_tokenizer
-    from proximal.models.reward import load_reward_model, pair_scores
-
-    if gold is None:
-        from proximal.tasks.digits import gold
+    gold = gold or digits_gold
     tok = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
     rm, _ = load_reward_model(str(reward_model), "float32", tok)
     freeze(rm)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,6 @@ WANDB_MISSING = "output.wandb_project needs Weights & Biases: pip install 'proxi
 
 def missing_extras(tensorboard: bool, wandb_project: str | None) -> list[str]:
     """One message per optional logger asked for whose package is not installed (nothing is imported)."""
-    from importlib.util import find_spec
-
     return ([TENSORBOARD_MISSING] if tensorboard and find_spec("tensorboard") is None else []) + (
         [WANDB_MISSING] if wandb_project and find_spec("wandb") is None else []
     )
@@ -58,12 +57,14 @@ class MetricsLogger:
         self._wandb = None
         if tensorboard:
             try:
+                # lazy: optional logger, imported only when asked for
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError(TENSORBOARD_MISSING) from e
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb_project:
             try:
+                # lazy: optional logger, imported only when asked for
                 import wandb
             except ImportError as e:
                 raise ImportError(WANDB_MISSING) from e

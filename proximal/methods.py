@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proximal.config import ConfigError
+from proximal.trainers import dpo, grpo, ppo
+
 #: Where a method's reward comes from: the learned reward model r_ψ, a rule verifier (a reward
 #: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
 REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
@@ -48,8 +51,6 @@ METHODS: dict[str, Method] = {
 
 
 def config_class(command: str) -> type:
-    from proximal.trainers import dpo, grpo, ppo
-
     return {
         "ppo": ppo.PPOConfig,
         "dpo": dpo.DPOConfig,
@@ -59,8 +60,6 @@ def config_class(command: str) -> type:
 
 
 def trainer(command: str) -> Callable[[Any], Path]:
-    from proximal.trainers import dpo, grpo, ppo
-
     return {"ppo": ppo.train, "dpo": dpo.train, "simpo": dpo.train, "grpo": grpo.train}[command]
 
 
@@ -125,8 +124,6 @@ def budget_steps(method: Method, cfg, *, responses: int, pairs: int) -> tuple[in
     ``responses`` responses each; offline methods train on ``pairs`` preference pairs each (so every
     online method sees as many responses as every other, and every offline method as many pairs).
     A budget smaller than one step is an error naming the fields."""
-    from proximal.config import ConfigError
-
     if method.online:
         per = responses_per_step(method, cfg)
         steps, spent = responses // per, f"{responses} responses sampled"

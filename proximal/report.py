@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from proximal.logging import read_metrics
+from proximal.tasks.digits import answer
 
 GOLD = "score/proximal.tasks.digits:gold_score"
 PROXY = "score/reward_model"
@@ -154,9 +155,11 @@ COLORS = {"ppo": "tab:blue", "ppo_overopt": "tab:red"}
 
 def plot_training(r: dict, path: Path) -> None:
     """Per PPO step: proxy reward, gold score, KL to the reference and β, both runs."""
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib.pyplot as plt
 
     w = r["overopt"]["window"]
@@ -196,9 +199,11 @@ def plot_training(r: dict, path: Path) -> None:
 
 def plot_overoptimisation(r: dict, path: Path) -> None:
     """The tiny-β run: proxy and gold per step, and gold against KL for both runs (Gao et al. 2022)."""
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib.pyplot as plt
 
     w = r["overopt"]["window"]
@@ -262,9 +267,11 @@ METHOD_COLORS = {
 
 def plot_methods(r: dict, path: Path) -> None:
     """Every policy on held-out prompts: gold against KL to the SFT model, and against training time."""
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib loads only when a figure is drawn
     import matplotlib.pyplot as plt
 
     labels = _policy_labels(r)
@@ -354,8 +361,6 @@ def terminal_summary(r: dict) -> str:
 
 
 def _samples(out: Path, n: int = 8) -> list[list[str]]:
-    from proximal.tasks.digits import answer
-
     evaluation = json.loads((out / "eval.json").read_text())
     spp = evaluation["sft"]["samples_per_prompt"]
     rows = []

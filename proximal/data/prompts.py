@@ -34,6 +34,7 @@ def _records(path: str):
     p = Path(path)
     if p.is_dir():
         try:
+            # lazy: the optional `datasets` extra, only for a hub or Arrow prompt set
             import datasets
         except ImportError as e:
             raise DataError(

@@ -7,11 +7,13 @@ downloads unless the user points at a hub id on a machine that has the network.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +86,7 @@ def _merged_adapters(path: str, dtype: str):
     """A LoRA run's output (peft adapters over the base checkpoint their config names) as one plain
     model, the adapters merged into the weights: the next stage trains and exports it like any other
     checkpoint (loaded unmerged, transformers would train the adapters on top and save only them)."""
+    # lazy: peft loads only for LoRA (it takes a second to import)
     from peft import AutoPeftModelForCausalLM, PeftConfig
 
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
@@ -167,7 +170,6 @@ def _quiet_load_report(expected: bool):
     if not expected:
         yield
         return
-    from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -224,16 +226,12 @@ def check_fits(model, tokenizer, max_length: int, path: str, field: str = "model
 def accepts_logits_to_keep(model) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (compute the output layer for the last N
     positions only; every causal LM of recent ``transformers`` does)."""
-    import inspect
-
     return "logits_to_keep" in inspect.signature(type(unwrap(model)).forward).parameters
 
 
 def cache_argument(model) -> str:
     """The name of the KV-cache argument (and output field) of the model's forward: ``cache`` in
     ``transformers`` ≥ 5.2x, ``past_key_values`` before."""
-    import inspect
-
     params = inspect.signature(type(unwrap(model)).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

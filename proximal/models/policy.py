@@ -24,6 +24,7 @@ from proximal.models.parallel import load_dtype, prepare_frozen, prepare_trained
 
 def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str]):
     """LoRA without dropout: models stay in eval mode in RLHF, so dropout would never act anyway."""
+    # lazy: peft loads only for LoRA (it takes a second to import)
     from peft import LoraConfig
 
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
@@ -35,6 +36,7 @@ def lora_config(task_type: str, r: int, alpha: float, target_modules: list[str])
 def with_adapters(model, config):
     """``peft.get_peft_model``, without the FutureWarning peft's own use of a deprecated transformers
     attribute (``is_gradient_checkpointing``) prints on every run."""
+    # lazy: peft loads only for LoRA (it takes a second to import)
     from peft import get_peft_model
 
     with warnings.catch_warnings():

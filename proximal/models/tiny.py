@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 ARCHITECTURES = ("llama", "gpt2", "qwen2")
@@ -147,8 +148,6 @@ def _ids(tokenizer) -> dict:
 def _save(model, tokenizer, out: Path) -> Path:
     """``save_pretrained`` of both, without transformers' "Writing model shards" bar (a tiny model is
     written in milliseconds; the bar would only clutter a test's or the demo's output)."""
-    from transformers.utils import logging as hf_logging
-
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -16,9 +16,11 @@ import torch
 
 from proximal import dist
 from proximal.data.collate import pad_left
+from proximal.data.prompts import load_prompts
+from proximal.models.loading import load_tokenizer
 from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import Rollout, sample
-from proximal.rollout.scoring import Scorer
+from proximal.rollout.scoring import Scorer, load_reward_function
 
 
 @dataclass
@@ -47,10 +49,6 @@ def load_inputs(
     either is reported first: each ``module:function`` reward function imported
     (:func:`~proximal.rollout.scoring.load_reward_function`), and the prompts rendered and tokenised
     with the policy's tokenizer (:func:`~proximal.data.prompts.load_prompts`)."""
-    from proximal.data.prompts import load_prompts
-    from proximal.models.loading import load_tokenizer
-    from proximal.rollout.scoring import load_reward_function
-
     functions = {spec: load_reward_function(spec) for spec in reward_functions}
     prompt_set = load_prompts(
         prompts_path,

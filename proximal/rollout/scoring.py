@@ -25,6 +25,8 @@ from proximal.config import ConfigError
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.data.collate import pad_right
 from proximal.models.heads import last_token_scores
+from proximal.models.loading import load_sequence_scorer, load_tokenizer
+from proximal.models.parallel import load_dtype, prepare_frozen
 from proximal.rollout.sampling import Rollout
 
 
@@ -200,9 +202,6 @@ def build_scorer(
 ) -> Scorer:
     """The frozen reward model (if any) loaded, checked, placed and (several processes) sharded, with
     the reward functions, as one :class:`Scorer`."""
-    from proximal.models.loading import load_sequence_scorer, load_tokenizer
-    from proximal.models.parallel import load_dtype, prepare_frozen
-
     model = tokenizer = None
     if reward_model is not None:
         tokenizer = load_tokenizer(

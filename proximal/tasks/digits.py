@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from proximal.data.jsonl import write_jsonl
+from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
 
 DIGITS = "0123456789"
 SEP = "="
@@ -83,8 +84,6 @@ def build_tokenizer():
     ``AutoTokenizer``. Its chat template renders messages verbatim and ends each assistant turn
     with EOS, so ``messages``-style data means the same as ``prompt``/``response`` data.
     """
-    from proximal.models.tiny import build_char_tokenizer
-
     return build_char_tokenizer(ALPHABET, chat_template=_CHAT_TEMPLATE)
 
 
@@ -290,8 +289,6 @@ def make_task_data(
     constants and measured data statistics). Held-out prompts are never among the training prompts
     of any split. The same ``seed`` gives identical files. Returns the ``task.json`` contents.
     """
-    from proximal.models.tiny import build_tiny_causal_lm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"proximal-digits-{seed}")  # a str seed is hashed deterministically

@@ -35,8 +35,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from proximal import dist
+from proximal.models.parallel import export_pretrained
 
 MANIFEST = "manifest.json"
 
@@ -137,8 +140,6 @@ def step_name(step: int) -> str:
 
 
 def _dcp_state(trained: dict) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     out = {}
     for name, (module, optimizer) in trained.items():
         msd, osd = get_state_dict(
@@ -170,10 +171,6 @@ def save_checkpoint(
         exports: ``{name: (module, tokenizer)}`` written as Hugging Face checkpoints ``<name>/``.
         keep: how many checkpoints to keep; older ones are deleted.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from proximal.models.parallel import export_pretrained
-
     root = Path(root)
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.tmp"
@@ -297,9 +294,6 @@ def find_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
 def load_checkpoint(path: Path, *, trained: dict) -> dict:
     """Load weights and optimiser states into ``trained`` (``{name: (module, optimizer)}``, built as
     for a fresh run) and this rank's RNGs; return the trainer state saved with them."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     target = _dcp_state(trained)
     ctx = _quiet_dcp()
     try:
@@ -346,8 +340,6 @@ def export_final(run_dir: str | Path, module: torch.nn.Module, tokenizer) -> Non
 
     Written into ``run_dir/.export.tmp`` first, then each file renamed into place. Every rank calls it.
     """
-    from proximal.models.parallel import export_pretrained
-
     run_dir = Path(run_dir)
     tmp = run_dir / ".export.tmp"
     if dist.is_main():

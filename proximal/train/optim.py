@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from transformers import get_scheduler
 
 
 @dataclass
@@ -69,8 +72,6 @@ def build_scheduler(
     """``transformers.get_scheduler``: linear warm-up over ``warmup_steps`` optimiser steps, then
     ``schedule`` (constant, linear to 0, or cosine to 0) until ``total_steps``. A ``LambdaLR``, so its
     ``state_dict`` resumes exactly."""
-    from transformers import get_scheduler
-
     if schedule not in _SCHEDULERS:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(_SCHEDULERS)}")
     return get_scheduler(
@@ -163,10 +164,6 @@ def at_step(step: int):
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and every CUDA device), as ``transformers.set_seed`` does —
     without importing ``transformers.trainer_utils``, which pulls in half of the Trainer's stack."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)  # also seeds every CUDA device

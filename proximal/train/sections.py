@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from proximal.config import check_divides, option
+from proximal.core.ranges import problem
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
+from proximal.logging import missing_extras
 
 #: ``train.precision``, in PyTorch Lightning's names.
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -270,8 +273,6 @@ class OutputSection:
     )
 
     def problems(self, name: str = "output") -> list[str]:
-        from proximal.logging import missing_extras
-
         # the extras are checked here, before any model loads and before output.overwrite deletes a run
         return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(
             self.tensorboard, self.wandb_project
@@ -373,8 +374,6 @@ class PromptDataSection:
     shuffle: bool = option(True, "Shuffle prompts each pass (seeded).")
 
     def problems(self, name: str = "data") -> list[str]:
-        from pathlib import Path
-
         e = []
         if not self.prompts:
             e.append(f"{name}.prompts is required")
@@ -429,8 +428,6 @@ class RolloutSection:
     )
 
     def problems(self, name: str = "rollout") -> list[str]:
-        from proximal.core.ranges import problem
-
         e = []
         if self.batch_size < 1:
             e.append(f"{name}.batch_size = {self.batch_size} must be ≥ 1")
