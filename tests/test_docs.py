@@ -1,6 +1,8 @@
-"""The docs stay true to the code: every config field of ``sft``, ``rm`` and ``ppo`` is in its page's
-tables with its current default, every relative link between pages resolves (to a file, and to a
-heading of it when it names one), and no page cites the design document users never see.
+"""The docs stay true to the code: every command's page lists what its ``--help`` lists — each config
+field in the page's tables with its current default and no row for a field that is gone, or, for a
+command without config fields (``demo``, ``memory``), each option — every relative link between
+pages resolves (to a file, and to a heading of it when it names one), and no page cites the design
+document users never see.
 
 Defaults are written in the tables as Python values in backticks (``repr``, with ``null`` for None and
 ``true``/``false`` for booleans) — the same rendering as the table generator used for the pages —
@@ -9,24 +11,20 @@ so changing a default in the code without changing its page fails here.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
 import pytest
 
-from proximal.compare import CompareConfig
-from proximal.config import describe
-from proximal.trainers.ppo import PPOConfig
-from proximal.trainers.reward import RMConfig
-from proximal.trainers.sft import SFTConfig
+from proximal.cli import COMMANDS, main
+from proximal.train.command import EXIT_TRAINING, EXIT_USER, TRAINING_ERRORS, USER_ERRORS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = {
-    "sft": (SFTConfig, "sft.md"),
-    "rm": (RMConfig, "rm.md"),
-    "ppo": (PPOConfig, "ppo.md"),
-    "compare": (CompareConfig, "compare.md"),
-}
+#: The commands whose ``--help`` lists config fields (a command that gains them joins the checks by
+#: itself; this set only guards against a ``--help`` format the parser below no longer reads).
+CONFIG_COMMANDS = {"sft", "rm", "ppo", "grpo", "dpo", "simpo", "compare"}
 
 
 def render_default(value) -> str:
@@ -36,6 +34,33 @@ def render_default(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value)
+
+
+def table_default(shown: str) -> str:
+    """A default as ``--help`` shows it (its ``repr``) → as the tables write it."""
+    return {"None": "null", "True": "true", "False": "false"}.get(shown, shown)
+
+
+def help_text(command: str) -> str:
+    """What ``proximal COMMAND --help`` prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main([command, "--help"])
+    return out.getvalue()
+
+
+#: A config field in ``--help``: ``  --section.key (type, default REPR)``.
+FIELD = re.compile(r"^  --([\w.]+) \((.+?), default (.*)\)$", re.M)
+
+
+def help_fields(text: str) -> dict[str, str]:
+    """``{dotted name: default as the tables write it}`` for every config field of a ``--help``."""
+    return {name: table_default(default) for name, _type, default in FIELD.findall(text)}
+
+
+def help_options(text: str) -> set[str]:
+    """The ``--options`` an argparse ``--help`` names (``--help`` itself left out)."""
+    return set(re.findall(r"(?<![\w-])--[a-z][\w-]*", text)) - {"--help"}
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
@@ -48,21 +73,48 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return rows
 
 
-@pytest.mark.parametrize("command", sorted(PAGES))
-def test_every_field_is_in_its_page_with_its_current_default(command):
-    cls, page = PAGES[command]
-    rows = table_rows((DOCS / page).read_text())
-    missing, wrong_default = [], []
-    for name, _type, default, _help in describe(cls):
-        lines = rows.get(f"`{name}`")
-        if not lines:
-            missing.append(name)
-        elif not any(f"`{render_default(default)}`" in line for line in lines):
-            wrong_default.append(f"{name} (default now `{render_default(default)}`)")
-    assert not missing, f"docs/{page} has no table row for: {', '.join(missing)}"
-    assert not wrong_default, (
-        f"docs/{page}: the row does not show the current default of: {', '.join(wrong_default)}"
-    )
+def sync_problems(fields: dict[str, str], page_text: str) -> list[str]:
+    """What a page's tables get wrong about ``fields`` (``{name: default as written}``): a field with
+    no row, a row without the field's default, a row naming a field of one of the command's
+    sections that does not exist."""
+    rows = table_rows(page_text)
+    problems = [f"no table row for {name}" for name in fields if f"`{name}`" not in rows]
+    problems += [
+        f"the row of {name} does not show its current default `{default}`"
+        for name, default in fields.items()
+        if f"`{name}`" in rows and not any(f"`{default}`" in line for line in rows[f"`{name}`"])
+    ]
+    sections = {name.split(".")[0] for name in fields}
+    problems += [
+        f"a row for {cell}, which is no config field"
+        for cell in rows
+        if re.fullmatch(r"`\w+\.[\w.]+`", cell)
+        and cell.strip("`").split(".")[0] in sections
+        and cell.strip("`") not in fields
+    ]
+    return problems
+
+
+def test_every_command_has_a_page():
+    assert not [c for c in COMMANDS if not (DOCS / f"{c}.md").is_file()]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_page_lists_what_its_command_help_lists(command):
+    text = help_text(command)
+    assert text.startswith(f"usage: proximal {command}"), text[:200]
+    page = DOCS / f"{command}.md"
+    fields = help_fields(text)
+    assert bool(fields) == (command in CONFIG_COMMANDS), sorted(fields)[:5]
+    if fields:
+        problems = sync_problems(fields, page.read_text())
+        assert not problems, f"docs/{page.name} is out of step with --help: {problems}"
+    else:
+        said = page.read_text()
+        missing = sorted(
+            o for o in help_options(text) if not re.search(re.escape(o) + r"(?![\w-])", said)
+        )
+        assert not missing, f"docs/{page.name} does not mention {missing} of --help"
 
 
 def test_the_check_catches_a_changed_default():
@@ -76,6 +128,38 @@ def test_the_check_catches_a_changed_default():
         "0.0",
         "[]",
     ]
+    assert [table_default(repr(v)) for v in (None, True, "x", 0.0, [])] == [
+        render_default(v) for v in (None, True, "x", 0.0, [])
+    ]
+
+
+def test_the_check_reads_help_and_catches_each_kind_of_drift():
+    text = (
+        "config fields (set in the YAML file, or override with --section.key value):\n"
+        "  --optim.lr (float, default 1e-05)\n      Peak AdamW learning rate.\n"
+        "  --data.eval_file (str or null, default None)\n"
+        "  --optim.weights (dict[str, float], default {'a': 1.0})\n"
+    )
+    fields = help_fields(text)
+    assert fields == {"optim.lr": "1e-05", "data.eval_file": "null", "optim.weights": "{'a': 1.0}"}
+    page = (
+        "| `optim.lr` | float | `1e-05` | rate |\n"
+        "| `data.eval_file` | str | `null` | file |\n"
+        "| `optim.weights` | dict | `{'a': 1.0}` | weights |\n"
+        "| `metrics.jsonl` | file | | not a field: no section of the command |\n"
+    )
+    assert sync_problems(fields, page) == []
+    assert sync_problems(fields, page.replace("`1e-05`", "`2e-05`")) == [
+        "the row of optim.lr does not show its current default `1e-05`"
+    ]
+    assert sync_problems(fields, page.replace("`data.eval_file`", "`data.eval`")) == [
+        "no table row for data.eval_file",
+        "a row for `data.eval`, which is no config field",
+    ]
+    assert help_options("usage: x [-h] [--out OUT] [--dry-run]\n  -h, --help") == {
+        "--out",
+        "--dry-run",
+    }
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -138,8 +222,6 @@ def test_no_page_cites_the_design_document(page):
 def test_errors_page_names_every_exception_of_the_exit_code_map():
     """docs/errors.md lists every user-facing error; each exception class the one exit-code map
     turns into a status (``proximal.train.command``) is named there, with that status."""
-    from proximal.train.command import EXIT_TRAINING, EXIT_USER, TRAINING_ERRORS, USER_ERRORS
-
     text = (DOCS / "errors.md").read_text()
     missing = [
         cls.__name__ for cls in USER_ERRORS + TRAINING_ERRORS if f"`{cls.__name__}`" not in text
