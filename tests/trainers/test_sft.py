@@ -19,7 +19,6 @@ from proximal.cli import main
 from proximal.config import ConfigError, describe, load_config
 from proximal.logging import read_metrics
 from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
-from proximal.train.optim import build_scheduler
 from proximal.trainers.sft import SFTConfig, train
 
 LETTERS = "abcdefgh"
@@ -71,34 +70,6 @@ def hand_nll(model, tok, rows) -> tuple[float, int]:
                 total -= float(logp[len(p) + j - 1, target])
             count += len(y)
     return total, count
-
-
-# --------------------------------------------------------------------------------------------------
-# The loss: response tokens only
-# --------------------------------------------------------------------------------------------------
-
-
-def _lrs(peak, schedule, warmup, total):
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    sched = build_scheduler(opt, schedule=schedule, warmup_steps=warmup, total_steps=total)
-    out = []
-    for _ in range(total):
-        out.append(sched.get_last_lr()[0])  # the rate optimiser step k runs at
-        opt.step()
-        sched.step()
-    return out
-
-
-def test_lr_schedule_by_hand():
-    # transformers.get_scheduler, 0-based step k: warm-up k/w, then linear (total − k)/(total − w)
-    assert _lrs(1.0, "linear", 2, 6) == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]
-    assert _lrs(2.0, "linear", 0, 4) == [2.0, 1.5, 1.0, 0.5]
-    assert _lrs(1.0, "constant", 2, 5) == [0.0, 0.5, 1.0, 1.0, 1.0]
-    cos = _lrs(1.0, "cosine", 1, 5)  # ½(1 + cos(π·(k − 1)/4)) after one warm-up step
-    assert cos == pytest.approx(
-        [0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))],
-        abs=1e-12,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
