@@ -98,9 +98,14 @@ def _merged_adapters(path: str, dtype: str):
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
         )
-        return AutoPeftModelForCausalLM.from_pretrained(
+        model = AutoPeftModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype)
         ).merge_and_unload()
+    # peft before 0.19 leaves its adapter config on the merged model: a plain model has none, and
+    # transformers would take it for an adapter to load and save again
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model
 
 
 #: Architecture-name endings of checkpoints that are not language models.
@@ -230,8 +235,8 @@ def accepts_logits_to_keep(model) -> bool:
 
 
 def cache_argument(model) -> str:
-    """The name of the KV-cache argument (and output field) of the model's forward: ``cache`` in
-    ``transformers`` ≥ 5.2x, ``past_key_values`` before."""
+    """The name of the KV-cache argument (and output field) of the model's forward: ``cache`` from
+    ``transformers`` 5.24, ``past_key_values`` before."""
     params = inspect.signature(type(unwrap(model)).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
