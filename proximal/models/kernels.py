@@ -19,10 +19,16 @@ when all of these hold, and is ``torch.nn.functional.linear`` otherwise:
 - the product is big enough for oneDNN to pay: below about 2²¹ multiply-adds (one row of a decode
   step, LoRA's rank-r factors) its per-call set-up costs more than MKL's (measured: a 1 × 256 ·
   256 × 1024 product takes 28 µs in oneDNN, 22 µs in MKL);
-- it is switched on: by default on x86-64 CPUs with AVX-512 that are not Intel's (where MKL's AVX2
-  path is what was measured to lose half the speed; on Intel CPUs MKL runs AVX-512 itself, and on
-  ARM — Apple's laptops — torch's BLAS is the platform's own), or with ``PROXIMAL_CPU_MATMUL=onednn``
-  anywhere; ``PROXIMAL_CPU_MATMUL=blas`` switches it off (read at each call).
+- the process's backend is "onednn" (:func:`configure`, once, before models are prepared:
+  ``train.cpu_matmul`` through :func:`proximal.train.run.open_run`). "auto" takes it on x86-64 CPUs
+  with AVX-512 that are not Intel's (where MKL's AVX2 path is what was measured to lose half the
+  speed; on Intel CPUs MKL runs AVX-512 itself, and on ARM — Apple's laptops — torch's BLAS is the
+  platform's own); ``PROXIMAL_CPU_MATMUL`` (onednn, blas, auto) overrides the choice.
+
+The oneDNN operators are torch internals (``torch.ops.mkldnn._linear_pointwise`` and, for the
+weights packed for decoding, ``_reorder_linear_weight``): :func:`configure` looks each one up and
+tries it on a small product whose result is exact, so a torch release that renamed or changed one
+gives the public path (``F.linear``, or unpacked weights) and a reason, never a failing run.
 
 Parameters, state dicts and checkpoints are untouched: only the modules' ``forward`` changes.
 """
@@ -39,54 +45,132 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from proximal.config import ConfigError
+
 #: Products smaller than this many multiply-adds stay with torch's BLAS (see the module docstring).
 MIN_MACS = 1 << 21
 
+#: ``train.cpu_matmul`` and ``PROXIMAL_CPU_MATMUL``: the CPU's default, oneDNN, or torch's BLAS.
+CHOICES = ("auto", "onednn", "blas")
+#: The environment variable that overrides ``train.cpu_matmul``.
+ENV = "PROXIMAL_CPU_MATMUL"
 
-def _onednn_op():
-    ops = getattr(torch.ops, "mkldnn", None)
+
+def _mkldnn_op(name: str):
+    """``torch.ops.mkldnn.<name>.default``, or None where this torch has no such operator (a build
+    without oneDNN, or a release that renamed it)."""
     try:
-        op = ops._linear_pointwise.default if ops is not None else None
+        op = getattr(torch.ops.mkldnn, name).default
     except (AttributeError, RuntimeError):
-        op = None
-    return op if op is not None and torch.backends.mkldnn.is_available() else None
+        return None
+    return op if torch.backends.mkldnn.is_available() else None
 
 
-_OP = _onednn_op()
+# Looked up again, and tried, by configure(); found here so that a module that never configures
+# (and the tests' skip conditions) see what this torch has.
+_OP = _mkldnn_op("_linear_pointwise")  # (x, W, b, "none", [], "") -> x·Wᵀ + b
+_REORDER = _mkldnn_op("_reorder_linear_weight")  # (W, rows) -> W in oneDNN's blocked layout
+
+#: The backend of this process's float32 CPU products and why: set by :func:`configure`; None until
+#: then (the first product configures "auto").
+_BACKEND: tuple[str, str] | None = None
 
 
-def default_on(machine: str, cpuinfo: str) -> bool:
-    """Whether oneDNN is the default for float32 products on this CPU: x86-64, AVX-512 (``avx512f``)
-    and a vendor other than Intel, from ``platform.machine()`` and ``/proc/cpuinfo``'s text."""
+def cpu_default(machine: str, cpuinfo: str) -> tuple[str, str]:
+    """``("onednn" | "blas", why)``: "auto"'s choice from ``platform.machine()`` and
+    ``/proc/cpuinfo``'s text — oneDNN on x86-64 with AVX-512 (``avx512f``) from a vendor other than
+    Intel, torch's BLAS elsewhere."""
     if machine.lower() not in ("x86_64", "amd64"):
-        return False
+        return "blas", f"a {machine} CPU, not x86-64 (nothing measured to gain there)"
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.M)
     flags = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
-    return (
-        vendor is not None
-        and vendor.group(1) != "GenuineIntel"
-        and flags is not None
-        and "avx512f" in flags.group(1).split()
-    )
+    if vendor is None or flags is None:
+        return "blas", "no /proc/cpuinfo to tell the CPU by"
+    if vendor.group(1) == "GenuineIntel":
+        return "blas", "an Intel CPU, where MKL runs AVX-512 itself"
+    if "avx512f" not in flags.group(1).split():
+        return "blas", f"{vendor.group(1)} CPU without AVX-512"
+    return "onednn", f"{vendor.group(1)} CPU with AVX-512, where MKL takes its AVX2 path"
 
 
 def _read_cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()
-    except OSError:  # not Linux: only PROXIMAL_CPU_MATMUL=onednn turns it on
+    except OSError:  # not Linux: "auto" is torch's BLAS
         return ""
 
 
-_DEFAULT_ON = default_on(platform.machine(), _read_cpuinfo())
+def _op_problems() -> tuple[str | None, str | None]:
+    """Why the oneDNN product cannot be used, and why weights cannot be packed for it (None: they
+    can): each operator looked up and tried on a 3 × 4 · 4 × 5 product of small integers, exact in
+    float32, against torch's own."""
+    global _OP, _REORDER
+    _OP, _REORDER = _mkldnn_op("_linear_pointwise"), _mkldnn_op("_reorder_linear_weight")
+    x = torch.arange(12.0).reshape(3, 4) - 5
+    w = torch.arange(20.0).reshape(5, 4) % 7 - 3
+    b = torch.arange(5.0)
+    want = torch.nn.functional.linear(x, w, b)
+
+    def problem(name: str, op, compute) -> str | None:
+        if op is None:
+            return f"this torch has no torch.ops.mkldnn.{name} (or no oneDNN)"
+        try:
+            got = compute()
+        except Exception as e:  # an internal operator may change in any torch release
+            return f"torch.ops.mkldnn.{name} failed on a test product ({type(e).__name__}: {e})"
+        if not (isinstance(got, Tensor) and got.shape == want.shape and torch.equal(got, want)):
+            return f"torch.ops.mkldnn.{name} gave a wrong test product"
+        return None
+
+    linear = problem("_linear_pointwise", _OP, lambda: _OP(x, w, b, "none", [], ""))
+    if linear is not None:
+        return linear, "no oneDNN product"
+    return None, problem(
+        "_reorder_linear_weight", _REORDER, lambda: _OP(x, _REORDER(w, 3), b, "none", [], "")
+    )
+
+
+def configure(choice: str = "auto") -> tuple[str, str]:
+    """Set this process's backend for float32 CPU products from ``choice`` (``train.cpu_matmul``:
+    auto, onednn or blas), unless ``PROXIMAL_CPU_MATMUL`` overrides it; return ``(backend, why)``,
+    backend "onednn" or "blas". oneDNN asked for where its operator is missing or wrong is "blas",
+    and a missing or wrong reorder operator leaves the weights unpacked; ``why`` says so.
+    ConfigError for a value outside :data:`CHOICES`."""
+    global _BACKEND, _REORDER
+    if choice not in CHOICES:
+        raise ConfigError(f"train.cpu_matmul = {choice!r} is not one of {', '.join(CHOICES)}")
+    source = f"train.cpu_matmul = {choice}"
+    env = os.environ.get(ENV, "").strip().lower()
+    if env:
+        if env not in CHOICES:
+            raise ConfigError(f"{ENV}={env!r} is not one of {', '.join(CHOICES)}")
+        if env != choice:
+            choice, source = env, f"{ENV}={env} overrides train.cpu_matmul = {choice}"
+    if choice == "auto":
+        backend, why = cpu_default(platform.machine(), _read_cpuinfo())
+        why = f"{source}: {why}"
+    else:
+        backend, why = choice, source
+    if backend == "onednn":
+        linear, packing = _op_problems()
+        if linear is not None:
+            backend, why = "blas", f"{why}; but {linear}: torch's F.linear instead"
+        elif packing is not None:
+            _REORDER = None  # packed_weights packs nothing: each product reorders its weight
+            why = f"{why}; decode weights are not packed ({packing})"
+    _BACKEND = backend, why
+    return _BACKEND
+
+
+def backend() -> tuple[str, str]:
+    """``(backend, why)`` of this process: :func:`configure`'s, or "auto"'s when nothing configured it."""
+    return _BACKEND if _BACKEND is not None else configure()
 
 
 def enabled() -> bool:
-    """``PROXIMAL_CPU_MATMUL``: ``onednn`` on, ``blas`` off, unset the CPU's default (:func:`default_on`)."""
-    choice = os.environ.get("PROXIMAL_CPU_MATMUL")
-    if choice is None or choice == "":
-        return _DEFAULT_ON
-    return choice.lower() != "blas"
+    """Whether float32 CPU products go through oneDNN (:func:`backend` is "onednn")."""
+    return backend()[0] == "onednn"
 
 
 def _mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -185,9 +269,12 @@ def _pack(weights: list[Tensor], biases: list[Tensor | None], dtype: torch.dtype
     """(W, b): the weights stacked, cast to ``dtype`` and reordered for oneDNN at ``rows`` rows; the
     biases stacked and cast too, or None."""
     with torch.no_grad():
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).to(dtype), rows)
+        w = _REORDER(torch.cat(weights).to(dtype), rows)
         return w, None if biases[0] is None else torch.cat(biases).to(dtype)
 
+
+#: The dtypes :func:`packed_weights` packs in: float32, and bfloat16 under CPU autocast to it.
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 #: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
 MAX_PACKED_BYTES = 2 << 30
@@ -212,11 +299,12 @@ def packed_weights(model: torch.nn.Module, rows: int):
     bfloat16 buffers).
 
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
-    oneDNN, it is switched off (:func:`enabled`), autocast is to another dtype, or the copies would
-    exceed :data:`MAX_PACKED_BYTES` (they are held for the duration)."""
+    working oneDNN product or reorder operator (:func:`configure` tried them), the backend is
+    "blas" (:func:`enabled`), autocast is to another dtype, or the copies would exceed
+    :data:`MAX_PACKED_BYTES` (they are held for the duration)."""
     dtype = autocast_dtype() or torch.float32
     modules = []
-    if _OP is not None and enabled() and dtype in (torch.float32, torch.bfloat16):
+    if enabled() and _OP is not None and _REORDER is not None and dtype in PACKED_DTYPES:
         for m in model.modules():
             w = getattr(m, "weight", None)
             if (
@@ -269,8 +357,9 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 def use_onednn_linears(model: torch.nn.Module) -> int:
     """Route each ``nn.Linear`` of ``model`` (peft's LoRA layers' base and adapter linears included)
-    through :func:`linear`; returns how many. A no-op (0) where torch has no oneDNN. Idempotent."""
-    if _OP is None:
+    through :func:`linear`; returns how many. A no-op (0) where the backend is "blas" (configure it
+    first: :func:`configure`, else "auto" is taken here) or torch has no oneDNN product. Idempotent."""
+    if not enabled() or _OP is None:
         return 0
     n = 0
     for module in model.modules():

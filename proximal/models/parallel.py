@@ -19,6 +19,15 @@ import contextlib
 from functools import partial
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as wrap_blocks,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from proximal.models.kernels import use_onednn_linears
 from proximal.models.loading import backbone, freeze, score_head, unwrap
@@ -58,20 +67,12 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     models in eval mode (no dropout: the rollout and the update must see one policy), so the blocks
     are wrapped instead. The wrapper's state-dict hooks keep every parameter name unchanged.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as apply,
-    )
-
     blocks = set(map(id, block_modules(model)))
     if not blocks:
         raise ValueError(
             f"{type(unwrap(model)).__name__}: no transformer blocks found for activation checkpointing"
         )
-    apply(
+    wrap_blocks(
         model,
         checkpoint_wrapper_fn=partial(
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
@@ -84,8 +85,6 @@ def shard(
     model: torch.nn.Module, *, mixed_precision: bool = False, trained: bool = True
 ) -> torch.nn.Module:
     """FSDP2 over the default device mesh: each block, then (scorers) backbone and head, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     kwargs = {}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -103,8 +102,6 @@ def shard(
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
@@ -178,8 +175,6 @@ def gathered(model: torch.nn.Module):
     and stop at their own lengths; every rank must enter and leave together (the gather and the
     reshard are collectives). A no-op for an unsharded model.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in units:
         m.set_reshard_after_forward(False)
@@ -199,8 +194,6 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     if not is_sharded(model):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

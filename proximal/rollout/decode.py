@@ -20,19 +20,27 @@ suite holds both paths to the same tokens and to logits within 2e-5; under bfloa
 logits are bit for bit those of the model's own cached decode), and a step of the tiny
 benchmark's 48-token decode costs about a quarter less (``benchmarks/README.md``).
 
-:func:`unsupported` says why a model is not taken (then the model's own forward decodes): another
-architecture (its forward may do things this one does not — Gemma scales its embeddings, GPT-2
-has absolute positions), an attention implementation other than "sdpa" and "eager" (flash
-attention takes its masks in another form) or attention dropout in train mode; and
-:meth:`LeanDecoder.start` declines a sliding attention window narrower than the prompt and
-response together, or a prompt cache in another format.
+**It leans on transformers' internals**, which any release may rename or change: the decoder
+layers' parts (``self_attn.q_proj`` … ``mlp.down_proj``, ``head_dim``, the norms), the modeling
+module's ``apply_rotary_pos_emb``, ``ALL_ATTENTION_FUNCTIONS`` and ``eager_attention_forward``,
+the mask form each attention function takes, ``DynamicCache.layers[i].keys`` (which it empties).
+So :func:`unsupported`, run once when an engine is built (never per token), accepts a model only
+when it is one of :data:`SUPPORTED` — the architectures whose forward is known to be the lean
+step's arithmetic, which no attribute check can tell — *and* every part is there, *and* each
+function called on a small input answers as the lean step expects (the attention against one
+computed here, with a padded position in the mask's form). Anything else is a sentence saying
+why, and the engine decodes with the model's own forward. Per rollout, :func:`declined` checks what
+can change in between: attention dropout in train mode, a sliding attention window narrower than
+prompt and response, a prompt cache in another format.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
+import transformers
 
 from proximal.models import kernels
 from proximal.models.loading import unwrap  # the transformers model under peft's wrapper
@@ -41,12 +49,27 @@ from proximal.models.loading import unwrap  # the transformers model under peft'
 #: embedding, then per layer ``h += attention(norm(h))`` and ``h += mlp(norm(h))``, a final norm
 #: and the output layer.
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
+#: The supported architectures whose attention normalises each head's query and key before the
+#: rotation (``q_norm``, ``k_norm``): without them the step would silently skip it.
+HEAD_NORMS = ("Qwen3ForCausalLM",)
 
 #: The attention implementations the lean step calls (the model's own attention function for each, from
 #: its modeling module's ``ALL_ATTENTION_FUNCTIONS``), and the form of the padding mask each takes:
 #: True = attend for "sdpa"; for "eager" 0 or the dtype's lowest value, added to the scores.
 MASKS = {"sdpa": "bool", "eager": "additive"}
+
+#: What the step uses of the causal LM, of its inner model, of each decoder layer, of a layer's
+#: attention and MLP, and of the modeling module (``transformers.models.<arch>.modeling_<arch>``).
+MODEL_PARTS = ("model", "lm_head", "config")
+INNER_PARTS = ("embed_tokens", "rotary_emb", "norm", "layers")
+LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+MODULE_PARTS = ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")
+
+
+class Unsupported(Exception):
+    """The lean step cannot decode a model; the message says why (a sentence)."""
 
 
 def _architecture(model: torch.nn.Module) -> str | None:
@@ -65,12 +88,44 @@ def _layers(base: torch.nn.Module) -> list[torch.nn.Module]:
     return [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in base.model.layers]
 
 
-def unsupported(model: torch.nn.Module) -> str | None:
-    """Why :class:`LeanDecoder` cannot decode ``model`` (a sentence), or None when it can."""
-    base = unwrap(model)
-    name = _architecture(base)
-    if name is None:
-        return f"{type(base).__name__} is not one of {', '.join(SUPPORTED)}"
+def _require(obj, names: tuple[str, ...], owner: str) -> None:
+    for name in names:
+        if not hasattr(obj, name):
+            raise Unsupported(f"{owner} has no {name}")
+
+
+def _check_parts(base: torch.nn.Module, name: str) -> None:
+    """Every attribute the step reads, on the model and on each layer (Unsupported naming the first missing)."""
+    _require(base, MODEL_PARTS, name)
+    _require(base.model, INNER_PARTS, f"{name}.model")
+    if not isinstance(getattr(base.model.embed_tokens, "weight", None), torch.Tensor):
+        raise Unsupported(f"{name}.model.embed_tokens has no weight")
+    layers = _layers(base)
+    if not layers:
+        raise Unsupported(f"{name}.model.layers is empty")
+    for i, layer in enumerate(layers):
+        _require(layer, LAYER_PARTS, f"layer {i}")
+        a = layer.self_attn
+        _require(a, ATTENTION_PARTS, f"layer {i}'s self_attn")
+        if not isinstance(a.head_dim, int) or a.head_dim < 1:
+            raise Unsupported(f"layer {i}'s self_attn.head_dim is {a.head_dim!r}, not a size")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            out = getattr(getattr(a, proj), "out_features", None)
+            if not isinstance(out, int) or out % a.head_dim:
+                raise Unsupported(
+                    f"layer {i}'s self_attn.{proj}.out_features ({out!r}) is not a number of "
+                    f"heads of head_dim {a.head_dim}"
+                )
+        if hasattr(a, "q_norm") != hasattr(a, "k_norm"):
+            raise Unsupported(f"layer {i}'s self_attn has only one of q_norm and k_norm")
+        if name in HEAD_NORMS and not hasattr(a, "q_norm"):
+            raise Unsupported(f"layer {i}'s self_attn has no q_norm ({name} normalises q and k)")
+        _require(layer.mlp, MLP_PARTS, f"layer {i}'s mlp")
+
+
+def _mode(base: torch.nn.Module) -> str | None:
+    """What can change between rollouts and rules the step out: the attention implementation, and
+    attention dropout in train mode."""
     config = base.config
     impl = getattr(config, "_attn_implementation", None)
     if impl not in MASKS:
@@ -79,6 +134,158 @@ def unsupported(model: torch.nn.Module) -> str | None:
         layer.self_attn.training for layer in _layers(base)
     ):
         return "attention dropout in train mode"
+    return None
+
+
+def _functions(base: torch.nn.Module) -> tuple[Callable, Callable]:
+    """The model's own ``apply_rotary_pos_emb`` and attention function (the one its config names),
+    from the module its attention class is defined in."""
+    where = type(_layers(base)[0].self_attn).__module__
+    module = sys.modules.get(where)
+    if module is None:
+        raise Unsupported(f"the attention's module {where} is not loaded")
+    _require(module, MODULE_PARTS, where)
+    impl = base.config._attn_implementation
+    try:
+        attend = module.ALL_ATTENTION_FUNCTIONS.get_interface(impl, module.eager_attention_forward)
+    except Exception as e:  # a changed registry: any exception means "not this way"
+        raise Unsupported(
+            f"{where}.ALL_ATTENTION_FUNCTIONS gives no {impl!r} function ({type(e).__name__}: {e})"
+        ) from None
+    if not callable(attend) or not callable(module.apply_rotary_pos_emb):
+        raise Unsupported(f"{where}'s rotary or {impl!r} attention function is not callable")
+    return module.apply_rotary_pos_emb, attend
+
+
+def _mask_form(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """The padding mask (B, 1, 1, L), True = attend, in the form ``impl``'s attention function takes:
+    itself for "sdpa"; for "eager" the model's own eager mask, 0 or the lowest value of ``dtype`` (the
+    hidden states'), added to the scores."""
+    if MASKS[impl] == "bool":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )
+
+
+def cache_problem(cache, rows: int, prompt: int, layers: int) -> str | None:
+    """Why ``cache`` is not the prompt's cache the step continues from (per layer ``keys`` and
+    ``values`` tensors of shape (``rows``, H_kv, ``prompt``, D), one per layer), or None."""
+    held = getattr(cache, "layers", None)
+    if held is None:
+        return f"the prompt's cache ({type(cache).__name__}) has no layers"
+    if len(held) != layers:
+        return f"the prompt's cache has {len(held)} layers for the model's {layers}"
+    for i, layer in enumerate(held):
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return f"the prompt's cache's layer {i} ({type(layer).__name__}) has no keys and values"
+        if not (k.dim() == 4 and k.shape[0] == rows and k.shape[2] == prompt):
+            return (
+                f"the prompt's cache holds keys of shape {tuple(k.shape)}, not ({rows}, heads, "
+                f"{prompt}, head_dim)"
+            )
+        if v.shape[:3] != k.shape[:3]:
+            return (
+                f"the prompt's cache holds values of shape {tuple(v.shape)}, keys {tuple(k.shape)}"
+            )
+    return None
+
+
+@torch.no_grad()
+def _probe(base: torch.nn.Module, rotate: Callable, attend: Callable) -> None:
+    """Call what the step calls, as it calls it, on two rows of a few positions, and check the answers:
+    the rotary embedding and ``apply_rotary_pos_emb`` keep the shapes the step reshapes; the
+    attention function, with one position padded in the mask's form, gives the attention computed
+    here in float64 in the (B, 1, H, D) layout the step reshapes; a ``DynamicCache`` fed one
+    layer at a time holds ``layers[i].keys`` and ``.values`` as :func:`cache_problem` expects, and
+    lets them go. A release that changed a signature, the mask convention or a layout is caught
+    here, not only one that renamed something."""
+    inner, a = base.model, _layers(base)[0].self_attn
+    weight = inner.embed_tokens.weight
+    device, dtype = weight.device, weight.dtype
+    D = a.head_dim
+    H, H_kv = a.q_proj.out_features // D, a.k_proj.out_features // D
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    def failed(what: str, e: Exception) -> Unsupported:
+        return Unsupported(f"{what} failed on a test input ({type(e).__name__}: {e})")
+
+    q, k, v = randn(2, H, 1, D), randn(2, H_kv, 3, D), randn(2, H_kv, 3, D)
+    try:
+        h = torch.zeros(2, 1, weight.shape[1], device=device, dtype=dtype)
+        cos, sin = inner.rotary_emb(h, torch.tensor([[0], [5]], device=device))
+        q_rot, k_rot = rotate(q, k[:, :, :1], cos, sin)
+    except Exception as e:  # whatever a changed function raises, the model's own forward decodes
+        raise failed("the rotary embedding (rotary_emb, apply_rotary_pos_emb)", e) from None
+    if q_rot.shape != q.shape or k_rot.shape != (2, H_kv, 1, D):
+        raise Unsupported(
+            f"apply_rotary_pos_emb turned q {tuple(q.shape)} and k {(2, H_kv, 1, D)} into "
+            f"{tuple(q_rot.shape)} and {tuple(k_rot.shape)}"
+        )
+
+    impl = base.config._attn_implementation
+    mask = torch.ones(2, 1, 1, 3, dtype=torch.bool, device=device)
+    mask[1, ..., 0] = False  # row 1's first position is padding
+    try:
+        out, _ = attend(a, q, k, v, _mask_form(mask, impl, dtype), dropout=0.0, scaling=a.scaling)
+    except Exception as e:
+        raise failed(f"the {impl!r} attention function", e) from None
+    n_rep = H // H_kv  # query head j reads key/value head j // n_rep (transformers' repeat_kv)
+    k64, v64 = (t.double().repeat_interleave(n_rep, dim=1) for t in (k, v))
+    scores = (q.double() @ k64.transpose(2, 3) * a.scaling).masked_fill(~mask, -torch.inf)
+    want = (scores.softmax(-1) @ v64).transpose(1, 2)  # (2, 1, H, D)
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    if not (
+        isinstance(out, torch.Tensor)
+        and out.shape == want.shape
+        and torch.allclose(out.double(), want, rtol=0, atol=tol)
+    ):
+        raise Unsupported(
+            f"the {impl!r} attention function does not attend as expected with the padding mask "
+            f"in {MASKS[impl]} form (its output {tuple(getattr(out, 'shape', ()))}, expected "
+            f"{tuple(want.shape)})"
+        )
+
+    layers = len(_layers(base))
+    cache_class = getattr(transformers, "DynamicCache", None)
+    if cache_class is None:
+        raise Unsupported("transformers has no DynamicCache")
+    try:
+        cache = cache_class(config=base.config)
+        for i in range(layers):
+            cache.update(k[:1, :, :2], v[:1, :, :2], i)
+        problem = cache_problem(cache, 1, 2, layers)
+        if problem is None:
+            cache.layers[0].keys = cache.layers[0].values = None  # what start() does
+    except Exception as e:
+        raise failed("a DynamicCache", e) from None
+    if problem is not None:
+        raise Unsupported(problem.replace("the prompt's cache", "a DynamicCache"))
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanDecoder` cannot decode ``model`` (a sentence), or None when it can: another
+    architecture (its forward may do things the step does not — Gemma scales its embeddings, GPT-2
+    has absolute positions), a part or function the step uses that is missing or answers otherwise
+    (the module docstring), an attention implementation other than "sdpa" and "eager" (flash
+    attention takes its masks in another form), attention dropout in train mode. Called once per
+    engine: it runs the model's rotary embedding and attention function on a few numbers."""
+    base = unwrap(model)
+    name = _architecture(base)
+    if name is None:
+        return f"{type(base).__name__} is not one of {', '.join(SUPPORTED)}"
+    try:
+        _check_parts(base, name)
+        reason = _mode(base)
+        if reason is not None:
+            return reason
+        _probe(base, *_functions(base))
+    except Unsupported as e:
+        return str(e)
     return None
 
 
@@ -91,6 +298,25 @@ def _window(base: torch.nn.Module) -> int | None:
     return min(windows) if windows else None
 
 
+def declined(
+    model: torch.nn.Module, cache, prompt_mask: torch.Tensor, new_tokens: int
+) -> str | None:
+    """Why this rollout's decode steps cannot go the lean way, for a model :func:`unsupported`
+    accepted (a sentence), or None: what may have changed since (attention dropout in train mode,
+    the attention implementation), a sliding attention window narrower than the prompt's P and
+    ``new_tokens`` positions (a wider one never acts, so it is full attention), or a prompt cache
+    not in the form :func:`cache_problem` expects. Cheap: once per rollout."""
+    base = unwrap(model)
+    reason = _mode(base)
+    if reason is not None:
+        return reason
+    B, P = prompt_mask.shape
+    window = _window(base)
+    if window is not None and P + new_tokens > window:
+        return f"a sliding attention window ({window} positions) narrower than prompt and response"
+    return cache_problem(cache, B, P, len(_layers(base)))
+
+
 class LeanDecoder:
     """Decode steps after the prompt's forward: ``step(tokens, positions)`` → the next logits.
 
@@ -98,34 +324,25 @@ class LeanDecoder:
     (B, P) padding mask and the number of tokens to come. Call it inside the same context as the
     prompt's forward (no gradients, gathered weights, autocast)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        mask: torch.Tensor,
-        length: int,
-    ):
+    def __init__(self, model: torch.nn.Module, mask: torch.Tensor, length: int):
+        """Everything but the keys and values (:meth:`start` moves them in after): the model's parts
+        and functions, the (B, P + T) padding ``mask`` (True = attend) in the attention's form,
+        the stacked weights; ``length`` positions filled."""
         base = unwrap(model)
         self.base, self.inner, self.layers = base, base.model, _layers(base)
-        module = sys.modules[type(self.layers[0].self_attn).__module__]
-        self.rotate = module.apply_rotary_pos_emb  # the model's own rotary arithmetic
-        impl = base.config._attn_implementation  # and its own attention function
-        self.attend = module.ALL_ATTENTION_FUNCTIONS.get_interface(
-            impl, module.eager_attention_forward
-        )
-        self.keys, self.values = keys, values  # per layer (B, H_kv, P + T, D)
+        self.rotate, self.attend = _functions(
+            base
+        )  # the model's own rotary arithmetic and attention
+        self.keys: list[torch.Tensor] = []  # per layer (B, H_kv, P + T, D), from start()
+        self.values: list[torch.Tensor] = []
         self.length = length  # filled positions
-        # The padding mask (B, P + T), True = attend, in the form the attention function takes, (B, 1, 1, P + T):
-        # for "eager" as the model's own eager mask, 0 or the lowest value of the hidden states' dtype, added.
-        self.attn_mask = mask[:, None, None, :]
-        if MASKS[impl] == "additive":
-            dtype = (
-                self.inner.embed_tokens.weight.dtype
-            )  # the hidden states' dtype (no autocast on embeddings)
-            self.attn_mask = torch.zeros(
-                self.attn_mask.shape, dtype=dtype, device=mask.device
-            ).masked_fill_(~self.attn_mask, torch.finfo(dtype).min)
+        # The padding mask (B, 1, 1, P + T); for "eager" in the hidden states' dtype (no autocast on
+        # embeddings).
+        self.attn_mask = _mask_form(
+            mask[:, None, None, :],
+            base.config._attn_implementation,
+            self.inner.embed_tokens.weight.dtype,
+        )
         # On CPU inside kernels.packed_weights (float32, or bfloat16 under autocast): one product for a
         # layer's q, k, v projections (with each one's number of heads, to split its output) and one for
         # its gate and up projections; else None.
@@ -143,49 +360,31 @@ class LeanDecoder:
     def start(
         cls, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, new_tokens: int
     ) -> LeanDecoder | None:
-        """A decoder continuing from ``cache``, or None if the cache is not the expected one (per
-        layer ``keys`` and ``values`` of shape (B, H_kv, P, D)) or a sliding attention window is
-        narrower than the P + ``new_tokens`` positions (a wider one never acts, so it is full attention).
-        ``cache`` is emptied when a decoder is returned (its tensors moved into the decoder's buffers)."""
-        layers = getattr(cache, "layers", None)
+        """A decoder continuing from ``cache``, or None where :func:`declined` gives a reason (the
+        cache is then untouched). ``cache`` is emptied when a decoder is returned (its tensors moved
+        into the decoder's buffers)."""
+        if declined(model, cache, prompt_mask, new_tokens) is not None:
+            return None
         B, P = prompt_mask.shape
-        base = unwrap(model)
-        window = _window(base)
-        if (
-            window is not None and P + new_tokens > window
-        ):  # a window narrower than the sequence acts
-            return None
-        if layers is None or len(layers) != len(_layers(base)):
-            return None
-        for layer in layers:
-            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not (
-                isinstance(k, torch.Tensor)
-                and isinstance(v, torch.Tensor)
-                and k.dim() == 4
-                and k.shape[0] == B
-                and k.shape[2] == P
-                and v.shape[:3] == k.shape[:3]
-            ):
-                return None
+        mask = torch.ones(B, P + new_tokens, dtype=torch.bool, device=prompt_mask.device)
+        mask[:, :P] = prompt_mask.bool()
+        decoder = cls(model, mask, P)  # every look-up before the cache is touched
         # Layer by layer, the prompt's keys and values move into buffers for all P + T positions and
         # leave the prompt's cache (the caller's, emptied here), so the two are never held in full together.
         # Under autocast the buffers hold its dtype: both attention functions ("eager"'s matmuls, "sdpa")
         # are autocast operators, which cast the whole cache to it at every step otherwise — once per
         # position instead, the same rounding.
+        layers = cache.layers
         dtype = kernels.autocast_dtype(layers[0].keys.device.type)
-        keys, values = [], []
         for layer in layers:
-            for src, dst in ((layer.keys, keys), (layer.values, values)):
+            for src, dst in ((layer.keys, decoder.keys), (layer.values, decoder.values)):
                 buf = src.new_empty(
                     B, src.shape[1], P + new_tokens, src.shape[3], dtype=dtype or src.dtype
                 )
                 buf[:, :, :P] = src
                 dst.append(buf)
             layer.keys = layer.values = None
-        mask = torch.ones(B, P + new_tokens, dtype=torch.bool, device=prompt_mask.device)
-        mask[:, :P] = prompt_mask.bool()
-        return cls(model, keys, values, mask, P)
+        return decoder
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of the next token after feeding ``tokens`` (B,) at ``positions`` (B, 1)."""

@@ -5,8 +5,12 @@ with left-padded prompts, one seed per row and :class:`SamplingParams`, and get 
 nothing else in the algorithm knows how. :class:`HFEngine` decodes with the Hugging Face model's
 KV cache: the prompt through the model's own forward, then each token through the model's forward
 or, for the Llama family, :class:`~proximal.rollout.decode.LeanDecoder` (the same modules with
-less per-token work around them; the same tokens). A serving engine (vLLM, SGLang) fits behind the same two methods: it
-generates from its own copy of the weights and refreshes that copy in :meth:`after_update`.
+less per-token work around them; the same tokens). Which of the two is decided when the engine is
+built — the lean step's every dependency on transformers' internals checked then — and said by
+:meth:`HFEngine.decode_path`; a rollout the lean step declines or fails in goes on with the model's
+own forward, with one line saying why, never an error. A serving engine (vLLM, SGLang) fits
+behind the same two methods: it generates from its own copy of the weights and refreshes that copy
+in :meth:`after_update`.
 
 **Sampling does not depend on how the batch is laid out.** Row b draws its tokens with its own
 generator seeded by ``seeds[b]`` — the trainers derive it from (run seed, step, position in the
@@ -32,7 +36,7 @@ from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
 from proximal.models.loading import accepts_logits_to_keep, cache_argument
 from proximal.models.parallel import autocast, gathered, is_sharded
-from proximal.rollout.decode import LeanDecoder, unsupported
+from proximal.rollout.decode import LeanDecoder, declined, unsupported
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,9 @@ class HFEngine:
         self.lean_decode = lean_decode
         self._keep_last = accepts_logits_to_keep(model)
         self._cache_kw = cache_argument(model)
+        # Once, before any rollout (never per token): whether the lean step can decode this model.
+        self._lean_reason = self._why_not_lean()
+        self._said: set[str] = set()  # reasons a rollout fell back, each printed once
 
     @torch.no_grad()
     def generate(
@@ -150,35 +157,33 @@ class HFEngine:
         generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         stop = torch.tensor(sorted(set(params.stop_token_ids)), device=device, dtype=torch.long)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
-        model = self.model
+        model, T = self.model, params.max_new_tokens
         sharded_steps = not self.gather_weights and is_sharded(model)
         with gathered(model) if self.gather_weights else contextlib.nullcontext(), autocast(model):
-            mask = prompt_mask.long()
-            out = model(
-                input_ids=prompt_ids,
-                attention_mask=mask,
-                position_ids=position_ids_from_mask(mask),
-                use_cache=True,
-                **extra,
-            )
-            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
-            position = mask.sum(
-                1, keepdim=True
-            )  # (B, 1): the next token's position counts real tokens only
+            prompt = prompt_mask.long()
+            cache, logits = self._forward(prompt_ids, prompt, extra)
+            mask = prompt
+            # (B, 1): the next token's position counts real tokens only
+            position = prompt.sum(1, keepdim=True)
             done = torch.zeros(B, dtype=torch.bool, device=device)
             tokens = []
             # The prompt's pass has many rows (oneDNN's per-call reordering costs little there); the decode
             # steps have B rows each and multiply by weights reordered once (packed_weights).
             with packed_weights(model, rows=B):
-                # Weights gathered block by block need the model's own forward (its FSDP hooks) at every step.
-                lean = (
-                    LeanDecoder.start(model, cache, mask, params.max_new_tokens)
-                    if self.lean_reason() is None and not sharded_steps
-                    else None
-                )
+                lean = None
+                if self._lean_reason is None:
+                    reason = declined(model, cache, prompt, T)
+                    if reason is not None:
+                        self._say(reason)
+                    else:
+                        try:
+                            lean = LeanDecoder.start(model, cache, prompt, T)
+                        except Exception as e:  # what the checks at start-up did not foresee
+                            self._give_up(f"starting it failed ({type(e).__name__}: {e})")
+                            cache, logits, mask = self._restart(prompt_ids, prompt, tokens, extra)
                 if lean is not None:
-                    cache = out = None  # its keys and values were copied into the decoder's buffers
-                for t in range(params.max_new_tokens):
+                    cache = None  # its keys and values were moved into the decoder's buffers
+                for t in range(T):
                     token = categorical_sample(logits, generators, params)
                     token = torch.where(done, self.pad_token_id, token)
                     tokens.append(token)
@@ -188,10 +193,17 @@ class HFEngine:
                         if sharded_steps
                         else bool(done.all())
                     )
-                    if t + 1 == params.max_new_tokens or finished:
+                    if t + 1 == T or finished:
                         break
                     if lean is not None:
-                        logits = lean.step(token, position)
+                        try:
+                            logits = lean.step(token, position)
+                        except Exception as e:  # the same: this rollout goes on the model's own way
+                            lean = None
+                            self._give_up(
+                                f"its step failed at token {t + 2} ({type(e).__name__}: {e})"
+                            )
+                            cache, logits, mask = self._restart(prompt_ids, prompt, tokens, extra)
                     else:
                         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                         out = model(
@@ -206,10 +218,66 @@ class HFEngine:
                     position = position + 1
         return torch.stack(tokens, dim=1)
 
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, extra: dict):
+        """The model's own forward over (B, L) ``ids`` with its cache: (the cache, the (B, V) next
+        logits)."""
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+            **extra,
+        )
+        return getattr(out, self._cache_kw), out.logits[:, -1]
+
+    def _restart(self, prompt_ids, prompt_mask, tokens: list[torch.Tensor], extra: dict):
+        """Where the lean step stopped, the model's own forward over the prompt and the ``tokens``
+        sampled so far (each (B,)): (its cache, the next logits, the (B, P + len(tokens)) mask) to go
+        on from. The cache is computed again because the lean step took the prompt's."""
+        ids = torch.cat([prompt_ids, *(t[:, None] for t in tokens)], dim=1)
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), len(tokens))], dim=1)
+        return (*self._forward(ids, mask, extra), mask)
+
+    def _why_not_lean(self) -> str | None:
+        if not self.lean_decode:
+            return "rollout.lean_decode is false"
+        if not self.gather_weights and is_sharded(self.model):
+            # Weights gathered block by block need the model's own forward (its FSDP hooks) at every step.
+            return "rollout.gather_weights is false: the sharded weights are gathered at every step"
+        return unsupported(self.model)
+
     def lean_reason(self) -> str | None:
         """Why the decode steps use the model's own forward instead of
-        :class:`~proximal.rollout.decode.LeanDecoder` (a sentence), or None when they don't."""
-        return "rollout.lean_decode is false" if not self.lean_decode else unsupported(self.model)
+        :class:`~proximal.rollout.decode.LeanDecoder` (a sentence), or None when they don't: decided
+        when the engine was built (:func:`~proximal.rollout.decode.unsupported`), or since, if a
+        lean step failed."""
+        return self._lean_reason
+
+    def decode_path(self) -> dict:
+        """``{"path": "lean" | "generate", "reason": why not lean, or None}``, for the run's
+        ``models.json``; "generate" is the model's own forward at every token."""
+        reason = self._lean_reason
+        return {"path": "lean" if reason is None else "generate", "reason": reason}
+
+    def describe_decode(self) -> str:
+        """The decode path in words, for the line a run prints at its start."""
+        if self._lean_reason is None:
+            return "lean (proximal.rollout.decode's step; rollout.lean_decode)"
+        return f"the model's own forward at every token (lean decode: {self._lean_reason})"
+
+    def _say(self, reason: str) -> None:
+        """One line (rank 0, once per reason) when a rollout decodes the model's own way."""
+        if reason not in self._said:
+            self._said.add(reason)
+            if dist.is_main():
+                print(
+                    f"proximal: decode: the model's own forward (lean decode: {reason})", flush=True
+                )
+
+    def _give_up(self, reason: str) -> None:
+        """A lean step that failed is not tried again: the model's own forward from now on."""
+        self._lean_reason = reason
+        self._say(reason)
 
     def after_update(self) -> None:
         """Nothing to do: this engine decodes with the live (just updated) model."""

@@ -3,23 +3,42 @@
 The expected values are float64 matrix products of the same inputs (not the library's own float32
 path), and the tolerance is float32's: a wrong transpose, a dropped bias or a gradient of the wrong
 orientation is off by O(1). Each test also counts the oneDNN calls, so a silent fall-back to
-``F.linear`` cannot pass for the fast path.
+``F.linear`` cannot pass for the fast path. The backend's choice (``train.cpu_matmul``, the
+environment's override, the CPU's default) and its fall-backs where torch lacks or changed an
+operator are checked at the end.
 """
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from proximal.config import ConfigError
 from proximal.models import kernels
+from proximal.rollout import engine
 
 pytestmark = pytest.mark.skipif(kernels._OP is None, reason="this torch has no oneDNN linear")
 
 
 @pytest.fixture
-def calls(monkeypatch):
-    """The number of oneDNN products run, by wrapping the operator the module calls."""
+def configure(monkeypatch):
+    """``configure(choice)``: :func:`kernels.configure` for one test (``PROXIMAL_CPU_MATMUL`` unset);
+    the process's backend and operators come back afterwards."""
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    for name in ("_BACKEND", "_OP", "_REORDER"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    return kernels.configure
+
+
+@pytest.fixture
+def calls(monkeypatch, configure):
+    """The number of oneDNN products run, by wrapping the operator the module calls; the backend
+    is oneDNN, on whatever CPU runs the tests."""
+    assert configure("onednn") == ("onednn", "train.cpu_matmul = onednn")
     n = [0]
     op = kernels._OP
 
@@ -28,7 +47,6 @@ def calls(monkeypatch):
         return op(*args)
 
     monkeypatch.setattr(kernels, "_OP", counted)
-    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")  # on whatever CPU runs the tests
     return n
 
 
@@ -89,14 +107,14 @@ def test_no_grad_and_non_contiguous_input(calls):
     _close(y, x.double() @ w.double().T)
 
 
-def test_falls_back_where_onednn_does_not_pay_or_apply(calls, monkeypatch):
+def test_falls_back_where_onednn_does_not_pay_or_apply(calls):
     small = torch.randn(4, 64), torch.randn(64, 64)  # 16k multiply-adds
     assert torch.equal(kernels.linear(*small), torch.nn.functional.linear(*small))
     big = torch.randn(512, 512), torch.randn(512, 512)
     kernels.linear(big[0].double(), big[1].double())  # float64
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast must see F.linear to cast it
         assert kernels.linear(*big).dtype == torch.bfloat16
-    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
+    kernels.configure("blas")
     kernels.linear(*big)
     assert calls[0] == 0
 
@@ -174,7 +192,7 @@ def test_lora_base_layers_are_routed(calls):
         assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
 
 
-def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
+def test_packed_weights_for_passes_without_gradients(calls):
     """Inside ``packed_weights`` a no-grad forward multiplies by the weight reordered at its first call
     (the same products, float64-checked); a forward with gradients still trains the live weight; on
     leaving, the copies are gone."""
@@ -203,7 +221,7 @@ def test_packed_weights_for_passes_without_gradients(calls, monkeypatch):
         loss.backward()
         assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
     assert not any("_proximal_packed" in m.__dict__ for m in model.modules())
-    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
+    kernels.configure("blas")
     with kernels.packed_weights(model, rows=16) as n:
         assert n == 0
 
@@ -231,12 +249,8 @@ def test_fused_packed_is_the_stacked_products(calls):
 
 
 @pytest.mark.parametrize("bf16_mixed", [False, True])
-def test_generation_with_packed_weights_samples_the_same_tokens(bf16_mixed, monkeypatch):
+def test_generation_with_packed_weights_samples_the_same_tokens(bf16_mixed, calls, monkeypatch):
     """Float32 copies, or bfloat16 ones under bf16-mixed's autocast: the same tokens as unpacked."""
-    import contextlib
-
-    from proximal.rollout import engine
-
     model = _llama()
     kernels.use_onednn_linears(model)
     if bf16_mixed:
@@ -286,26 +300,136 @@ INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f\n"
 
 
 @pytest.mark.parametrize(
-    "machine,cpuinfo,on",
+    "machine,cpuinfo,backend,why",
     [
-        ("x86_64", AMD, True),  # what was measured: MKL takes its AVX2 path there
-        ("x86_64", AMD_AVX2, False),  # no AVX-512: nothing measured to gain
-        ("x86_64", INTEL, False),  # MKL runs AVX-512 on Intel's own CPUs
-        ("arm64", "", False),  # Apple silicon: torch's BLAS is Accelerate
-        ("aarch64", AMD, False),
-        ("x86_64", "", False),  # no /proc/cpuinfo (not Linux): off unless asked for
+        # what was measured: MKL takes its AVX2 path there
+        ("x86_64", AMD, "onednn", "AuthenticAMD CPU with AVX-512"),
+        ("x86_64", AMD_AVX2, "blas", "without AVX-512"),  # nothing measured to gain
+        ("x86_64", INTEL, "blas", "an Intel CPU"),  # MKL runs AVX-512 on Intel's own CPUs
+        ("arm64", "", "blas", "arm64"),  # Apple silicon: torch's BLAS is Accelerate
+        ("aarch64", AMD, "blas", "aarch64"),
+        ("x86_64", "", "blas", "no /proc/cpuinfo"),  # not Linux: off unless asked for
     ],
 )
-def test_where_onednn_is_the_default(machine, cpuinfo, on):
-    assert kernels.default_on(machine, cpuinfo) is on
+def test_where_onednn_is_the_default(machine, cpuinfo, backend, why):
+    got, reason = kernels.cpu_default(machine, cpuinfo)
+    assert got == backend and why in reason
 
 
-def test_the_switch_overrides_the_default(monkeypatch):
-    for default in (False, True):
-        monkeypatch.setattr(kernels, "_DEFAULT_ON", default)
-        monkeypatch.delenv("PROXIMAL_CPU_MATMUL", raising=False)
-        assert kernels.enabled() is default
-        monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")
-        assert kernels.enabled()
-        monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "blas")
-        assert not kernels.enabled()
+@pytest.mark.parametrize("cpu", ["amd", "intel"])
+def test_the_choice_and_the_environment_override(cpu, configure, monkeypatch):
+    """train.cpu_matmul picks the backend; "auto" is the CPU's default; PROXIMAL_CPU_MATMUL
+    overrides the choice and says so; a product then goes through oneDNN or not accordingly."""
+    monkeypatch.setattr(kernels, "_read_cpuinfo", lambda: AMD if cpu == "amd" else INTEL)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    auto = "onednn" if cpu == "amd" else "blas"
+    reason = kernels.cpu_default("x86_64", AMD if cpu == "amd" else INTEL)[1]
+    assert configure("auto") == (auto, f"train.cpu_matmul = auto: {reason}")
+    assert kernels.backend() == (auto, f"train.cpu_matmul = auto: {reason}")
+    assert kernels.enabled() is (auto == "onednn")
+    assert configure("onednn") == ("onednn", "train.cpu_matmul = onednn")
+    assert configure("blas") == ("blas", "train.cpu_matmul = blas") and not kernels.enabled()
+    monkeypatch.setenv(kernels.ENV, "onednn")
+    assert configure("blas") == (
+        "onednn",
+        "PROXIMAL_CPU_MATMUL=onednn overrides train.cpu_matmul = blas",
+    )
+    assert kernels.enabled()
+    monkeypatch.setenv(kernels.ENV, "blas")
+    assert configure("auto") == (
+        "blas",
+        "PROXIMAL_CPU_MATMUL=blas overrides train.cpu_matmul = auto",
+    )
+    monkeypatch.setenv(kernels.ENV, "BLAS ")  # as a shell may leave it
+    assert configure("blas") == ("blas", "train.cpu_matmul = blas")
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
+    ran = []  # the backends under which the oneDNN operator computed the product
+    for choice in ("onednn", "blas"):
+        monkeypatch.setenv(kernels.ENV, choice)
+        configure("auto")
+        op = kernels._OP
+        monkeypatch.setattr(kernels, "_OP", lambda *a, op=op, c=choice: ran.append(c) or op(*a))
+        kernels.linear(x, w)
+    assert ran == ["onednn"]
+
+
+def test_a_wrong_value_names_the_field_or_the_variable(configure, monkeypatch):
+    with pytest.raises(
+        ConfigError, match=r"train.cpu_matmul = 'mkl' is not one of auto, onednn, blas"
+    ):
+        configure("mkl")
+    monkeypatch.setenv(kernels.ENV, "on")
+    with pytest.raises(
+        ConfigError, match=r"PROXIMAL_CPU_MATMUL='on' is not one of auto, onednn, blas"
+    ):
+        configure("auto")
+
+
+def test_nothing_configured_is_auto(configure, monkeypatch):
+    """A library user who never configures gets "auto" at the first product (cpuinfo read then)."""
+    monkeypatch.setattr(kernels, "_BACKEND", None)
+    monkeypatch.setattr(kernels, "_read_cpuinfo", lambda: AMD)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    assert kernels.enabled()
+    assert kernels.backend()[1].startswith("train.cpu_matmul = auto: AuthenticAMD")
+
+
+class _Without:
+    """``torch.ops.mkldnn`` as a torch release that renamed (or broke) some of its operators has it."""
+
+    def __init__(self, ops, missing=(), broken=()):
+        self.ops, self.missing, self.broken = ops, missing, broken
+
+    def __getattr__(self, name):
+        if name in self.missing:
+            raise AttributeError(f"'_OpNamespace' 'mkldnn' object has no attribute '{name}'")
+        if name in self.broken:  # answers, but wrongly
+            return types.SimpleNamespace(default=lambda *a: torch.zeros(3, 5))
+        return getattr(self.ops, name)
+
+
+def test_without_the_reorder_operator_weights_are_not_packed(configure, monkeypatch):
+    """A torch without ``_reorder_linear_weight``: configure says so; oneDNN still computes the
+    products, but ``packed_weights`` packs nothing and the lean step stacks nothing; generation
+    samples the same tokens as with packed weights."""
+    model = _llama()
+    ids = torch.randint(4, 512, (16, 12), generator=torch.Generator().manual_seed(3))
+    params = engine.SamplingParams(max_new_tokens=12, stop_token_ids=(1,))
+    configure("onednn")
+    kernels.use_onednn_linears(model)
+    want = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    monkeypatch.setattr(torch.ops, "mkldnn", _Without(torch.ops.mkldnn, ["_reorder_linear_weight"]))
+    backend, why = configure("onednn")
+    assert backend == "onednn" and kernels._REORDER is None
+    assert why == (
+        "train.cpu_matmul = onednn; decode weights are not packed (this torch has no "
+        "torch.ops.mkldnn._reorder_linear_weight (or no oneDNN))"
+    )
+    with kernels.packed_weights(model, rows=16) as n:
+        assert n == 0
+    got = engine.HFEngine(model, 0).generate(ids, torch.ones_like(ids), list(range(16)), params)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_without_a_working_linear_operator_the_backend_is_blas(how, configure, monkeypatch):
+    """A torch whose ``_linear_pointwise`` is gone or computes something else: "onednn" asked for
+    gives "blas" and the reason; no model is routed, every product is torch's own."""
+    name = "_linear_pointwise"
+    fake = _Without(torch.ops.mkldnn, **{how: [name]})
+    monkeypatch.setattr(torch.ops, "mkldnn", fake)
+    backend, why = configure("onednn")
+    assert backend == "blas" and not kernels.enabled()
+    problem = (
+        f"this torch has no torch.ops.mkldnn.{name} (or no oneDNN)"
+        if how == "missing"
+        else f"torch.ops.mkldnn.{name} gave a wrong test product"
+    )
+    assert why == f"train.cpu_matmul = onednn; but {problem}: torch's F.linear instead"
+    model = _llama()
+    assert kernels.use_onednn_linears(model) == 0
+    x = torch.randn(512, 256)
+    assert torch.equal(
+        model.model.layers[0].mlp.up_proj(x),
+        torch.nn.functional.linear(x, model.model.layers[0].mlp.up_proj.weight),
+    )

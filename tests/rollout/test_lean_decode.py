@@ -11,55 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lean_support import V, prompts, tiny_lm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from proximal.models import kernels
 from proximal.models.heads import position_ids_from_mask
 from proximal.rollout import decode
 from proximal.rollout.engine import HFEngine, SamplingParams
-
-V = 97
-
-
-def _model(arch: str, tmp_path, attn: str | None = None, **extra) -> torch.nn.Module:
-    """A tiny randomly initialised causal LM, saved and loaded back through ``from_pretrained``
-    (with the attention implementation ``attn``, else transformers' default, "sdpa")."""
-    kw = dict(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if arch == "qwen3":
-        kw["head_dim"] = 16
-    kw.update(extra)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
-    with (
-        torch.no_grad()
-    ):  # larger weights than the initialiser's, so the logits are far from uniform
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path / arch)
-    kw = {"attn_implementation": attn} if attn else {}
-    return AutoModelForCausalLM.from_pretrained(tmp_path / arch, **kw).eval()
-
-
-def _prompts(B: int = 6, P: int = 7, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (B, P), generator=g)
-    mask = torch.ones(B, P, dtype=torch.long)
-    for b, pad in enumerate([0, 3, 1, 0, 5, 2][:B]):  # left padding of different lengths
-        mask[b, :pad] = 0
-        ids[b, :pad] = 0
-    return ids, mask
 
 
 def _lean_logits(model, ids, mask, continuation):
@@ -117,14 +75,14 @@ ARCHS = [
         for a, e in ARCHS
     ],
 )
-def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, monkeypatch):
+def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, cpu_matmul):
     if matmul == "onednn" and kernels._OP is None:
         pytest.skip("this torch has no oneDNN linear")
-    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", matmul)
-    model = _model(arch, tmp_path, **extra)
+    assert cpu_matmul(matmul)[0] == matmul
+    model = tiny_lm(arch, tmp_path, **extra)
     kernels.use_onednn_linears(model)
     assert decode.unsupported(model) is None
-    ids, mask = _prompts()
+    ids, mask = prompts()
     continuation = torch.randint(
         3, V, (ids.shape[0], 9), generator=torch.Generator().manual_seed(2)
     )
@@ -138,8 +96,8 @@ def test_lean_step_gives_the_models_own_logits(arch, extra, matmul, tmp_path, mo
 def test_a_wrong_position_or_a_missed_pad_is_seen(tmp_path):
     """The check above can fail: a shifted rotary position or padding the mask attends to changes the
     logits by far more than its tolerance."""
-    model = _model("llama", tmp_path)
-    ids, mask = _prompts()
+    model = tiny_lm("llama", tmp_path)
+    ids, mask = prompts()
     continuation = torch.randint(
         3, V, (ids.shape[0], 4), generator=torch.Generator().manual_seed(2)
     )
@@ -164,28 +122,14 @@ def test_a_wrong_position_or_a_missed_pad_is_seen(tmp_path):
     torch.testing.assert_close(unmasked[0], want[0, 0], rtol=0, atol=2e-5)  # row 0 has none
 
 
-@pytest.fixture
-def lean_steps(monkeypatch) -> list[int]:
-    """How many lean decode steps ran: ``[n]``."""
-    n = [0]
-    step = decode.LeanDecoder.step
-
-    def counted(self, *a):
-        n[0] += 1
-        return step(self, *a)
-
-    monkeypatch.setattr(decode.LeanDecoder, "step", counted)
-    return n
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_the_engine_samples_the_same_tokens_either_way(arch, tmp_path, lean_steps):
     """Sampling with the lean step and with the model's own forward: the same tokens for every row, at
     a temperature with top-p and a stop token, and the lean step ran at every token but the first."""
-    model = _model(arch, tmp_path)
+    model = tiny_lm(arch, tmp_path)
     kernels.use_onednn_linears(model)
     steps = lean_steps
-    ids, mask = _prompts()
+    ids, mask = prompts()
     ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)  # 24 rows, each with its own seed
     params = SamplingParams(max_new_tokens=16, stop_token_ids=(1, 5), temperature=0.8, top_p=0.95)
     lean = HFEngine(model, 0).generate(ids, mask, list(range(24)), params)
@@ -199,9 +143,9 @@ def test_under_autocast_the_tokens_are_the_models_own(tmp_path, lean_steps):
     """bf16-mixed decodes under bfloat16 autocast with eager attention (models/parallel.py): the
     lean step calls the same functions in the same dtypes, so it samples the same tokens."""
     steps = lean_steps
-    model = _model("llama", tmp_path, attn="eager")
+    model = tiny_lm("llama", tmp_path, attn="eager")
     model._proximal_autocast = torch.bfloat16  # what prepare_trained sets for bf16-mixed
-    ids, mask = _prompts()
+    ids, mask = prompts()
     ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(1,), temperature=1.0)
     engine = HFEngine(model, 0)
@@ -240,8 +184,8 @@ def _cached_logits(model, ids, mask, continuation):
 
 def test_the_hf_cached_decode_agrees_too(tmp_path):
     """Against the engine's other path step by step: the model's forward with its DynamicCache."""
-    model = _model("qwen2", tmp_path)
-    ids, mask = _prompts()
+    model = tiny_lm("qwen2", tmp_path)
+    ids, mask = prompts()
     continuation = torch.randint(
         3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3)
     )
@@ -253,15 +197,15 @@ def test_the_hf_cached_decode_agrees_too(tmp_path):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_under_autocast_the_buffers_are_bfloat16_and_the_logits_the_cached_decodes(
-    attn, tmp_path, monkeypatch
+    attn, tmp_path, cpu_matmul
 ):
     """Under bfloat16 autocast (bf16-mixed) the key and value buffers hold bfloat16 — the attention
     would cast the cache to it anyway — and the products are the packed bfloat16 copies: the logits
     are still those of the model's own cached decode under autocast, whose cache stays float32."""
-    monkeypatch.setenv("PROXIMAL_CPU_MATMUL", "onednn")
-    model = _model("llama", tmp_path, attn=attn)
+    cpu_matmul("onednn")
+    model = tiny_lm("llama", tmp_path, attn=attn)
     kernels.use_onednn_linears(model)
-    ids, mask = _prompts()
+    ids, mask = prompts()
     continuation = torch.randint(
         3, V, (ids.shape[0], 6), generator=torch.Generator().manual_seed(3)
     )
@@ -288,7 +232,7 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     from proximal.models.parallel import apply_activation_checkpointing
     from proximal.models.policy import lora_config, with_adapters
 
-    model = _model("llama", tmp_path)
+    model = tiny_lm("llama", tmp_path)
     lora = with_adapters(
         model, lora_config("CAUSAL_LM", r=4, alpha=8, target_modules=["all-linear"])
     ).eval()
@@ -298,7 +242,7 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
                 p.normal_(0, 0.5)  # adapters that change the output (lora_B starts at zero)
     kernels.use_onednn_linears(lora)
     assert decode.unsupported(lora) is None
-    ids, mask = _prompts()
+    ids, mask = prompts()
     continuation = torch.randint(
         3, V, (ids.shape[0], 5), generator=torch.Generator().manual_seed(4)
     )
@@ -310,7 +254,7 @@ def test_lora_and_activation_checkpointing_keep_the_lean_step(tmp_path):
     assert (want - base).abs().max() > 1e-1  # the adapters matter
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
-    wrapped = _model("llama", tmp_path)
+    wrapped = tiny_lm("llama", tmp_path)
     apply_activation_checkpointing(wrapped)
     assert decode.unsupported(wrapped) is None
     got, _ = _lean_logits(wrapped, ids, mask, continuation)
@@ -326,15 +270,15 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
     assert "GPT2LMHeadModel is not one of" in decode.unsupported(gpt2)
     assert HFEngine(gpt2, 0).lean_reason() == decode.unsupported(gpt2)
 
-    eager = _model("llama", tmp_path)
+    eager = tiny_lm("llama", tmp_path)
     eager.config._attn_implementation = "flash_attention_2"  # its masks have another form
     assert "attention implementation 'flash_attention_2'" in decode.unsupported(eager)
 
-    sliding = _model(
+    sliding = tiny_lm(
         "mistral", tmp_path, sliding_window=4
     )  # narrower than a 7-token prompt: it acts
     assert decode.unsupported(sliding) is None
-    ids, mask = _prompts()
+    ids, mask = prompts()
     with torch.no_grad():
         out = sliding(
             input_ids=ids,
@@ -344,7 +288,7 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
         )
     assert decode.LeanDecoder.start(sliding, out.past_key_values, mask, 4) is None
 
-    dropout = _model("llama", tmp_path, attention_dropout=0.1)
+    dropout = tiny_lm("llama", tmp_path, attention_dropout=0.1)
     assert decode.unsupported(dropout) is None  # eval mode: no dropout acts
     assert decode.unsupported(dropout.train()) == "attention dropout in train mode"
 
@@ -354,7 +298,7 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
     eager.__class__ = Custom
     assert "Custom is not one of" in decode.unsupported(eager)
 
-    llama = _model("llama", tmp_path)
+    llama = tiny_lm("llama", tmp_path)
     assert HFEngine(llama, 0, lean_decode=False).lean_reason() == "rollout.lean_decode is false"
     assert HFEngine(llama, 0).lean_reason() is None
 
@@ -366,8 +310,8 @@ def test_models_it_does_not_take_say_why_and_decode_their_own_way(tmp_path):
 
 
 def test_a_cache_of_another_shape_is_declined(tmp_path):
-    model = _model("llama", tmp_path)
-    ids, mask = _prompts()
+    model = tiny_lm("llama", tmp_path)
+    ids, mask = prompts()
     with torch.no_grad():
         out = model(
             input_ids=ids,
