@@ -16,16 +16,20 @@ A trainer calls, in order::
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from proximal import dist
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
+from proximal.models import kernels
+from proximal.rollout.engine import HFEngine
 from proximal.train.checkpoint import (
     CheckpointError,
     completed,
@@ -33,6 +37,7 @@ from proximal.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from proximal.train.host import busy_cpu_note
 from proximal.train.optim import resync_schedule, seed_everything
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
@@ -101,6 +106,9 @@ class Run:
     resume_from: Path | None
     earlier: list[Path]
     notes: list[str]
+    #: ``{"backend": "onednn" | "blas", "why": ...}`` of the float32 CPU products
+    #: (:func:`proximal.models.kernels.configure`); None on other devices.
+    cpu_matmul: dict | None = None
     logger: MetricsLogger | None = None
     bar: object = None
     wall0: float = field(default_factory=time.perf_counter)
@@ -172,10 +180,8 @@ class Run:
                 self.dir, tensorboard=tensorboard, wandb_project=wandb_project
             )
             for note in self.notes:
-                print(f"proximal {self.command}: {note}", flush=True)
+                self.say(note)
             if progress:
-                from tqdm.auto import tqdm
-
                 self.bar = tqdm(
                     total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True
                 )
@@ -185,17 +191,41 @@ class Run:
     def wall_s(self) -> float:
         return time.perf_counter() - self.wall0
 
-    def record_models(self, **models) -> dict:
+    def record_models(self, engine: HFEngine | None = None, **models) -> dict:
         """Write ``models.json``: each model this run holds, counted from the live modules — parameters,
         bytes (all ranks together), dtypes, whether it trains. A module shared by two names (the LoRA
-        reference is the policy) is counted once, under the first. Returns the dict."""
-        info = resident_models(**models)
-        if self.is_main:
-            import json
+        reference is the policy) is counted once, under the first. Returns the dict.
 
+        Each model on the CPU also gets ``"cpu_matmul": {"backend", "why"}`` (this process's float32
+        products, ``train.cpu_matmul``), and the model ``engine`` decodes (an online method's policy)
+        ``"decode": {"path": "lean" | "generate", "reason"}`` (:meth:`HFEngine.decode_path`), which
+        rank 0 also prints. Both sit inside a model's entry, so the file's keys stay the models' names."""
+        info = resident_models(**models)
+        for name, module in models.items():
+            if name not in info:
+                continue
+            on_cpu = next(module.parameters()).device.type == "cpu"
+            if self.cpu_matmul is not None and on_cpu:
+                info[name]["cpu_matmul"] = dict(self.cpu_matmul)
+            if engine is not None and module is engine.model:
+                info[name]["decode"] = engine.decode_path()
+        if engine is not None and not any("decode" in entry for entry in info.values()):
+            raise ValueError("record_models: the engine's model is not one of the models given")
+        if self.is_main:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
+            if engine is not None:
+                self.say(f"decode: {engine.describe_decode()}")
         return info
+
+    def say(self, line: str) -> None:
+        """Print ``proximal <command>: <line>`` (the caller decides which ranks speak), above the
+        progress bar when there is one."""
+        text = f"proximal {self.command}: {line}"
+        if self.bar is not None:
+            tqdm.write(text)
+        else:
+            print(text, flush=True)
 
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
         """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
@@ -265,7 +295,7 @@ def _resident_peak() -> int:
             fh.write("5")  # resets VmHWM to the current resident set (Linux ≥ 4.0)
         return hwm
     except (OSError, StopIteration, ValueError):
-        import resource
+        import resource  # lazy: Unix-only, and needed only where /proc cannot be read
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
@@ -324,17 +354,20 @@ def open_run(
     device: str,
     dist_timeout_s: float,
     resume_dir: str | Path | None = None,
+    cpu_matmul: str = "auto",
 ) -> Run:
-    """Everything before the first model loads: the device, the process group, the seed, the run
-    directory's guard (or the checkpoint to resume, verified)."""
+    """Everything before the first model loads: the device, the backend of the float32 CPU products
+    (``cpu_matmul``, ``train.cpu_matmul``: auto, onednn or blas, set process-wide by
+    :func:`proximal.models.kernels.configure` and printed at the start on a CPU), the process group,
+    the seed, the run directory's guard (or the checkpoint to resume, verified)."""
     dev = resolve_device(device)
+    backend, why = kernels.configure(cpu_matmul)
     dist.init(dev, dist_timeout_s)
     seed_everything(seed)
     run_dir = Path(resume_dir or output_dir)
     notes: list[str] = []
     if dev.type == "cpu":
-        from proximal.train.host import busy_cpu_note
-
+        notes.append(f"cpu matmul: {backend} ({why})")
         busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
         notes += [busy] if busy else []
     if resume_dir is not None:
@@ -365,4 +398,5 @@ def open_run(
             run_dir, overwrite
         )  # every rank checks (one shared file system), rank 0 deletes
     dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
-    return Run(command, run_dir, dev, ckpt, earlier, notes)
+    matmul = {"backend": backend, "why": why} if dev.type == "cpu" else None
+    return Run(command, run_dir, dev, ckpt, earlier, notes, cpu_matmul=matmul)

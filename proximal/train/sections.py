@@ -17,6 +17,7 @@ from proximal.config import check_divides, option
 from proximal.core.ranges import problem
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 from proximal.logging import missing_extras
+from proximal.models.kernels import CHOICES as CPU_MATMUL
 
 #: ``train.precision``, in PyTorch Lightning's names.
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -161,6 +162,15 @@ class TrainSection:
         "pass instead of keeping them (less memory, about a third more "
         "compute), for the models being trained.",
     )
+    cpu_matmul: str = option(
+        "auto",
+        "How float32 matrix products run on a CPU: 'onednn' through oneDNN, 'blas' through "
+        "torch's own BLAS (MKL), 'auto' oneDNN on x86-64 CPUs with AVX-512 not made by Intel "
+        "(measured twice as fast there) and BLAS elsewhere. The environment variable "
+        "PROXIMAL_CPU_MATMUL (the same values) overrides it. The run prints and records in "
+        "models.json which one it used and why.",
+        choices=CPU_MATMUL,
+    )
     save_every: int = option(
         50, "Write a checkpoint every N steps, and always after the last (0 = only then)."
     )
@@ -176,6 +186,10 @@ class TrainSection:
         e = []
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             e.append(f"{name}.device = {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.cpu_matmul not in CPU_MATMUL:
+            e.append(
+                f"{name}.cpu_matmul = {self.cpu_matmul!r} is not one of {', '.join(CPU_MATMUL)}"
+            )
         if self.save_every < 0:
             e.append(
                 f"{name}.save_every = {self.save_every} must be ≥ 0 (0 = only after the last step)"
