@@ -1,20 +1,25 @@
-"""Micro-batch accumulation and sharded evaluation, the same for every method that passes over a
-fixed data set (SFT, reward model, DPO, SimPO), and per-row values of a whole data set computed in
-shards (DPO's precomputed reference log-probabilities).
+"""Micro-batch accumulation and sharded evaluation, the same for every method: the optimiser steps
+of SFT, the reward model, DPO and SimPO over a fixed data set and the updates of PPO and GRPO over a
+rollout batch; and per-row values of a whole data set computed in shards (DPO's precomputed
+reference log-probabilities).
 
-A trainer's per-micro-batch function runs forward and backward on a few rows and returns sums —
-its share of the loss (already normalised by the whole batch's count, so gradients accumulate to
-the batch's), and statistics weighted by their counts. :func:`accumulate` and :func:`evaluate` add
-those sums over micro-batches and over ranks, so every number a trainer logs is global.
+A trainer's per-micro-batch function runs forward and backward on a few rows and returns named
+sums — its share of the loss (already normalised by the whole batch's count, so gradients accumulate
+to the batch's), and statistics weighted by their counts — and, where a statistic is an extreme,
+named maxima or minima. :func:`accumulate` and :func:`evaluate` reduce those over micro-batches and
+over ranks, so every number a trainer logs is global.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection
 
 import torch
 
 from proximal import dist
+from proximal.config import ConfigError
+from proximal.data.sampler import shard_for_eval
 
 Sums = dict[str, float]
 
@@ -30,8 +35,6 @@ def plan_steps(
 ) -> int:
     """The run's optimiser steps: ``steps``, or ``epochs`` passes of full batches over ``n_rows``.
     ConfigError if a pass has no full batch or the warm-up is as long as the run."""
-    from proximal.config import ConfigError
-
     per_epoch = n_rows // batch_size
     if per_epoch == 0:
         raise ConfigError(
@@ -46,21 +49,48 @@ def plan_steps(
     return total
 
 
-def _reduce(totals: dict[str, torch.Tensor | float], device: torch.device | str) -> Sums:
-    keys = sorted(totals)
-    if not keys:
-        return {}
-    vec = torch.stack(
-        [torch.as_tensor(totals[k], dtype=torch.float64).reshape(()).to(device) for k in keys]
-    )
-    vec = dist.all_reduce_sum(vec)
-    return {k: float(v) for k, v in zip(keys, vec.tolist())}
+def _reduce(
+    totals: dict[str, torch.Tensor | float],
+    device: torch.device | str,
+    maxima: Collection[str] = (),
+    minima: Collection[str] = (),
+) -> Sums:
+    """Sum ``totals`` over ranks in one collective, and take the maxima and minima over ranks in a
+    second one, only when there are any (a minimum as the maximum of its negation). An extreme no
+    micro-batch reported is −inf for a maximum, +inf for a minimum, so every rank sends the same keys."""
+    sums = sorted(k for k in totals if k not in maxima and k not in minima)
+    out: Sums = {}
+    if sums:
+        vec = torch.stack([_f64(totals[k], device) for k in sums])
+        out.update(zip(sums, dist.all_reduce_sum(vec).tolist()))
+    highs, lows = sorted(maxima), sorted(minima)
+    if highs or lows:
+        vec = torch.stack(
+            [_f64(totals.get(k, -math.inf), device) for k in highs]
+            + [-_f64(totals.get(k, math.inf), device) for k in lows]
+        )
+        got = dist.all_reduce_max(vec).tolist()
+        out.update(zip(highs, got[: len(highs)]))
+        out.update((k, -v) for k, v in zip(lows, got[len(highs) :]))
+    return out
 
 
-def _add(totals: dict, out: dict) -> None:
+def _f64(value: torch.Tensor | float, device: torch.device | str) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64).reshape(()).to(device)
+
+
+def _add(
+    totals: dict, out: dict, maxima: Collection[str] = (), minima: Collection[str] = ()
+) -> None:
     for k, v in out.items():
         v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
-        totals[k] = totals.get(k, 0.0) + v
+        if k in maxima or k in minima:
+            v = torch.as_tensor(v, dtype=torch.float64)
+            if k in totals:
+                v = (torch.maximum if k in maxima else torch.minimum)(totals[k], v)
+            totals[k] = v
+        else:
+            totals[k] = totals.get(k, 0.0) + v
 
 
 def accumulate(
@@ -68,13 +98,23 @@ def accumulate(
     micro_batch_size: int,
     step: Callable[[list], dict],
     device: torch.device | str = "cpu",
+    *,
+    maxima: Collection[str] = (),
+    minima: Collection[str] = (),
 ) -> Sums:
     """``step(micro_rows)`` on each micro-batch of this rank's ``rows``; the sums of its outputs over
-    micro-batches and ranks."""
+    micro-batches and ranks — except the keys named in ``maxima`` and ``minima``, whose largest and
+    smallest value over micro-batches and ranks is returned (a statistic's extremes, such as the
+    largest probability ratio; a micro-batch with nothing to report returns −inf for a maximum, +inf
+    for a minimum).
+
+    One all-reduce of the sums, and one more for the extremes when there are any. ``rows`` may be
+    anything sliceable: rows to cut micro-batches from, or (``micro_batch_size`` = 1) micro-batches
+    already cut, each then handed to ``step`` as a list of one."""
     totals: dict = {}
     for i in range(0, len(rows), micro_batch_size):
-        _add(totals, step(rows[i : i + micro_batch_size]))
-    return _reduce(totals, device)
+        _add(totals, step(rows[i : i + micro_batch_size]), maxima, minima)
+    return _reduce(totals, device, maxima, minima)
 
 
 @torch.no_grad()
@@ -89,8 +129,6 @@ def evaluate(
     Every rank runs the same number of calls (a sharded model needs all of them in each forward):
     a rank whose share is used up calls ``fn([0])`` and its result is discarded.
     """
-    from proximal.data.sampler import shard_for_eval
-
     totals: dict = {}
     for idx in shard_for_eval(n, micro_batch_size, dist.rank(), dist.world_size()):
         out = fn(idx or [0])
@@ -115,8 +153,6 @@ def evaluate_rows(
     The calls are those of :func:`evaluate` (every rank the same number; a used-up rank's ``fn([0])``
     is discarded); the shares are disjoint, so one sum over ranks assembles the table.
     """
-    from proximal.data.sampler import shard_for_eval
-
     table = torch.zeros(n, width, dtype=torch.float64, device=device)
     for idx in shard_for_eval(n, micro_batch_size, dist.rank(), dist.world_size()):
         out = fn(idx or [0])
