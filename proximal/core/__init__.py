@@ -20,13 +20,15 @@ from proximal.core.advantages import (
     uniform_groups,
     whiten,
 )
-from proximal.core.grpo import grpo_policy_loss
+from proximal.core.grpo import grpo_advantages, grpo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,
+    KL_CONTROLLERS,
     AdaptiveKLController,
     FixedKLController,
     ProportionalKLController,
     kl_penalty,
+    make_kl_controller,
 )
 from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
 from proximal.core.losses import (
@@ -56,6 +58,7 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "GROUP_SCALES",
+    "KL_CONTROLLERS",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
@@ -66,10 +69,12 @@ __all__ = [
     "aggregation_units",
     "gae",
     "group_advantages",
+    "grpo_advantages",
     "grpo_policy_loss",
     "kl_penalty",
     "last_valid_index",
     "logprobs_from_logits",
+    "make_kl_controller",
     "masked_aggregate",
     "masked_mean",
     "masked_mean_var",

@@ -1,5 +1,7 @@
 """The critic-free policy loss of GRPO (Shao et al. 2024), Dr. GRPO (Liu et al. 2025) and DAPO (Yu et
-al. 2025); RLOO (Ahmadian et al. 2024) uses it with leave-one-out advantages.
+al. 2025); RLOO (Ahmadian et al. 2024) uses it with leave-one-out advantages. And what comes before
+it in a step: each response's advantage and DAPO's filters of the rows to train on
+(:func:`grpo_advantages`).
 
 Notation: B batch size (responses; G per prompt), T response length; ``response_mask`` is bool
 (B, T), True = a real response token (see :mod:`proximal.core.stats`). The loss is returned for
@@ -19,9 +21,69 @@ import math
 import torch
 from torch import Tensor
 
+from proximal.core.advantages import group_advantages, rloo_advantages, uniform_groups
 from proximal.core.kl import kl_penalty
 from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_aggregate, stat_mean
+
+
+def grpo_advantages(
+    scores: Tensor,
+    valid: Tensor,
+    ended: Tensor,
+    group_size: int,
+    *,
+    scale: str | None,
+    eps: float,
+    skip_uniform_groups: bool,
+    mask_truncated: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One advantage per response from its group's scores, and the responses the update trains on.
+
+    The advantage is :func:`~proximal.core.advantages.group_advantages` with ``scale`` (one of
+    ``GROUP_SCALES``: GRPO's ``"group"``, ``"batch"``, Dr. GRPO's ``"none"``), or with ``scale`` None
+    RLOO's :func:`~proximal.core.advantages.rloo_advantages`; its statistics are over each group's
+    valid rows. The rows to train on are the valid rows, less two filters of DAPO (Yu et al. 2025):
+
+    - ``skip_uniform_groups`` (dynamic sampling, §3.2, without its over-sampling to refill the
+      batch): every row of a group whose valid scores are all equal
+      (:func:`~proximal.core.advantages.uniform_groups`). Their advantage is 0 already; left in,
+      they would only dilute the loss's normaliser and carry the KL term.
+    - ``mask_truncated`` (overlong filtering, §3.4): every response that ran out of tokens without
+      a stop (``ended`` False). It still counts in its group's mean and std — the score it got is
+      real, only its credit assignment is doubtful — so the advantages do not depend on this flag.
+
+    Args:
+        scores: (B,) total scores, B = n_groups·G; rows g·G … g·G + G − 1 answer prompt g. Values
+            of invalid rows are never read.
+        valid: bool (B,), rows with a finite score.
+        ended: bool (B,), rows whose response stopped (EOS or a stop) before the length limit.
+        group_size: G.
+        scale: as above.
+        eps: ε added to the std by the two scaled modes.
+        skip_uniform_groups, mask_truncated: the filters above.
+
+    Returns:
+        ``(advantages, train, uniform)``: (B,) advantages in at least float32 (0 on invalid rows and
+        uniform groups), (B,) bool rows to train on (a subset of ``valid``), (n_groups,) bool
+        uniform groups.
+    """
+    if ended.shape != scores.shape or ended.dtype != torch.bool:
+        raise ValueError(
+            f"ended must be bool of the scores' shape {tuple(scores.shape)}, got {ended.dtype} "
+            f"of shape {tuple(ended.shape)}"
+        )
+    uniform = uniform_groups(scores, group_size, valid=valid)
+    if scale is None:
+        advantages = rloo_advantages(scores, group_size, valid=valid)
+    else:
+        advantages = group_advantages(scores, group_size, scale, eps, valid=valid)
+    train = valid
+    if skip_uniform_groups:
+        train = train & ~uniform.repeat_interleave(group_size)
+    if mask_truncated:
+        train = train & ended
+    return advantages, train, uniform
 
 
 def grpo_policy_loss(

@@ -170,3 +170,31 @@ class ProportionalKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.beta = _positive(state["beta"], "state['beta']")
+
+
+#: The β controllers :func:`make_kl_controller` builds (``kl.controller`` of the PPO config).
+KL_CONTROLLERS = ("fixed", "adaptive", "proportional")
+
+KLController = FixedKLController | AdaptiveKLController | ProportionalKLController
+
+
+def make_kl_controller(
+    name: str, *, beta: float, target: float, k_beta: float, horizon: float
+) -> KLController:
+    """The β controller ``name`` (one of :data:`KL_CONTROLLERS`) starting at β = ``beta``.
+
+    Each takes what its rule uses and ignores the rest: ``fixed`` only β; ``adaptive``
+    (:class:`AdaptiveKLController`) the target and ``k_beta``; ``proportional``
+    (:class:`ProportionalKLController`) the target and ``horizon``.
+
+    Raises:
+        ValueError: for an unknown ``name`` (naming the known ones), or a value the controller
+            rejects.
+    """
+    if name == "fixed":
+        return FixedKLController(beta)
+    if name == "adaptive":
+        return AdaptiveKLController(beta, target, k_beta)
+    if name == "proportional":
+        return ProportionalKLController(beta, target, horizon)
+    raise ValueError(f"unknown KL controller {name!r}; expected one of {KL_CONTROLLERS}")

@@ -1,7 +1,8 @@
-"""GRPO / Dr. GRPO / DAPO / RLOO math: group-normalised and leave-one-out advantages, and the GRPO
-policy loss — hand-worked float64 values (the expected numbers come from plain Python arithmetic,
-never from the functions under test), where the gradient is and is not zero, Dr. GRPO's length
-property, the on-policy REINFORCE identity, and garbage at masked positions."""
+"""GRPO / Dr. GRPO / DAPO / RLOO math: group-normalised and leave-one-out advantages, DAPO's filters
+of the rows to train on, and the GRPO policy loss — hand-worked float64 values (the expected numbers
+come from plain Python arithmetic, never from the functions under test), where the gradient is and
+is not zero, Dr. GRPO's length property, the on-policy REINFORCE identity, and garbage at masked
+positions."""
 
 import math
 import statistics
@@ -13,6 +14,7 @@ from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
 from proximal.core import (
     aggregation_units,
     group_advantages,
+    grpo_advantages,
     grpo_policy_loss,
     masked_aggregate,
     rloo_advantages,
@@ -125,6 +127,100 @@ def test_invalid_rows_are_left_out_of_every_statistic_and_never_read():
 def test_advantage_validation(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------ a step's advantages and rows
+# SCORES again, with the middle response of group 1 and the first of group 3 truncated (no stop).
+ENDED = b([1, 0, 1, 1, 1, 1, 0, 1, 1])
+ALL = b([1] * 9)
+
+
+@pytest.mark.parametrize(
+    "skip_uniform, mask_truncated, train",
+    [
+        (False, False, [1, 1, 1, 1, 1, 1, 1, 1, 1]),  # every valid row
+        (True, False, [1, 1, 1, 0, 0, 0, 1, 1, 1]),  # group 2 is uniform
+        (False, True, [1, 0, 1, 1, 1, 1, 0, 1, 1]),  # the two truncated responses
+        (True, True, [1, 0, 1, 0, 0, 0, 0, 1, 1]),
+    ],
+)
+def test_grpo_advantages_filters_pick_the_rows_and_leave_the_advantages_alone(
+    skip_uniform, mask_truncated, train
+):
+    adv, rows, uniform = grpo_advantages(
+        t(SCORES),
+        ALL,
+        ENDED,
+        3,
+        scale="none",
+        eps=EPS,
+        skip_uniform_groups=skip_uniform,
+        mask_truncated=mask_truncated,
+    )
+    assert rows.tolist() == [bool(x) for x in train]
+    assert uniform.tolist() == [False, True, False]
+    # a truncated response still counts in its group's mean: group 1's is 3 (not (1 + 6)/2 = 3.5 as
+    # it would be without the "2"), so the "1" gets −2 (not −2.5)
+    close(adv, DEVS)
+
+
+@pytest.mark.parametrize(
+    "scale, want",
+    [
+        ("group", [d / (sd + EPS) if sd else 0.0 for d, sd in zip(DEVS, GROUP_STD)]),
+        ("batch", [d / (BATCH_STD + EPS) for d in DEVS]),
+        ("none", DEVS),
+        (None, [-3.0, -1.5, 4.5, 0.0, 0.0, 0.0, 3.0, -3.0, 0.0]),  # RLOO, as by hand above
+    ],
+)
+def test_grpo_advantages_each_estimator_by_hand(scale, want):
+    adv, _, _ = grpo_advantages(
+        t(SCORES),
+        ALL,
+        ENDED,
+        3,
+        scale=scale,
+        eps=EPS,
+        skip_uniform_groups=True,
+        mask_truncated=True,
+    )
+    close(adv, want)
+
+
+def test_grpo_advantages_never_trains_an_invalid_row():
+    # group 1 loses its "6" (a non-finite score, never read); group 3 keeps one valid row only, so
+    # it has no signal: uniform, and skipped with the filter
+    s = t([1.0, 2.0, NAN, 4.0, 0.0, 2.0, 5.0, NAN, NAN])
+    valid = b([1, 1, 0, 1, 1, 1, 1, 0, 0])
+    for skip, train in ((False, [1, 1, 0, 1, 1, 1, 1, 0, 0]), (True, [1, 1, 0, 1, 1, 1, 0, 0, 0])):
+        adv, rows, uniform = grpo_advantages(
+            s,
+            valid,
+            ALL,
+            3,
+            scale="none",
+            eps=EPS,
+            skip_uniform_groups=skip,
+            mask_truncated=True,
+        )
+        assert rows.tolist() == [bool(x) for x in train]
+        assert uniform.tolist() == [False, False, True]
+        close(adv, [-0.5, 0.5, 0.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("ended", [b([1] * 8), t([1.0] * 9)])
+def test_grpo_advantages_checks_ended(ended):
+    with pytest.raises(ValueError, match="ended must be bool"):
+        grpo_advantages(
+            t(SCORES),
+            ALL,
+            ended,
+            3,
+            scale="group",
+            eps=EPS,
+            skip_uniform_groups=False,
+            mask_truncated=True,
+        )
 
 
 # ---------------------------------------------------------------------------------- the loss

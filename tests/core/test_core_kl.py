@@ -8,10 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proximal.core import (
+    KL_CONTROLLERS,
     AdaptiveKLController,
     FixedKLController,
     ProportionalKLController,
     kl_penalty,
+    make_kl_controller,
 )
 
 F64 = torch.float64
@@ -156,3 +158,36 @@ def test_controller_state_dict_resumes_with_same_beta(make):
 def test_controller_validation(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+# ------------------------------------------------------------------------------- the factory
+
+# Each controller's parameters chosen so that one update by hand tells which rule ran with which:
+# β = 0.5, target 2, K_β 0.25, horizon 40, and an observed KL of 4 over 8 samples.
+FACTORY = {"beta": 0.5, "target": 2.0, "k_beta": 0.25, "horizon": 40}
+
+
+@pytest.mark.parametrize(
+    "name, cls, after",
+    [
+        ("fixed", FixedKLController, 0.5),  # never moves
+        ("adaptive", AdaptiveKLController, 0.5 * (1 + 0.25)),  # 4 > 1.5·2 → β·(1 + K_β)
+        # error = clip(4/2 − 1, −0.2, 0.2) = 0.2; β·(1 + 0.2·8/40)
+        ("proportional", ProportionalKLController, 0.5 * (1 + 0.2 * 8 / 40)),
+    ],
+)
+def test_make_kl_controller_builds_each_rule_with_its_values(name, cls, after):
+    c = make_kl_controller(name, **FACTORY)
+    assert type(c) is cls and c.beta == 0.5
+    assert c.update(4.0, n_steps=8) == pytest.approx(after, rel=1e-15)
+
+
+def test_make_kl_controller_knows_every_configurable_name_and_names_them_when_wrong():
+    assert KL_CONTROLLERS == ("fixed", "adaptive", "proportional")
+    for name in KL_CONTROLLERS:
+        make_kl_controller(name, **FACTORY)
+    with pytest.raises(ValueError, match=r"unknown KL controller 'pid'.*'fixed', 'adaptive'"):
+        make_kl_controller("pid", **FACTORY)
+    # the values still go through each controller's own checks
+    with pytest.raises(ValueError, match="k_beta"):
+        make_kl_controller("adaptive", **{**FACTORY, "k_beta": 1.5})
