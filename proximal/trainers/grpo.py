@@ -34,12 +34,10 @@ from proximal import dist
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
-    group_advantages,
+    grpo_advantages,
     grpo_policy_loss,
     logprobs_from_logits,
     masked_sum,
-    rloo_advantages,
-    uniform_groups,
 )
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
@@ -55,7 +53,7 @@ from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_
 from proximal.train.run import open_run
 from proximal.trainers.grpo_config import ADVANTAGES, LOSSES, GRPOConfig
 
-__all__ = ["GRPOConfig", "train", "group_step_advantages", "grpo_update", "cli"]
+__all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
 
 
 def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
@@ -152,20 +150,21 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 old_logprobs=not one_step_per_batch,
             )
         )
-        scored = (
-            exp.valid
-        )  # (B,) rows with a finite score; exp.valid becomes the rows trained on below
+        scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
         # truncated responses and groups without signal out of the update.
-        exp, uniform = group_step_advantages(
-            exp,
+        advantages, train_rows, uniform = grpo_advantages(
+            exp.scores,
+            exp.valid,
+            exp.rollout.ended,
             G,
-            advantage=g.advantage,
+            scale=ADVANTAGES[g.advantage],
             eps=g.advantage_eps,
             skip_uniform_groups=g.skip_uniform_groups,
             mask_truncated=g.mask_truncated,
         )
+        exp = exp.replace(advantages=advantages, valid=train_rows)
         if g.skip_uniform_groups:
             counters["skipped_uniform_groups"] += int(uniform.sum())
 
@@ -190,27 +189,26 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         engine.after_update()
         t_train = time.perf_counter() - t1
 
-        # 7. Log, sample rows, checkpoint. The gathered batch is the whole step's: its statistics need no reduction.
-        w, lengths = scored.float(), exp.rollout.response_mask.sum(1).float()
+        # 7. Log, sample rows, checkpoint. Means over the rows with a finite score go through the
+        # distributed helpers, from each rank's own rows; the std and what the filters decided are
+        # read from the gathered batch, which every rank holds whole.
+        w, lengths = got.valid.float(), got.rollout.response_mask.sum(1).float()
         metrics = {
-            "score/mean": _mean(exp.scores, w),
-            "score/std": _std(exp.scores, scored),
-            **{
-                f"score/{k}": dist.global_mean(v, got.valid.float())
-                for k, v in got.components.items()
-            },
+            "score/mean": dist.global_mean(got.scores, w),
+            "score/std": float(exp.scores[scored].double().std()) if int(scored.sum()) > 1 else 0.0,
+            **{f"score/{k}": dist.global_mean(v, w) for k, v in got.components.items()},
             "data/uniform_group_frac": float(uniform.float().mean()),
             "data/trained_frac": float(exp.valid.float().mean()),
             **update.pop("stats"),
-            "response/length_mean": _mean(lengths, w),
-            "response/eos_frac": _mean(exp.rollout.ended.float(), w),
+            "response/length_mean": dist.global_mean(lengths, w),
+            "response/eos_frac": dist.global_mean(got.rollout.ended.float(), w),
             "data/skipped_nonfinite": counters["skipped_nonfinite"],
             "data/skipped_uniform_groups": counters["skipped_uniform_groups"],
             "data/epoch": sampler.epoch,
             "data/prompts_skipped_too_long": prompts.skipped_too_long,
             "data/prompts_truncated": prompts.truncated,
             "data/prompts_skipped_empty": prompts.skipped_empty,
-            "speed/gen_tokens_per_s": float(lengths.sum()) / max(got.generate_s, 1e-9),
+            "speed/gen_tokens_per_s": dist.global_sum(lengths.sum()) / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
             "time/step_s": time.perf_counter() - t0,
             "time/wall_s": run.wall_s(),
@@ -249,53 +247,6 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     return run.dir
 
 
-def _mean(x: torch.Tensor, w: torch.Tensor) -> float:
-    return float((x.double() * w).sum() / w.sum()) if w.sum() > 0 else math.nan
-
-
-def _std(x: torch.Tensor, keep: torch.Tensor) -> float:
-    return float(x[keep].double().std()) if int(keep.sum()) > 1 else 0.0
-
-
-# ----------------------------------------------------------------------------------------------
-# Step 5: advantages and DAPO's filters
-# ----------------------------------------------------------------------------------------------
-
-
-def group_step_advantages(
-    exp: Experience,
-    group_size: int,
-    *,
-    advantage: str,
-    eps: float,
-    skip_uniform_groups: bool,
-    mask_truncated: bool,
-) -> tuple[Experience, torch.Tensor]:
-    """``(exp with advantages (B,) and the rows to train on, uniform (n_groups,) bool)``.
-
-    ``advantage`` is a value of ``grpo.advantage``: a scale of
-    :func:`~proximal.core.group_advantages` (``unscaled`` = its ``"none"``) or ``"rloo"``
-    (:func:`~proximal.core.rloo_advantages`); statistics are over each group's valid rows (finite
-    scores). Then the rows the update trains on (``exp.valid``) lose the groups whose scores are all
-    equal (``skip_uniform_groups``, DAPO's dynamic-sampling filter: their advantage is 0, so they
-    would only dilute the normaliser and carry the KL term) and the responses that ran out of tokens
-    without a stop (``mask_truncated``, DAPO's overlong filtering — they still count in their
-    group's mean and std: the score they got is real, only its credit assignment is doubtful).
-    """
-    scores, valid = exp.scores, exp.valid
-    uniform = uniform_groups(scores, group_size, valid=valid)
-    if advantage == "rloo":
-        adv = rloo_advantages(scores, group_size, valid=valid)
-    else:
-        adv = group_advantages(scores, group_size, ADVANTAGES[advantage], eps, valid=valid)
-    rows = valid
-    if skip_uniform_groups:
-        rows = rows & ~uniform.repeat_interleave(group_size)
-    if mask_truncated:
-        rows = rows & exp.rollout.ended
-    return exp.replace(advantages=adv, valid=rows), uniform
-
-
 # ----------------------------------------------------------------------------------------------
 # Step 6: the update
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +262,9 @@ _TOKEN_STATS = (
 )
 #: Losses (already normalised shares of the mini-batch's loss: their sum over micro-batches and ranks is it).
 _LOSS_STATS = (("loss/total", "loss"), ("loss/policy", "pg_loss"), ("loss/kl", "kl_loss"))
+#: Extremes over the valid tokens of each mini-batch (a micro-batch without one reports ∓inf).
+_MAX_STATS = (("policy/ratio_max", "ratio_max"), ("advantage/max", "advantage_max"))
+_MIN_STATS = (("policy/ratio_min", "ratio_min"), ("advantage/min", "advantage_min"))
 #: Every statistic of an update that took at least one optimiser step.
 _UPDATE_KEYS = [name for name, _ in _TOKEN_STATS + _LOSS_STATS] + [
     "policy/entropy",
@@ -368,14 +322,10 @@ def grpo_update(
         for start in range(0, B, mini_batch_size):
             mini = order[start : start + mini_batch_size]
             units = float(aggregation_units(exp.mask[mini], aggregation))
-            if (
-                units == 0
-            ):  # every row of this mini-batch left out (filters, non-finite): the same on every rank
+            # every row of this mini-batch left out (filters, non-finite): the same on every rank
+            if units == 0:
                 continue
             norm = units / W
-            extremes = torch.full(
-                (4,), -math.inf, dtype=torch.float64, device=device
-            )  # max ρ, −min ρ, max Â, −min Â
 
             def micro_step(idx: torch.Tensor) -> dict:
                 m = exp.select(idx)
@@ -403,44 +353,28 @@ def grpo_update(
                 loss.backward()
                 entropy = masked_sum(token_ent, mask)
                 n_tok = mask.sum().double()
-                if n_tok > 0:
-                    extremes.copy_(
-                        torch.maximum(
-                            extremes,
-                            torch.stack(
-                                [
-                                    st["ratio_max"],
-                                    -st["ratio_min"],
-                                    st["advantage_max"],
-                                    -st["advantage_min"],
-                                ]
-                            ).double(),
-                        )
-                    )
                 return {
                     "n_tokens": n_tok,
                     "entropy_sum": entropy,
                     "seen_tokens": m.rollout.attention_mask.sum(),
                     **{name: st[k] * n_tok for name, k in _TOKEN_STATS},
                     **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
+                    **{name: st[k] for name, k in _MAX_STATS + _MIN_STATS},
                 }
 
             sums = accumulate(
-                mini[rank * per_rank : (rank + 1) * per_rank], micro_batch_size, micro_step, device
+                mini[rank * per_rank : (rank + 1) * per_rank],
+                micro_batch_size,
+                micro_step,
+                device,
+                maxima=[name for name, _ in _MAX_STATS],
+                minima=[name for name, _ in _MIN_STATS],
             )
-            ext = dist.all_reduce_max(extremes).tolist()
             n = sums["n_tokens"]
             row = {name: sums[name] / n for name, _ in _TOKEN_STATS}
             row.update({name: sums[name] / W for name, _ in _LOSS_STATS})
-            row.update(
-                {
-                    "policy/entropy": sums["entropy_sum"] / n,
-                    "policy/ratio_max": ext[0],
-                    "policy/ratio_min": -ext[1],
-                    "advantage/max": ext[2],
-                    "advantage/min": -ext[3],
-                }
-            )
+            row["policy/entropy"] = sums["entropy_sum"] / n
+            row.update({name: sums[name] for name, _ in _MAX_STATS + _MIN_STATS})
             row["policy/clipfrac"] = row["policy/clipfrac_low"] + row["policy/clipfrac_high"]
             tokens += int(sums["seen_tokens"])
             row["lr/actor"] = actor.scheduler.get_last_lr()[0]  # the rate this step runs at
@@ -449,12 +383,7 @@ def grpo_update(
             )
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
-    pick = {
-        "policy/ratio_max": max,
-        "advantage/max": max,
-        "policy/ratio_min": min,
-        "advantage/min": min,
-    }
+    pick = {name: max for name, _ in _MAX_STATS} | {name: min for name, _ in _MIN_STATS}
     # A step whose every row was left out takes no optimiser step: its update statistics are NaN (null
     # in metrics.jsonl), so every line has the same keys.
     stats = {k: math.nan for k in _UPDATE_KEYS}

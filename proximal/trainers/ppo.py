@@ -27,14 +27,12 @@ import torch
 from proximal import dist
 from proximal.config import check_valid
 from proximal.core import (
-    AdaptiveKLController,
-    FixedKLController,
-    ProportionalKLController,
     aggregation_units,
     entropy_from_logits,
     explained_variance,
     gae,
     logprobs_from_logits,
+    make_kl_controller,
     masked_aggregate,
     ppo_policy_loss,
     ptx_loss,
@@ -55,10 +53,11 @@ from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
 from proximal.rollout.sampling import response_logits
 from proximal.rollout.scoring import build_scorer, same_tokenizer
+from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.run import open_run
-from proximal.trainers.ppo_config import PPOConfig, PPOLossConfig
+from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
 
@@ -111,13 +110,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 world_size=run.world_size,
             ),
             cfg.data.ptx_max_length,
+            p.ptx_coef,
         )
     opt_steps = t.steps * p.epochs * (r.batch_size // p.mini_batch_size)
     actor_opt, actor_sched = optimizer_and_scheduler(actor, cfg.optim, total_steps=opt_steps)
     critic_opt, critic_sched = optimizer_and_scheduler(
         critic, cfg.optim, lr=cfg.optim.critic_lr, total_steps=opt_steps
     )
-    kl_ctl = kl_controller(
+    kl_ctl = make_kl_controller(
         cfg.kl.controller,
         beta=cfg.kl.beta,
         target=cfg.kl.target,
@@ -177,7 +177,12 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # pass runs now, with gradients, and its detached log-probabilities are log π_old.
         first = (
             first_pass(rollout, actor, r.temperature)
-            if reuses_first_pass(p, r.batch_size)
+            if reuses_first_pass(
+                p.reuse_first_pass,
+                batch_size=r.batch_size,
+                mini_batch_size=p.mini_batch_size,
+                micro_batch_size=p.micro_batch_size,
+            )
             else None
         )
         exp = compute_experience(
@@ -219,7 +224,15 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 gather(exp),
                 actor=Trained(actor, actor_opt, actor_sched),
                 critic=Trained(critic, critic_opt, critic_sched),
-                hp=p,
+                epochs=p.epochs,
+                mini_batch_size=p.mini_batch_size,
+                micro_batch_size=p.micro_batch_size,
+                aggregation=p.aggregation,
+                clip_eps=p.clip_eps,
+                value_clip_eps=p.value_clip_eps,
+                entropy_coef=p.entropy_coef,
+                vf_coef=p.vf_coef,
+                target_kl=p.target_kl,
                 temperature=r.temperature,
                 max_length=r.max_new_tokens,
                 max_grad_norm=cfg.optim.max_grad_norm,
@@ -297,11 +310,13 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
 @dataclass
 class PTXData:
-    """Pretraining texts for the PTX loss and the sampler that picks a batch per optimiser step."""
+    """The PTX term: pretraining texts, the sampler that picks a batch per optimiser step, the length
+    texts are cut to, and γ_PTX > 0, the term's coefficient (with γ_PTX = 0 there is no PTXData)."""
 
     texts: list[str]
     sampler: Sampler
     max_length: int
+    coef: float
 
 
 @dataclass
@@ -321,14 +336,17 @@ class FirstPass:
         return logits
 
 
-def reuses_first_pass(hp: PPOLossConfig, batch_size: int) -> bool:
-    """Whether the first epoch's actor forward can be the experience's: one process, and the batch is one
-    mini-batch of one micro-batch, so that epoch's only actor forward sees exactly the rollout."""
+def reuses_first_pass(
+    enabled: bool, *, batch_size: int, mini_batch_size: int, micro_batch_size: int
+) -> bool:
+    """Whether the first epoch's actor forward can be the experience's (``ppo.reuse_first_pass`` is
+    ``enabled``): one process, and the batch is one mini-batch of one micro-batch, so that epoch's
+    only actor forward sees exactly the rollout."""
     return (
-        hp.reuse_first_pass
+        enabled
         and dist.world_size() == 1
-        and hp.mini_batch_size >= batch_size
-        and hp.micro_batch_size >= batch_size
+        and mini_batch_size >= batch_size
+        and micro_batch_size >= batch_size
     )
 
 
@@ -352,7 +370,15 @@ def ppo_update(
     *,
     actor: Trained,
     critic: Trained,
-    hp: PPOLossConfig,
+    epochs: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    aggregation: str,
+    clip_eps: float,
+    value_clip_eps: float,
+    entropy_coef: float,
+    vf_coef: float,
+    target_kl: float | None,
     temperature: float,
     max_length: int,
     max_grad_norm: float,
@@ -361,16 +387,20 @@ def ppo_update(
     tokenizer=None,
     first: FirstPass | None = None,
 ) -> dict:
-    """``hp.epochs`` passes over shuffled mini-batches of the **whole** batch ``exp`` (every rank holds
-    it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th part of each mini-batch,
-    in micro-batches whose gradients accumulate — first the actor's, then its step, then the critic's
-    and its step, so only one model's gradients are held at a time.
+    """``epochs`` passes over shuffled mini-batches of ``mini_batch_size`` rows of the **whole** batch
+    ``exp`` (every rank holds it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th
+    part of each mini-batch, in micro-batches of ``micro_batch_size`` rows whose gradients accumulate
+    — first the actor's, then its step, then the critic's and its step, so only one model's gradients
+    are held at a time.
 
-    Every loss is normalised by the aggregation's unit count over the whole mini-batch
-    (:func:`proximal.core.aggregation_units`) divided by the number of ranks, because FSDP averages
-    gradients over ranks: the accumulated gradient is exactly that of the mini-batch's loss, whatever
-    the micro-batch size and the number of processes. The ``target_kl`` early stop is decided on the
-    global approximate KL, so every rank stops at the same mini-batch.
+    The losses (``ppo.*`` of the config, docs/formulas.md): the actor's −(L^CLIP(``clip_eps``) +
+    ``entropy_coef``·S), plus ``ptx.coef``·(−L^PTX) with ``ptx``; the critic's ``vf_coef``·
+    L^VF(``value_clip_eps``). Every loss is normalised by the ``aggregation``'s unit count over the
+    whole mini-batch (:func:`proximal.core.aggregation_units`) divided by the number of ranks, because
+    FSDP averages gradients over ranks: the accumulated gradient is exactly that of the mini-batch's
+    loss, whatever the micro-batch size and the number of processes. The ``target_kl`` early stop
+    (None: never) is decided on the global approximate KL, so every rank stops at the same
+    mini-batch.
 
     With ``first`` (:func:`reuses_first_pass`), the first epoch's one mini-batch is the whole batch in
     rollout order — a mini-batch's loss does not depend on the order of its rows — and its actor
@@ -381,29 +411,28 @@ def ppo_update(
     and the tokens this update passed through the models (all ranks).
     """
     W, rank = dist.world_size(), dist.rank()
-    B, mb = len(exp), min(hp.mini_batch_size, len(exp))
+    B, mb = len(exp), min(mini_batch_size, len(exp))
     per_rank = mb // W
     g = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
     tokens = 0
     stopped, epochs_run = False, 0
-    for epoch in range(hp.epochs):
+    for epoch in range(epochs):
         epochs_run += 1
         order = torch.randperm(B, generator=g).to(device)
         for start in range(0, B, mb):
             mini = order[start : start + mb]
-            units = float(aggregation_units(exp.mask[mini], hp.aggregation))
+            units = float(aggregation_units(exp.mask[mini], aggregation))
             if units == 0:  # every row of this mini-batch was masked out: the same on every rank
                 continue
             norm = units / W
-            if (
-                first is not None and epoch == 0
-            ):  # one mini-batch of one micro-batch: the rollout itself
+            if first is not None and epoch == 0:
+                # one mini-batch of one micro-batch: the rollout itself
                 micro, given = [exp], [first.take_logits()]
             else:
                 own = mini[rank * per_rank : (rank + 1) * per_rank]
-                micro, given = [exp.select(idx) for idx in own.split(hp.micro_batch_size)], None
+                micro, given = [exp.select(idx) for idx in own.split(micro_batch_size)], None
             lrs = (
                 actor.scheduler.get_last_lr()[0],
                 critic.scheduler.get_last_lr()[0],
@@ -413,7 +442,9 @@ def ppo_update(
             row = actor_pass(
                 micro,
                 actor.module,
-                hp,
+                clip_eps=clip_eps,
+                entropy_coef=entropy_coef,
+                aggregation=aggregation,
                 norm=norm,
                 temperature=temperature,
                 max_length=max_length,
@@ -422,23 +453,31 @@ def ppo_update(
             given = None  # the first pass's (B, T, V) logits are not held through the critic's pass
             if ptx is not None:
                 loss = ptx_step(actor.module, tokenizer, ptx)
-                (hp.ptx_coef * loss).backward()
+                (ptx.coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
             row["grad_norm/actor"] = clip_and_step(
                 actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
             )
             # The critic: c1·L^VF, then one optimiser step.
-            row.update(critic_pass(micro, critic.module, hp, norm=norm, max_length=max_length))
+            row.update(
+                critic_pass(
+                    micro,
+                    critic.module,
+                    value_clip_eps=value_clip_eps,
+                    vf_coef=vf_coef,
+                    aggregation=aggregation,
+                    norm=norm,
+                    max_length=max_length,
+                )
+            )
             row["grad_norm/critic"] = clip_and_step(
                 critic.module, critic.optimizer, critic.scheduler, max_grad_norm, what="critic"
             )
             tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
-            if (
-                hp.target_kl is not None and row["policy/approx_kl"] > hp.target_kl
-            ):  # global, so every rank agrees
-                stopped = True
+            if target_kl is not None and row["policy/approx_kl"] > target_kl:
+                stopped = True  # a global value, so every rank agrees
                 break
         if stopped:
             break
@@ -458,33 +497,33 @@ def ppo_update(
 def actor_pass(
     micro: list[Experience],
     actor,
-    hp: PPOLossConfig,
     *,
+    clip_eps: float,
+    entropy_coef: float,
+    aggregation: str,
     norm: float,
     temperature: float,
     max_length: int,
     given_logits: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Back-propagate the actor's loss over this rank's micro-batches of a mini-batch; its global stats
-    (token means over the mini-batch's valid tokens; losses summed over ranks ÷ W). ``given_logits``:
-    each micro-batch's response logits, already computed with gradients (:class:`FirstPass`)."""
+    """Back-propagate the actor's loss −(L^CLIP + c2·S) over this rank's micro-batches of a
+    mini-batch; its global stats (token means over the mini-batch's valid tokens; losses summed over
+    ranks ÷ W; the largest ratio). ``given_logits``: each micro-batch's response logits, already
+    computed with gradients (:class:`FirstPass`)."""
     device = micro[0].rollout.response_ids.device
-    acc = torch.zeros(
-        6, dtype=torch.float64, device=device
-    )  # clipfrac·n, k3·n, k1·n, n, loss, entropy
-    ratio_max = torch.tensor([-torch.inf], dtype=torch.float64, device=device)
-    for i, m in enumerate(micro):
+
+    def step(part: list) -> dict:
+        [(m, logits)] = part
         mask, n = m.mask, m.mask.sum().double()
-        logits = (
-            response_logits(actor, m.rollout) if given_logits is None else given_logits[i]
-        )  # (b, T, V)
-        if hp.entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
+        if logits is None:
+            logits = response_logits(actor, m.rollout)  # (b, T, V)
+        if entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
             logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
             entropy = entropy_from_logits(
                 logits,
                 mask,
                 temperature,
-                aggregation=hp.aggregation,
+                aggregation=aggregation,
                 max_length=max_length,
                 normalizer=norm,
             )
@@ -493,50 +532,60 @@ def actor_pass(
                 logits, m.rollout.response_ids, temperature, mask=mask, with_entropy=True
             )
             entropy = masked_aggregate(
-                token_ent, mask, hp.aggregation, max_length=max_length, normalizer=norm
+                token_ent, mask, aggregation, max_length=max_length, normalizer=norm
             )
         pg_loss, pg = ppo_policy_loss(
             logprobs,
             m.logprobs,
             m.advantages,
             mask,
-            hp.clip_eps,
-            hp.aggregation,
+            clip_eps,
+            aggregation,
             max_length=max_length,
             normalizer=norm,
         )
-        (pg_loss - hp.entropy_coef * entropy).backward()
-        acc += torch.stack(
-            [
-                pg["clipfrac"].double() * n,
-                pg["approx_kl_k3"].double() * n,
-                pg["approx_kl_k1"].double() * n,
-                n,
-                pg_loss.detach().double(),
-                entropy.detach().double(),
-            ]
-        )
-        if n > 0:
-            ratio_max = torch.maximum(ratio_max, pg["ratio_max"].double().reshape(1))
-    acc, ratio_max = dist.all_reduce_sum(acc), dist.all_reduce_max(ratio_max)
+        (pg_loss - entropy_coef * entropy).backward()
+        return {
+            "clipfrac": pg["clipfrac"].double() * n,  # token means, weighted by their count
+            "approx_kl": pg["approx_kl_k3"].double() * n,
+            "approx_kl_k1": pg["approx_kl_k1"].double() * n,
+            "n_tokens": n,
+            "loss": pg_loss.detach(),  # shares of the mini-batch's loss: they add up to it
+            "entropy": entropy.detach(),
+            "ratio_max": pg["ratio_max"],  # −inf for a micro-batch without a valid token
+        }
+
+    # Each of accumulate's rows is a micro-batch already (cut by index in ppo_update), with its logits
+    # when the first pass gave them: it takes them one at a time.
+    logits = given_logits if given_logits is not None else [None] * len(micro)
+    s = accumulate(list(zip(micro, logits)), 1, step, device, maxima=("ratio_max",))
     W = dist.world_size()
     return {
-        "policy/clipfrac": float(acc[0] / acc[3]),
-        "policy/approx_kl": float(acc[1] / acc[3]),
-        "policy/approx_kl_k1": float(acc[2] / acc[3]),
-        "loss/policy": float(acc[4]) / W,
-        "policy/entropy": float(acc[5]) / W,
-        "policy/ratio_max": float(ratio_max),
+        "policy/clipfrac": s["clipfrac"] / s["n_tokens"],
+        "policy/approx_kl": s["approx_kl"] / s["n_tokens"],
+        "policy/approx_kl_k1": s["approx_kl_k1"] / s["n_tokens"],
+        "loss/policy": s["loss"] / W,
+        "policy/entropy": s["entropy"] / W,
+        "policy/ratio_max": s["ratio_max"],
     }
 
 
 def critic_pass(
-    micro: list[Experience], critic, hp: PPOLossConfig, *, norm: float, max_length: int
+    micro: list[Experience],
+    critic,
+    *,
+    value_clip_eps: float,
+    vf_coef: float,
+    aggregation: str,
+    norm: float,
+    max_length: int,
 ) -> dict[str, float]:
-    """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch; its global stats."""
+    """Back-propagate c1·L^VF over this rank's micro-batches of a mini-batch (cut as for
+    :func:`actor_pass`); its global stats."""
     device = micro[0].rollout.response_ids.device
-    acc = torch.zeros(3, dtype=torch.float64, device=device)  # clipfrac·n, n, loss
-    for m in micro:
+
+    def step(part: list[Experience]) -> dict:
+        [m] = part
         mask, n = m.mask, m.mask.sum().double()
         values = critic_values(critic, m.rollout)
         vf_loss, vf = value_loss(
@@ -544,17 +593,18 @@ def critic_pass(
             m.values,
             m.returns,
             mask,
-            hp.value_clip_eps,
-            aggregation=hp.aggregation,
+            value_clip_eps,
+            aggregation=aggregation,
             max_length=max_length,
             normalizer=norm,
         )
-        (hp.vf_coef * vf_loss).backward()
-        acc += torch.stack([vf["vf_clipfrac"].double() * n, n, vf_loss.detach().double()])
-    acc = dist.all_reduce_sum(acc)
+        (vf_coef * vf_loss).backward()
+        return {"clipfrac": vf["vf_clipfrac"].double() * n, "n_tokens": n, "loss": vf_loss.detach()}
+
+    s = accumulate(micro, 1, step, device)
     return {
-        "value/clipfrac": float(acc[0] / acc[1]),
-        "loss/value": float(acc[2]) / dist.world_size(),
+        "value/clipfrac": s["clipfrac"] / s["n_tokens"],
+        "loss/value": s["loss"] / dist.world_size(),
     }
 
 
@@ -573,7 +623,7 @@ def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up: models and the KL controller
+# Set-up: the models
 # ----------------------------------------------------------------------------------------------
 
 
@@ -643,14 +693,6 @@ def build_models(
         activation_checkpointing=t.activation_checkpointing,
     )
     return PPOModels(tokenizer, actor, reference, critic, scorer)
-
-
-def kl_controller(name: str, *, beta: float, target: float, k_beta: float, horizon: int):
-    if name == "adaptive":
-        return AdaptiveKLController(beta, target, k_beta)
-    if name == "proportional":
-        return ProportionalKLController(beta, target, horizon)
-    return FixedKLController(beta)
 
 
 def cli(argv: list[str]) -> int:

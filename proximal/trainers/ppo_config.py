@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from proximal.config import check_divides, option, section
-from proximal.core import AGGREGATIONS, ESTIMATORS
+from proximal.core import AGGREGATIONS, ESTIMATORS, KL_CONTROLLERS
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
@@ -22,8 +22,6 @@ from proximal.train.sections import (
     RLTrainSection,
     RolloutSection,
 )
-
-KL_CONTROLLERS = ("fixed", "adaptive", "proportional")
 
 
 @dataclass
