@@ -84,7 +84,6 @@ def ppo_update_once(
     actor and critic parameters after it."""
     from proximal.models.loading import load_tokenizer
     from proximal.trainers.ppo import ppo_update
-    from proximal.trainers.ppo_config import PPOLossConfig
 
     tok = load_tokenizer(policy_path)
     W = dist.world_size()
@@ -99,18 +98,19 @@ def ppo_update_once(
     exp = fixed_experience(tok, actor, critic)  # computed unsharded, identically on every rank
     for m in (actor, critic):
         prepare_trained(m, device=torch.device("cpu"), precision="32-true", world_size=W)
-    hp = PPOLossConfig(
-        epochs=2,
-        mini_batch_size=mini_batch_size,
-        micro_batch_size=micro_batch_size,
-        aggregation=aggregation,
-        entropy_coef=0.01,
-    )
     out = ppo_update(
         exp,
         actor=sgd(actor, 0.5),
         critic=sgd(critic, 0.5),
-        hp=hp,
+        epochs=2,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        aggregation=aggregation,
+        clip_eps=0.2,
+        value_clip_eps=0.2,
+        entropy_coef=0.01,
+        vf_coef=0.5,
+        target_kl=None,
         temperature=1.0,
         max_length=exp.rollout.response_ids.shape[1],
         max_grad_norm=0.0,
