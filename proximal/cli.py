@@ -88,9 +88,8 @@ def entry() -> None:
 def _quiet_transformers() -> None:
     """Our own progress bars say what is happening; the per-file loading bars of transformers are noise."""
     try:
-        from transformers.utils import (
-            logging as hf_logging,
-        )  # lazy: `proximal --help` stays instant
+        # lazy: `proximal --help` stays instant
+        from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover
         return
     hf_logging.disable_progress_bar()
