@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -140,7 +141,7 @@ class HFEngine:
         self._cache_kw = cache_argument(model)
         # Once, before any rollout (never per token): whether the lean step can decode this model.
         self._lean_reason = self._why_not_lean()
-        self._said: set[str] = set()  # reasons a rollout fell back, each printed once
+        self._said: set[str] = set()  # the kinds of reason a rollout fell back for, each said once
 
     @torch.no_grad()
     def generate(
@@ -266,9 +267,11 @@ class HFEngine:
         return f"the model's own forward at every token (lean decode: {self._lean_reason})"
 
     def _say(self, reason: str) -> None:
-        """One line (rank 0, once per reason) when a rollout decodes the model's own way."""
-        if reason not in self._said:
-            self._said.add(reason)
+        """One line (rank 0, once per reason) when a rollout decodes the model's own way; reasons that
+        differ only in their numbers (a cache's shape at each prompt length) count as one."""
+        kind = re.sub(r"\d+", "N", reason)
+        if kind not in self._said:
+            self._said.add(kind)
             if dist.is_main():
                 print(
                     f"proximal: decode: the model's own forward (lean decode: {reason})", flush=True

@@ -277,3 +277,16 @@ def test_the_start_up_checks_run_once_per_engine_not_per_rollout(saved, monkeypa
     for _ in range(3):
         engine.generate(ids, mask, SEEDS, PARAMS)
     assert calls[0] == 1
+
+
+def test_a_reason_is_said_once_even_when_its_numbers_change(saved, capsys):
+    """A cache of another shape at each prompt length is one reason, not a line per rollout."""
+    engine = HFEngine(tiny_lm("llama", saved), 0)
+    capsys.readouterr()
+    for P in (7, 9, 7):
+        engine._say(
+            f"the prompt's cache holds keys of shape (6, 2, {P - 1}, 16), not (6, heads, {P}, head_dim)"
+        )
+    engine._say("a sliding attention window (4 positions) narrower than prompt and response")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "(6, 2, 6, 16)" in lines[0] and "sliding" in lines[1]
