@@ -46,6 +46,26 @@ def section(cls: type, help: str = "", **defaults: Any) -> Any:
     return dataclasses.field(default_factory=factory, metadata={"help": help, "choices": None})
 
 
+def reworded(base: type, name: str, help: str) -> Any:
+    """Field ``name`` of the section ``base`` — its default and its choices — with another ``--help``
+    text: for a section that extends ``base`` and says what the field means for its own command
+    (``path: str = reworded(ModelSection, "path", "The reward model's initial weights ...")``)."""
+    f = base.__dataclass_fields__[name]
+    return option(
+        f.default,
+        help,
+        choices=f.metadata.get("choices"),
+        default_factory=f.default_factory,
+    )
+
+
+def section_problems(cfg: Any) -> list[str]:
+    """Every section's ``problems()`` of a command's config, in the order the sections are declared:
+    the start of each config's ``validate()``, which then adds the checks across sections."""
+    parts = (getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+    return [problem for part in parts if hasattr(part, "problems") for problem in part.problems()]
+
+
 # ----------------------------------------------------------------------------------------------
 # Type handling
 # ----------------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ log π_ref once, from the initial weights, before the first update, and then hol
 policy's per-token average log-likelihood, with a target margin γ. ``--resume RUN_DIR`` continues a
 run of either exactly.
 
-The file reads top to bottom: the configs (the ``model``, ``data``, ``optim``, ``train`` and ``output``
-sections of every command, plus ``dpo`` or ``simpo``), the loop in :func:`train` shared by both
-methods, its per-micro-batch step. The losses are :func:`proximal.core.dpo_loss` and
-:func:`proximal.core.simpo_loss` over :func:`proximal.core.sequence_logprobs`; the run's life
-(checkpoints, resume, logs, several processes, precision) is the shared layer's.
+The file reads top to bottom: what differs between the two methods (:class:`Objective`), :func:`train`
+shared by both (the data, the models, the reference log-probabilities, the step's metrics and
+held-out metrics), its per-micro-batch step. The configs are :mod:`proximal.trainers.dpo_config`;
+the losses are :func:`proximal.core.dpo_loss` and :func:`proximal.core.simpo_loss` over
+:func:`proximal.core.sequence_logprobs`; the loop and the run's life (checkpoints, resume, logs,
+several processes, precision) are the shared layer's (:func:`proximal.train.fixed.fit`, as for
+``proximal sft`` and ``rm``).
 
 Notation: B pairs per micro-batch, L the padded length of the 2B sequences (chosen rows first).
 """
@@ -22,208 +24,27 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from proximal.config import check_valid, option, section
-from proximal.core import DPO_LOSS_TYPES, dpo_loss, sequence_logprobs, simpo_loss, token_kl
-from proximal.core.ranges import problem
-from proximal.data.preferences import ON_TOO_LONG_PAIRS, collate_pairs, load_preference_pairs
-from proximal.data.sampler import Sampler
+from proximal.config import check_valid
+from proximal.core import dpo_loss, sequence_logprobs, simpo_loss, token_kl
+from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
 from proximal.models.heads import lm_logits
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.policy import build_policy, load_reference
-from proximal.train.batches import accumulate, evaluate, evaluate_rows, plan_steps
-from proximal.train.checkpoint import export_final
+from proximal.train.batches import evaluate, evaluate_rows
 from proximal.train.command import config_command
-from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
-from proximal.train.run import check_per_rank, due, open_run
-from proximal.train.sections import (
-    FROZEN_SHARDING,
-    BatchTrainSection,
-    OptimSection,
-    OutputSection,
-    PolicyModelSection,
-    PreferenceDataSection,
-)
+from proximal.train.fixed import fit, load_data
+from proximal.train.optim import optimizer_and_scheduler
+from proximal.train.run import open_run
+from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
 
-# ----------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PreferencePolicyModel(PolicyModelSection):
-    path: str = option(
-        "",
-        "The policy as it starts, usually the SFT model: a local Hugging Face checkpoint directory "
-        "or a hub id. It is also the starting model the held-out KL is measured against, and "
-        "DPO's reference π_ref (frozen; with LoRA the same weights with the adapters off). Its "
-        "tokenizer is loaded from the same place. Required.",
-    )
-    frozen_sharding: str = option(
-        "shard",
-        "With several processes, how a frozen copy of the starting model (DPO's "
-        "reference; the model of eval/kl) is held: 'shard' splits it with FSDP2 "
-        "like the policy (least memory; an all-gather per layer per forward), "
-        "'replicate' keeps a full copy on every rank (no communication).",
-        choices=FROZEN_SHARDING,
-    )
-
-
-@dataclass
-class PairData(PreferenceDataSection):
-    on_too_long: str = option(
-        "error",
-        "A pair where either side is longer than max_length: 'error' stops with its "
-        "file:line; 'skip' drops the pair (counted in metrics.jsonl); 'truncate' keeps "
-        "each side's first max_length tokens — the whole prompt and the start of the "
-        "response (counted) — and a prompt that leaves no room for a response is an "
-        "error naming its row.",
-        choices=ON_TOO_LONG_PAIRS,
-    )
-
-
-@dataclass
-class PreferenceTrainSection(BatchTrainSection):
-    eval_kl: bool = option(
-        True,
-        "Log eval/kl, the exact KL of the policy to the starting model on the held-out "
-        "responses. Where no reference is resident (SimPO, or DPO with "
-        "train.precompute_ref_logprobs and no LoRA) the starting model is loaded for each "
-        "evaluation and released after it; false never loads it.",
-    )
-
-
-@dataclass
-class DPOTrainSection(PreferenceTrainSection):
-    precompute_ref_logprobs: bool = option(
-        False,
-        "Compute log π_ref of every pair once, from the initial policy, "
-        "before the first update, and hold no reference model while "
-        "training (a full fine-tune saves one model's weights; with LoRA "
-        "it saves a forward pass per step).",
-    )
-
-
-@dataclass
-class DPOSection:
-    beta: float = option(
-        0.1,
-        "β: how far the policy may move from the reference (the implicit KL constraint's "
-        "weight). 0.1 is the usual value; 0.01–0.5 is the sensible range.",
-    )
-    loss_type: str = option(
-        "sigmoid",
-        "sigmoid: DPO's −log σ(h) (Rafailov et al. 2023); robust: the label-noise "
-        "unbiased loss (Chowdhury et al. 2024); ipo: (h − 1/(2β))² on per-token mean "
-        "log-ratios (Azar et al. 2023).",
-        choices=DPO_LOSS_TYPES,
-    )
-    label_smoothing: float = option(
-        0.0,
-        "ε ∈ [0, 0.5): the assumed share of flipped labels. sigmoid: conservative "
-        "DPO; robust: the unbiased estimator; must be 0 for ipo.",
-    )
-
-    def problems(self, name: str = "dpo") -> list[str]:
-        e = [
-            m
-            for m in (
-                problem("dpo_beta", self.beta, f"{name}.beta"),
-                problem("label_smoothing", self.label_smoothing, f"{name}.label_smoothing"),
-            )
-            if m
-        ]
-        if self.loss_type == "ipo" and self.label_smoothing != 0:
-            e.append(
-                f"{name}.label_smoothing = {self.label_smoothing}: the ipo loss has no label-noise variant; use 0"
-            )
-        return e
-
-
-@dataclass
-class SimPOSection:
-    beta: float = option(
-        2.0,
-        "β: the scale of the length-normalised reward β·avg log π(y|x). The paper uses 2–10 "
-        "(2.0–2.5 for base models, up to 10 for instruct ones).",
-    )
-    gamma_beta_ratio: float = option(
-        0.5,
-        "γ/β: the target reward margin γ as a multiple of β (γ = ratio·β), as the "
-        "official code parameterises it. 0.3–0.8 works; 0 = no margin.",
-    )
-
-    def problems(self, name: str = "simpo") -> list[str]:
-        return [
-            m
-            for m in (
-                problem("simpo_beta", self.beta, f"{name}.beta"),
-                problem("gamma_beta_ratio", self.gamma_beta_ratio, f"{name}.gamma_beta_ratio"),
-            )
-            if m
-        ]
-
-
-def _problems(cfg, method_section) -> list[str]:
-    e = cfg.model.problems() + cfg.data.problems() + cfg.optim.problems() + cfg.train.problems()
-    e += cfg.output.problems() + method_section.problems()
-    if cfg.train.batch_size >= 1 and cfg.train.micro_batch_size >= 1:
-        check_per_rank(
-            e,
-            "train.batch_size",
-            cfg.train.batch_size,
-            "train.micro_batch_size",
-            cfg.train.micro_batch_size,
-        )
-    return e
-
-
-@dataclass
-class DPOConfig:
-    """``proximal dpo`` configuration."""
-
-    model: PreferencePolicyModel = section(
-        PreferencePolicyModel, "The policy π_θ and, frozen, its reference π_ref."
-    )
-    data: PairData = section(PairData, "Preference pairs (the files proximal rm reads).")
-    optim: OptimSection = section(OptimSection, "Optimisation.", lr=5e-7, schedule="linear")
-    train: DPOTrainSection = section(
-        DPOTrainSection, "Steps, batches (counting pairs), devices, checkpoints.", save_every=500
-    )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/dpo")
-    dpo: DPOSection = section(DPOSection, "The DPO loss.")
-
-    def validate(self) -> list[str]:
-        return _problems(self, self.dpo)
-
-
-@dataclass
-class SimPOConfig:
-    """``proximal simpo`` configuration."""
-
-    model: PreferencePolicyModel = section(
-        PreferencePolicyModel, "The policy π_θ (SimPO has no reference)."
-    )
-    data: PairData = section(PairData, "Preference pairs (the files proximal rm reads).")
-    optim: OptimSection = section(OptimSection, "Optimisation.", lr=5e-7, schedule="linear")
-    train: PreferenceTrainSection = section(
-        PreferenceTrainSection,
-        "Steps, batches (counting pairs), devices, checkpoints.",
-        save_every=500,
-    )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/simpo")
-    simpo: SimPOSection = section(SimPOSection, "The SimPO loss.")
-
-    def validate(self) -> list[str]:
-        return _problems(self, self.simpo)
+__all__ = ["DPOConfig", "SimPOConfig", "train", "pair_step", "dpo_cli", "simpo_cli"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,20 +118,18 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
         resume_dir=resume_dir,
+        cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
     load = dict(max_length=d.max_length, on_too_long=d.on_too_long, on_empty=d.on_empty)
-    train_set, train_report = load_preference_pairs(d.train_file, tokenizer, **load)
-    eval_set, eval_report = (
-        load_preference_pairs(d.eval_file, tokenizer, **load) if d.eval_file else ([], None)
-    )
-    total = plan_steps(
-        len(train_set),
+    data = load_data(
+        lambda path: load_preference_pairs(path, tokenizer, **load),
+        d.train_file,
+        d.eval_file,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
-        train_file=d.train_file,
     )
 
     # 2. The policy, and DPO's reference when it is to be resident: a frozen copy, or the LoRA policy with
@@ -327,15 +146,9 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         frozen_sharding=m.frozen_sharding,
     )
     check_fits(policy, tokenizer, d.max_length, m.path)
-    optimizer, scheduler = optimizer_and_scheduler(policy, cfg.optim, total_steps=total)
-    sampler = Sampler(
-        len(train_set),
-        t.batch_size,
-        seed=t.seed,
-        drop_last=True,
-        rank=run.rank,
-        world_size=run.world_size,
-    )
+    # Before the policy's first forward pass (the precomputation below): under FSDP2 a forward leaves the
+    # root module's gathered parameters in place, and an optimiser built then would hold them.
+    optimizer, scheduler = optimizer_and_scheduler(policy, cfg.optim, total_steps=data.total)
     pad, W, dev = tokenizer.pad_token_id, run.world_size, run.device
 
     def ref_model():
@@ -343,11 +156,12 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         first update, to precompute — the policy itself, which then holds the initial weights."""
         return reference.active() if reference is not None else contextlib.nullcontext(policy)
 
-    # 3. Precomputed log π_ref of every pair (chosen, rejected), before the checkpoint's weights load.
+    # 3. Precomputed log π_ref of every pair (chosen, rejected), before the checkpoint's weights load
+    # (fit restores them).
     ref_table = {}
     if precompute:
         with ref_model() as r:
-            for split, pairs in (("train", train_set), ("eval", eval_set)):
+            for split, pairs in (("train", data.train), ("eval", data.eval)):
                 if pairs:
                     ref_table[split] = evaluate_rows(
                         len(pairs),
@@ -358,22 +172,9 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
                         2,
                         dev,
                     )
-    trained, stateful = (
-        {"policy": (policy, optimizer)},
-        {"scheduler": scheduler, "sampler": sampler},
-    )
-    start, counters = run.restore(trained, stateful)
-    run.begin(
-        cfg,
-        start=start,
-        total=total,
-        counters=counters,
-        progress=cfg.output.progress,
-        tensorboard=cfg.output.tensorboard,
-        wandb_project=cfg.output.wandb_project,
-    )
-    run.record_models(policy=policy, reference=reference.model if reference is not None else None)
 
+    # 4. The loss of a step is the mean over the pairs of the global batch; log π_ref from the table
+    # when precomputed, else from the resident reference.
     def step_fn(pairs, idx, split: str, *, normalizer=None, kl_model=None):
         table = ref_table.get(split)
         return pair_step(
@@ -388,6 +189,13 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             kl_reference=kl_model,
         )
 
+    def metrics(s: dict, n: int, seconds: float) -> dict:
+        return {
+            **{f"train/{k}": s[f"{k}_sum"] / n for k in PAIR_MEANS},
+            "speed/tokens_per_s": s["tokens"] / max(seconds, 1e-9),
+            "time/step_s": seconds,
+        }
+
     def held_out() -> dict:
         with starting_model(
             reference,
@@ -399,9 +207,9 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             frozen_sharding=m.frozen_sharding,
         ) as start_model:
             s = evaluate(
-                len(eval_set),
+                len(data.eval),
                 t.micro_batch_size,
-                lambda idx: step_fn(eval_set, idx, "eval", kl_model=start_model),
+                lambda idx: step_fn(data.eval, idx, "eval", kl_model=start_model),
                 dev,
             )
         row = {f"eval/{k}": s[f"{k}_sum"] / s["pairs"] for k in PAIR_MEANS}
@@ -414,78 +222,32 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             )
         return row
 
-    # 4. Step 0: data counts and the held-out metrics before any update.
-    if start == 0:
-        first = {
-            **train_report.metrics("train"),
-            "data/train_truncated": train_report.truncated,
-            "train/total_steps": total,
-            "model/reference_resident": int(resident),
-        }
-        if eval_report:
-            first.update(
-                {**eval_report.metrics("eval"), "data/eval_truncated": eval_report.truncated}
-            )
-        run.log(0, {**first, **(held_out() if eval_set else {})})
-
-    # 5. The loop: each optimiser step accumulates this rank's micro-batches of the global batch of pairs;
-    # every loss is normalised by the global batch's pairs ÷ the ranks, so the gradient is the batch mean's.
-    for step in range(start + 1, total + 1):
-        t0 = time.perf_counter()
-        batch = sampler.next_global_batch()
-        s = accumulate(
-            sampler.local_part(batch),
-            t.micro_batch_size,
-            lambda idx: step_fn(train_set, idx, "train", normalizer=len(batch) / W),
-            dev,
-        )
-        if not math.isfinite(s["loss_sum"]):
-            optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"step {step}: the {obj.command.upper()} loss is {s['loss_sum'] / len(batch)}; "
-                "the step was not applied (lower optim.lr, or check the data)"
-            )
-        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
-        with at_step(step):
-            grad_norm = clip_and_step(
-                policy, optimizer, scheduler, cfg.optim.max_grad_norm, what="policy"
-            )
-        step_s = time.perf_counter() - t0
-
-        # 6. Log; evaluate every eval_every steps and after the last one; checkpoint.
-        row = {
-            **{f"train/{k}": s[f"{k}_sum"] / len(batch) for k in PAIR_MEANS},
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/epoch": step / sampler.steps_per_epoch,
-            "speed/tokens_per_s": s["tokens"] / max(step_s, 1e-9),
-            "time/step_s": step_s,
-            "time/wall_s": run.wall_s(),
-        }
-        if eval_set and due(step, total, t.eval_every):
-            row.update(held_out())
-        run.log(
-            step,
-            row,
-            postfix={
-                "loss": row["train/loss"],
-                "acc": row.get("eval/accuracy", row["train/accuracy"]),
-            },
-        )
-        if run.save_due(step, total, t.save_every):
-            run.save(
-                step,
-                trained=trained,
-                stateful=stateful,
-                counters=counters,
-                exports={"policy": (policy, tokenizer)},
-                keep=t.keep_checkpoints,
-            )
-
-    # 7. The trained policy (safetensors + tokenizer; with LoRA its adapters) next to config.yaml and metrics.
-    export_final(run.dir, policy, tokenizer)
-    run.finish()
-    return run.dir
+    # 5. The loop (step 0's held-out metrics, then accumulate → clip and step → log, evaluate, save),
+    # and the trained policy (safetensors + tokenizer; with LoRA its adapters) next to config.yaml.
+    first = {
+        "data/train_truncated": data.train_report.truncated,
+        "model/reference_resident": int(resident),
+        **({"data/eval_truncated": data.eval_report.truncated} if data.eval_report else {}),
+    }
+    return fit(
+        run,
+        cfg,
+        data,
+        model=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        name="policy",
+        tokenizer=tokenizer,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        train=t,
+        output=cfg.output,
+        micro_step=lambda idx, norm: step_fn(data.train, idx, "train", normalizer=norm),
+        metrics=metrics,
+        held_out=held_out,
+        postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
+        first=first,
+        models={"policy": policy, "reference": reference.model if reference is not None else None},
+    )
 
 
 def response_logits(model, batch: dict) -> torch.Tensor:

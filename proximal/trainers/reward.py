@@ -13,92 +13,33 @@ from EOS this is exactly what the checkpoint's own ``model(...).logits`` returns
 the rightmost non-pad token); when pad = EOS, plain ``model(...).logits`` skips the trailing EOS and
 reads the token before it, so score through ``last_token_scores`` (see docs/rm.md).
 
-Config layout, optimiser, schedule, batching and checkpoints are the shared layer's, as in
-``proximal sft`` (:mod:`proximal.trainers.sft`).
+The file reads top to bottom: :func:`train` (the data, the model, the step's metrics and held-out
+metrics), its per-micro-batch step. The config is :mod:`proximal.trainers.reward_config`; the loss
+is :func:`proximal.core.bradley_terry_loss`; the loop, optimiser, schedule, batching and checkpoints
+are the shared layer's (:func:`proximal.train.fixed.fit`), as in ``proximal sft``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from proximal.config import check_valid, option, section
+from proximal.config import check_valid
 from proximal.core import bradley_terry_loss
 from proximal.data.preferences import collate_pairs, load_preference_pairs
-from proximal.data.sampler import Sampler
 from proximal.logging import read_metrics
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.reward import load_reward_model, pair_scores
-from proximal.train.batches import accumulate, evaluate, plan_steps
-from proximal.train.checkpoint import export_final
+from proximal.train.batches import evaluate
 from proximal.train.command import config_command
-from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
-from proximal.train.run import check_per_rank, open_run
-from proximal.train.sections import (
-    RENAMED_BATCH_FIELDS,
-    BatchTrainSection,
-    ModelSection,
-    OptimSection,
-    OutputSection,
-    PreferenceDataSection,
-)
+from proximal.train.fixed import fit, load_data
+from proximal.train.optim import optimizer_and_scheduler
+from proximal.train.run import open_run
+from proximal.trainers.reward_config import RMConfig
 
-# ----------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RMModel(ModelSection):
-    path: str = option(
-        "",
-        "Initial weights: a causal-LM checkpoint (usually the SFT model; a zero-initialised "
-        "one-output head replaces the LM head) or an existing one-label sequence-"
-        "classification checkpoint (trained further as is). Its tokenizer is loaded from "
-        "the same place and saved with the result. Required.",
-    )
-
-
-@dataclass
-class RMConfig:
-    """``proximal rm`` configuration."""
-
-    model: RMModel = section(RMModel, "The model the reward model starts from.")
-    data: PreferenceDataSection = section(PreferenceDataSection, "Preference pairs.")
-    optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
-    train: BatchTrainSection = section(
-        BatchTrainSection, "Steps, batches (counting pairs), devices, checkpoints.", save_every=500
-    )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/rm")
-
-    RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
-
-    def validate(self) -> list[str]:
-        e = (
-            self.model.problems()
-            + self.data.problems()
-            + self.optim.problems()
-            + self.train.problems()
-        )
-        e += self.output.problems()
-        if self.train.batch_size >= 1 and self.train.micro_batch_size >= 1:
-            check_per_rank(
-                e,
-                "train.batch_size",
-                self.train.batch_size,
-                "train.micro_batch_size",
-                self.train.micro_batch_size,
-            )
-        return e
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
+__all__ = ["RMConfig", "train", "pair_step", "cli"]
 
 
 def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
@@ -115,23 +56,21 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
         resume_dir=resume_dir,
+        cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     load = dict(max_length=d.max_length, on_too_long=d.on_too_long, on_empty=d.on_empty)
-    train_set, train_report = load_preference_pairs(d.train_file, tokenizer, **load)
-    eval_set, eval_report = (
-        load_preference_pairs(d.eval_file, tokenizer, **load) if d.eval_file else ([], None)
-    )
-    total = plan_steps(
-        len(train_set),
+    data = load_data(
+        lambda path: load_preference_pairs(path, tokenizer, **load),
+        d.train_file,
+        d.eval_file,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
-        train_file=d.train_file,
     )
 
-    # 2. Model (a fresh zero head on a causal LM, or an existing classifier), optimiser, sampler, resume.
+    # 2. The model (a fresh zero head on a causal LM, or an existing classifier), its optimiser and schedule.
     model, new_head = load_reward_model(
         cfg.model.path, load_dtype(t.precision, trained=True), tokenizer
     )
@@ -144,35 +83,26 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         activation_checkpointing=t.activation_checkpointing,
     )
     model.train()
-    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=total)
-    sampler = Sampler(
-        len(train_set),
-        t.batch_size,
-        seed=t.seed,
-        drop_last=True,
-        rank=run.rank,
-        world_size=run.world_size,
-    )
-    trained, stateful = {"model": (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
-    start, counters = run.restore(trained, stateful)
-    run.begin(
-        cfg,
-        start=start,
-        total=total,
-        counters=counters,
-        progress=cfg.output.progress,
-        tensorboard=cfg.output.tensorboard,
-        wandb_project=cfg.output.wandb_project,
-    )
-    run.record_models(model=model)
-    pad, W = tokenizer.pad_token_id, run.world_size
+    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
+    pad = tokenizer.pad_token_id
+
+    # 3. The loss of a step is the mean Bradley–Terry loss over the pairs of the global batch.
+    def micro_step(idx: list[int], normalizer: float) -> dict:
+        return pair_step(model, [data.train[i] for i in idx], pad, run.device, normalizer)
+
+    def metrics(s: dict, n: int, _seconds: float) -> dict:
+        return {
+            "train/loss": s["loss_sum"] / n,
+            "train/accuracy": s["correct"] / n,
+            "train/reward_gap": s["gap_sum"] / n,
+        }
 
     def held_out() -> dict:
         model.eval()
         s = evaluate(
-            len(eval_set),
+            len(data.eval),
             t.micro_batch_size,
-            lambda idx: pair_step(model, [eval_set[i] for i in idx], pad, run.device),
+            lambda idx: pair_step(model, [data.eval[i] for i in idx], pad, run.device),
             run.device,
         )
         model.train()
@@ -189,64 +119,26 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
             "eval/reward_std": max(var, 0.0) ** 0.5,
         }
 
-    # 3. Step 0: data counts and the held-out metrics before any update.
-    if start == 0:
-        first = {
-            **train_report.metrics("train"),
-            **(eval_report.metrics("eval") if eval_report else {}),
-            "train/total_steps": total,
-            "model/new_head": int(new_head),
-        }
-        run.log(0, {**first, **(held_out() if eval_set else {})})
-
-    # 4. The loop: each optimiser step accumulates this rank's micro-batches of pairs.
-    for step in range(start + 1, total + 1):
-        batch = [train_set[i] for i in sampler.next_global_batch()]
-        s = accumulate(
-            sampler.local_part(batch),
-            t.micro_batch_size,
-            lambda rows: pair_step(model, rows, pad, run.device, len(batch) / W),
-            run.device,
-        )
-        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
-        with at_step(step):
-            grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
-
-        # 5. Log; evaluate every eval_every steps and after the last one; checkpoint.
-        n = len(batch)
-        row = {
-            "train/loss": s["loss_sum"] / n,
-            "train/accuracy": s["correct"] / n,
-            "train/reward_gap": s["gap_sum"] / n,
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/epoch": step / sampler.steps_per_epoch,
-            "time/wall_s": run.wall_s(),
-        }
-        if eval_set and (step == total or (t.eval_every and step % t.eval_every == 0)):
-            row.update(held_out())
-        run.log(
-            step,
-            row,
-            postfix={
-                "loss": row["train/loss"],
-                "acc": row.get("eval/accuracy", row["train/accuracy"]),
-            },
-        )
-        if run.save_due(step, total, t.save_every):
-            run.save(
-                step,
-                trained=trained,
-                stateful=stateful,
-                counters=counters,
-                exports={"model": (model, tokenizer)},
-                keep=t.keep_checkpoints,
-            )
-
-    # 6. The one-label classifier (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
-    export_final(run.dir, model, tokenizer)
-    run.finish()
-    return run.dir
+    # 4. The loop (step 0's held-out metrics, then accumulate → clip and step → log, evaluate, save),
+    # and the one-label classifier (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    return fit(
+        run,
+        cfg,
+        data,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        name="model",
+        tokenizer=tokenizer,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        train=t,
+        output=cfg.output,
+        micro_step=micro_step,
+        metrics=metrics,
+        held_out=held_out,
+        postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
+        first={"model/new_head": int(new_head)},
+    )
 
 
 def pair_step(

@@ -5,119 +5,33 @@ pairs with the next-token loss on the **response tokens only** (the prompt is gi
 logs the held-out loss, and writes a Hugging Face checkpoint into ``output.dir``;
 ``proximal sft --resume RUN_DIR`` continues an interrupted run exactly.
 
-The file reads top to bottom: the config, the loop in :func:`train`, its per-micro-batch step.
-The loss is :func:`proximal.core.sft_loss`; the run's life (checkpoints, resume, logs, several
-processes) is the shared layer's (:mod:`proximal.train`).
+The file reads top to bottom: :func:`train` (the data, the model, the step's normaliser, metrics
+and held-out loss), its per-micro-batch step. The config is :mod:`proximal.trainers.sft_config`; the
+loss is :func:`proximal.core.sft_loss`; the loop and the run's life (checkpoints, resume, logs,
+several processes) are the shared layer's (:func:`proximal.train.fixed.fit`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from proximal.config import check_valid, option, section
+from proximal.config import check_valid
 from proximal.core import sft_loss
-from proximal.data.sampler import Sampler
-from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, collate_sft, load_sft_examples
+from proximal.data.sft import collate_sft, load_sft_examples
 from proximal.logging import read_metrics
 from proximal.models.heads import lm_logits
 from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
-from proximal.train.batches import accumulate, evaluate, plan_steps
-from proximal.train.checkpoint import export_final
+from proximal.train.batches import evaluate
 from proximal.train.command import config_command
-from proximal.train.optim import at_step, clip_and_step, optimizer_and_scheduler
-from proximal.train.run import check_per_rank, open_run
-from proximal.train.sections import (
-    RENAMED_BATCH_FIELDS,
-    BatchTrainSection,
-    ModelSection,
-    OptimSection,
-    OutputSection,
-)
+from proximal.train.fixed import fit, load_data
+from proximal.train.optim import optimizer_and_scheduler
+from proximal.train.run import open_run
+from proximal.trainers.sft_config import SFTConfig
 
-# ----------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SFTData:
-    train_file: str = option(
-        "",
-        'JSONL training file, one record per line: {"prompt": str, '
-        '"response": str} or {"messages": [...]} whose last message is the '
-        "assistant's response (docs/sft.md). Required.",
-    )
-    eval_file: str | None = option(
-        None, "JSONL file in the same format for the held-out loss; null = no held-out evaluation."
-    )
-    max_length: int = option(
-        512,
-        "Longest prompt + response + EOS, in tokens. A longer row is an error "
-        "naming its file and line, or is dropped (see on_too_long).",
-    )
-    on_too_long: str = option(
-        "error",
-        "What to do with a row longer than max_length: 'error' stops with "
-        "its file:line; 'skip' drops it and counts it in metrics.jsonl.",
-        choices=ON_TOO_LONG,
-    )
-    on_empty: str = option(
-        "error",
-        "What to do with a row whose response is empty: 'error' stops with its "
-        "file:line; 'skip' drops it and counts it in metrics.jsonl.",
-        choices=ON_EMPTY,
-    )
-
-    def problems(self, name: str = "data") -> list[str]:
-        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
-        if self.max_length < 2:
-            e.append(
-                f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)"
-            )
-        return e
-
-
-@dataclass
-class SFTConfig:
-    """``proximal sft`` configuration."""
-
-    model: ModelSection = section(ModelSection, "The causal LM to fine-tune.")
-    data: SFTData = section(SFTData, "Prompt/response data.")
-    optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
-    train: BatchTrainSection = section(
-        BatchTrainSection, "Steps, batches, devices, checkpoints.", save_every=500
-    )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/sft")
-
-    RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
-
-    def validate(self) -> list[str]:
-        e = (
-            self.model.problems()
-            + self.data.problems()
-            + self.optim.problems()
-            + self.train.problems()
-        )
-        e += self.output.problems()
-        if self.train.batch_size >= 1 and self.train.micro_batch_size >= 1:
-            check_per_rank(
-                e,
-                "train.batch_size",
-                self.train.batch_size,
-                "train.micro_batch_size",
-                self.train.micro_batch_size,
-            )
-        return e
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
+__all__ = ["SFTConfig", "train", "nll_step", "cli"]
 
 
 def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
@@ -134,43 +48,32 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
         resume_dir=resume_dir,
+        cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
-    train_set, train_report = load_sft_examples(
-        d.train_file,
-        tokenizer,
-        max_length=d.max_length,
-        on_too_long=d.on_too_long,
-        on_empty=d.on_empty,
-    )
-    eval_set, eval_report = (
-        load_sft_examples(
-            d.eval_file,
+    data = load_data(
+        lambda path: load_sft_examples(
+            path,
             tokenizer,
             max_length=d.max_length,
             on_too_long=d.on_too_long,
             on_empty=d.on_empty,
-        )
-        if d.eval_file
-        else ([], None)
-    )
-    total = plan_steps(
-        len(train_set),
+        ),
+        d.train_file,
+        d.eval_file,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
-        train_file=d.train_file,
     )
 
-    # 2. Model, optimiser and schedule, sampler; the checkpoint's state when resuming.
+    # 2. The model, prepared for training (sharded, in its precision) on this process's device, and its
+    # optimiser and schedule.
     model = load_causal_lm(
         cfg.model.path, role="model.path", dtype=load_dtype(t.precision, trained=True)
     )
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
-    model.generation_config.eos_token_id = (
-        tokenizer.eos_token_id
-    )  # so sampling from the result stops at EOS
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # sampling from it stops at EOS
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     prepare_trained(
         model,
@@ -180,95 +83,50 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         activation_checkpointing=t.activation_checkpointing,
     )
     model.train()
-    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=total)
-    sampler = Sampler(
-        len(train_set),
-        t.batch_size,
-        seed=t.seed,
-        drop_last=True,
-        rank=run.rank,
-        world_size=run.world_size,
-    )
-    trained, stateful = {"model": (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
-    start, counters = run.restore(trained, stateful)
-    run.begin(
-        cfg,
-        start=start,
-        total=total,
-        counters=counters,
-        progress=cfg.output.progress,
-        tensorboard=cfg.output.tensorboard,
-        wandb_project=cfg.output.wandb_project,
-    )
-    run.record_models(model=model)
-    pad, W = tokenizer.pad_token_id, run.world_size
+    optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
+    pad = tokenizer.pad_token_id
+
+    # 3. The loss of a step is the mean NLL over the response tokens of the whole global batch.
+    def tokens(batch: list[int]) -> int:
+        return sum(data.train[i].n_targets for i in batch)
+
+    def micro_step(idx: list[int], normalizer: float) -> dict:
+        return nll_step(model, [data.train[i] for i in idx], pad, run.device, normalizer)
+
+    def metrics(s: dict, n_tokens: int, _seconds: float) -> dict:
+        return {"train/loss": s["loss_sum"] / n_tokens, "train/tokens": n_tokens}
 
     def held_out() -> dict:
         model.eval()
         s = evaluate(
-            len(eval_set),
+            len(data.eval),
             t.micro_batch_size,
-            lambda idx: nll_step(model, [eval_set[i] for i in idx], pad, run.device),
+            lambda idx: nll_step(model, [data.eval[i] for i in idx], pad, run.device),
             run.device,
         )
         model.train()
         return {"eval/loss": s["loss_sum"] / s["tokens"], "eval/tokens": int(s["tokens"])}
 
-    # 3. Step 0: data counts and the held-out loss before any update.
-    if start == 0:
-        first = {
-            **train_report.metrics("train"),
-            **(eval_report.metrics("eval") if eval_report else {}),
-            "train/total_steps": total,
-        }
-        run.log(0, {**first, **(held_out() if eval_set else {})})
-
-    # 4. The loop: each optimiser step accumulates this rank's micro-batches of the global batch.
-    for step in range(start + 1, total + 1):
-        batch = [train_set[i] for i in sampler.next_global_batch()]
-        n_tokens = sum(
-            e.n_targets for e in batch
-        )  # the whole batch's, so every share is normalised alike
-        s = accumulate(
-            sampler.local_part(batch),
-            t.micro_batch_size,
-            lambda rows: nll_step(model, rows, pad, run.device, n_tokens / W),
-            run.device,
-        )
-        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
-        with at_step(step):
-            grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
-
-        # 5. Log; evaluate every eval_every steps and after the last one; checkpoint.
-        row = {
-            "train/loss": s["loss_sum"] / n_tokens,
-            "train/tokens": n_tokens,
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/epoch": step / sampler.steps_per_epoch,
-            "time/wall_s": run.wall_s(),
-        }
-        if eval_set and (step == total or (t.eval_every and step % t.eval_every == 0)):
-            row.update(held_out())
-        run.log(
-            step,
-            row,
-            postfix={k.split("/")[1]: row[k] for k in ("train/loss", "eval/loss") if k in row},
-        )
-        if run.save_due(step, total, t.save_every):
-            run.save(
-                step,
-                trained=trained,
-                stateful=stateful,
-                counters=counters,
-                exports={"model": (model, tokenizer)},
-                keep=t.keep_checkpoints,
-            )
-
-    # 6. The fine-tuned model (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
-    export_final(run.dir, model, tokenizer)
-    run.finish()
-    return run.dir
+    # 4. The loop (step 0's held-out loss, then accumulate → clip and step → log, evaluate, save),
+    # and the fine-tuned model (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    return fit(
+        run,
+        cfg,
+        data,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        name="model",
+        tokenizer=tokenizer,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        train=t,
+        output=cfg.output,
+        micro_step=micro_step,
+        units=tokens,
+        metrics=metrics,
+        held_out=held_out,
+        postfix={"loss": ("eval/loss", "train/loss")},
+    )
 
 
 def nll_step(

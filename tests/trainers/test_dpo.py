@@ -18,7 +18,7 @@ from ppo_support import TIMING_PREFIXES as TIMING
 
 from proximal.config import load_config
 from proximal.logging import read_metrics
-from proximal.trainers import dpo as dpo_module
+from proximal.train import fixed
 from proximal.trainers.dpo import DPOConfig, SimPOConfig, train
 
 CONFIGS = {"dpo": DPOConfig, "simpo": SimPOConfig}
@@ -320,8 +320,8 @@ def test_resident_models(llama, tmp_path, monkeypatch, method, extra, models):
         seen.append(_resident_parameters())
         return original(*args, **kwargs)
 
-    original = dpo_module.clip_and_step
-    monkeypatch.setattr(dpo_module, "clip_and_step", counting)
+    original = fixed.clip_and_step  # the shared loop's step
+    monkeypatch.setattr(fixed, "clip_and_step", counting)
     cfg = make_cfg(
         method,
         base_path,

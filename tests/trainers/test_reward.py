@@ -302,6 +302,21 @@ def test_cli_config_error_is_one_message(lm, tmp_path, capsys):
     assert "data.on_too_long: 'truncate' is not one of 'error', 'skip'" in capsys.readouterr().err
 
 
+def test_a_non_finite_loss_stops_the_run_with_exit_status_1(lm, tmp_path, capsys):
+    # An absurd learning rate: the first step is finite; Adam's ±lr moves (weights near float32's
+    # largest, 3.4e38) make the next forward overflow. (At 1e30 the final norm keeps the scores finite.)
+    config = write_yaml(tmp_path / "rm.yaml", lm, tmp_path)
+    argv = ["rm", "--config", config, "--optim.lr", "1e38", "--optim.max_grad_norm", "0"]
+    assert main([*argv, "--train.steps", "3", "--output.progress", "false"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "proximal rm: step 2: the RM loss is nan; the step was not applied (lower optim.lr, "
+        "or check the data)"
+    ), err
+    assert "Traceback" not in err
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+
 def test_sft_and_rm_configs_have_the_same_layout():
     assert [n for n, *_ in describe(RMConfig)] == [n for n, *_ in describe(SFTConfig)]
 

@@ -6,6 +6,7 @@ inputs, entropies counted from the data, learning rates written out by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -19,7 +20,9 @@ from proximal.cli import main
 from proximal.config import ConfigError, describe, load_config
 from proximal.logging import read_metrics
 from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
+from proximal.train.sections import PreferenceDataSection
 from proximal.trainers.sft import SFTConfig, train
+from proximal.trainers.sft_config import SFTData
 
 LETTERS = "abcdefgh"
 
@@ -258,8 +261,8 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
     assert (
-        "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, device,"
-        in err
+        "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, "
+        "cpu_matmul, device," in err
     )
 
     # A field of the first release that moved names its new place.
@@ -297,6 +300,65 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     assert "model.path is required" in err
     assert "train.device = 'tpu' is not one of auto, cpu, cuda, cuda:N" in err
     assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_validate_lists_each_section_in_order_then_the_split_over_processes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as under torchrun with 3 processes
+    cfg = SFTConfig()  # model.path and data.train_file left empty
+    cfg.data.max_length, cfg.optim.lr, cfg.train.keep_checkpoints, cfg.output.dir = 1, -1.0, 0, ""
+    cfg.train.batch_size, cfg.train.micro_batch_size = 8, 4
+    assert cfg.validate() == [
+        "model.path is required (a checkpoint directory or hub id)",
+        "data.train_file is required (a JSONL file)",
+        "data.max_length = 1 must be at least 2 (a prompt token and EOS)",
+        "optim.lr = -1.0 must be a positive number",
+        "train.keep_checkpoints = 0 must be ≥ 1",
+        "output.dir is required",
+        "train.batch_size = 8 is not divisible by the 3 processes (torchrun --nproc_per_node × nodes)",
+    ]
+    cfg.train.batch_size, cfg.train.micro_batch_size = 24, 6  # 8 rows each: not 6-row passes
+    assert cfg.validate()[-1] == (
+        "train.batch_size = 24 over 3 processes is 8 rows each, not divisible by "
+        "train.micro_batch_size = 6"
+    )
+    cfg.train.micro_batch_size = 4  # 8 rows each in two passes of 4
+    assert not any("train.batch_size" in e for e in cfg.validate())
+
+
+def test_the_data_section_is_the_preference_pairs_one_worded_for_rows():
+    """The data fields of sft are those of rm, dpo and simpo — names, types, defaults, choices and
+    checks — each with its own --help text."""
+    ours, theirs = dataclasses.fields(SFTData), dataclasses.fields(PreferenceDataSection)
+    assert [(f.name, f.type, f.metadata["choices"]) for f in ours] == [
+        (f.name, f.type, f.metadata["choices"]) for f in theirs
+    ]
+    assert dataclasses.asdict(SFTData()) == dataclasses.asdict(PreferenceDataSection())
+    assert all(a.metadata["help"] != b.metadata["help"] for a, b in zip(ours, theirs))
+    assert SFTData(max_length=1, train_file="").problems() == [
+        "data.train_file is required (a JSONL file)",
+        "data.max_length = 1 must be at least 2 (a prompt token and EOS)",
+    ]
+
+
+def test_a_non_finite_loss_stops_the_run_with_exit_status_1(base, tmp_path, capsys):
+    # An absurd learning rate: the first step is finite; Adam's ±lr moves make the next forward overflow.
+    base_path, _ = base
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        base_path,
+        tmp_path,
+        optim={"lr": 1e30, "max_grad_norm": 0},
+        train={"steps": 3},
+        output={"progress": False},
+    )
+    assert main(["sft", "--config", config]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "proximal sft: step 2: the SFT loss is nan; the step was not applied (lower optim.lr, "
+        "or check the data)"
+    ), err
+    assert "Traceback" not in err
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 
 def test_cli_data_error_names_file_and_line_without_traceback(base, tmp_path, capsys):

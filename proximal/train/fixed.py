@@ -1,0 +1,212 @@
+"""The loop of the methods that pass over a fixed data set — SFT, the reward model, DPO and SimPO.
+
+Around each method's own per-micro-batch step and metrics, the rest is the same for all of them:
+the data files and the run's step count, the optimiser and schedule, the sampler, resume, the
+step-0 row, then for every step: accumulate the micro-batches of this rank's share of the global
+batch → refuse a non-finite loss → clip and step → log → evaluate when due → checkpoint when due;
+at the end the trained model is exported next to ``config.yaml``. A trainer calls, in order::
+
+    run = open_run(...)                       # before any model loads
+    data = load_data(load, ...)               # the rows (data errors surface now) and the step count
+    ... build the model(s) ...
+    optimizer, scheduler = optimizer_and_scheduler(model, ...)   # before any forward pass
+    return fit(run, cfg, data, model=..., micro_step=..., metrics=..., held_out=..., ...)
+
+The optimiser is the trainer's to build, before the model's first forward pass — DPO's precomputed
+reference log-probabilities are one, and under FSDP2 a forward pass leaves the root module's gathered
+parameters in place until the next backward, so an optimiser built after it would hold those
+instead of the shards.
+
+A method's step function gets the indices (into ``data.train``) of one micro-batch and the
+normaliser — the global batch's units (rows, pairs or tokens: what its loss is a mean over) ÷ the
+ranks — and returns sums; :func:`proximal.train.batches.accumulate` adds them over micro-batches
+and ranks, so every number logged is global.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from proximal.data.sampler import Sampler
+from proximal.data.sft import LoadReport
+from proximal.train.batches import Sums, accumulate, plan_steps
+from proximal.train.checkpoint import export_final
+from proximal.train.optim import at_step, clip_and_step
+from proximal.train.run import Run, check_per_rank, due
+from proximal.train.sections import BatchTrainSection, OutputSection
+
+
+def batch_split_problems(batch_size: int, micro_batch_size: int) -> list[str]:
+    """Whether ``train.batch_size`` splits evenly over the processes, and each share into
+    ``train.micro_batch_size`` passes (the rest of a fixed-data-set config's ``validate()`` after
+    :func:`proximal.config.section_problems`; sizes below 1 are the section's own message)."""
+    e: list[str] = []
+    if batch_size >= 1 and micro_batch_size >= 1:
+        check_per_rank(
+            e, "train.batch_size", batch_size, "train.micro_batch_size", micro_batch_size
+        )
+    return e
+
+
+@dataclass
+class Data:
+    """A fixed data set as loaded: the rows, what loading dropped, and the run's optimiser steps."""
+
+    train: list
+    eval: list  # empty: no held-out evaluation
+    train_report: LoadReport
+    eval_report: LoadReport | None
+    total: int  # optimiser steps of the run
+
+
+def load_data(
+    load: Callable[[str], tuple[list, LoadReport]],
+    train_file: str,
+    eval_file: str | None,
+    *,
+    steps: int | None,
+    epochs: int,
+    batch_size: int,
+    warmup_steps: int,
+) -> Data:
+    """``load(path)`` of the training file and, when given, the held-out file; the run's step count
+    (:func:`proximal.train.batches.plan_steps`). Bad data and a batch larger than the data raise here,
+    before any model loads."""
+    train, train_report = load(train_file)
+    held, eval_report = load(eval_file) if eval_file else ([], None)
+    total = plan_steps(
+        len(train),
+        steps=steps,
+        epochs=epochs,
+        batch_size=batch_size,
+        warmup_steps=warmup_steps,
+        train_file=train_file,
+    )
+    return Data(train, held, train_report, eval_report, total)
+
+
+def fit(
+    run: Run,
+    cfg,
+    data: Data,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    max_grad_norm: float,
+    name: str,
+    tokenizer,
+    train: BatchTrainSection,
+    output: OutputSection,
+    micro_step: Callable[[list[int], float], dict],
+    metrics: Callable[[Sums, float, float], dict],
+    held_out: Callable[[], dict],
+    postfix: dict[str, tuple[str, ...]],
+    units: Callable[[list[int]], float] = len,
+    first: dict | None = None,
+    models: dict | None = None,
+) -> Path:
+    """Train ``model`` on ``data`` for ``data.total`` steps (from the checkpoint's step when ``run``
+    resumes one); export it into the run directory and return that.
+
+    ``optimizer`` and ``scheduler`` are ``model``'s over ``data.total`` steps
+    (:func:`proximal.train.optim.optimizer_and_scheduler`), built before its first forward pass; each
+    step clips the gradient norm to ``max_grad_norm`` (``optim.max_grad_norm``; 0 = no clipping).
+    ``cfg`` is the command's config, written to ``config.yaml``; ``train`` and ``output`` are its
+    sections of those types. ``name`` is the model's in checkpoints, in ``models.json`` and in
+    messages ("model", "policy"). The method's part:
+
+    - ``micro_step(indices, normalizer)``: one micro-batch of ``data.train``, its loss (÷ ``normalizer``)
+      back-propagated; returns sums, among them ``loss_sum``;
+    - ``units(global batch indices)``: what the loss is a mean over (pairs: ``len``; tokens);
+    - ``metrics(sums, units, seconds)``: the step's own ``train/`` metrics, from the global sums, the
+      batch's units and the step's seconds; grad norm, rate, epoch and wall time are added here;
+    - ``held_out()``: the held-out metrics, at step 0, every ``train.eval_every`` steps and after
+      the last (only when ``data.eval`` has rows);
+    - ``postfix``: the progress bar's entries, each the first of its metric names in the row;
+    - ``first``: the method's own step-0 entries, after the data counts and the step count;
+    - ``models``: what ``models.json`` records (default: ``{name: model}``).
+    """
+    sampler = Sampler(
+        len(data.train),
+        train.batch_size,
+        seed=train.seed,
+        drop_last=True,
+        rank=run.rank,
+        world_size=run.world_size,
+    )
+    trained, stateful = {name: (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
+    start, counters = run.restore(trained, stateful)
+    run.begin(
+        cfg,
+        start=start,
+        total=data.total,
+        counters=counters,
+        progress=output.progress,
+        tensorboard=output.tensorboard,
+        wandb_project=output.wandb_project,
+    )
+    run.record_models(**(models if models is not None else {name: model}))
+
+    # Step 0: data counts and the held-out metrics before any update.
+    if start == 0:
+        row = {
+            **data.train_report.metrics("train"),
+            **(data.eval_report.metrics("eval") if data.eval_report else {}),
+            "train/total_steps": data.total,
+            **(first or {}),
+        }
+        run.log(0, {**row, **(held_out() if data.eval else {})})
+
+    # Each optimiser step accumulates this rank's micro-batches of the global batch; every loss is
+    # normalised by the global batch's units ÷ the ranks, so the gradient is the batch mean's.
+    for step in range(start + 1, data.total + 1):
+        t0 = time.perf_counter()
+        batch = sampler.next_global_batch()
+        n = units(batch)
+        s = accumulate(
+            sampler.local_part(batch),
+            train.micro_batch_size,
+            lambda idx: micro_step(idx, n / run.world_size),
+            run.device,
+        )
+        if not math.isfinite(s["loss_sum"]):
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"step {step}: the {run.command.upper()} loss is {s['loss_sum'] / n}; "
+                "the step was not applied (lower optim.lr, or check the data)"
+            )
+        lr = scheduler.get_last_lr()[0]  # the rate this step runs at
+        with at_step(step):
+            grad_norm = clip_and_step(model, optimizer, scheduler, max_grad_norm, what=name)
+        row = {
+            **metrics(s, n, time.perf_counter() - t0),
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/epoch": step / sampler.steps_per_epoch,
+            "time/wall_s": run.wall_s(),
+        }
+        if data.eval and due(step, data.total, train.eval_every):
+            row.update(held_out())
+        shown = {label: next(row[m] for m in keys if m in row) for label, keys in postfix.items()}
+        run.log(step, row, postfix=shown)
+        if run.save_due(step, data.total, train.save_every):
+            run.save(
+                step,
+                trained=trained,
+                stateful=stateful,
+                counters=counters,
+                exports={name: (model, tokenizer)},
+                keep=train.keep_checkpoints,
+            )
+
+    # The trained model (safetensors + tokenizer; with LoRA its adapters) next to config.yaml.
+    export_final(run.dir, model, tokenizer)
+    run.finish()
+    return run.dir

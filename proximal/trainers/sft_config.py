@@ -1,0 +1,79 @@
+"""The ``proximal sft`` configuration: every field documented, validated and read by ``trainers/sft.py``.
+
+The ``model``, ``optim``, ``train`` and ``output`` sections are the shared ones of
+:mod:`proximal.train.sections`; ``data`` has the fields, defaults and checks of the preference
+commands' data section, worded for prompt/response rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from proximal.config import reworded, section, section_problems
+from proximal.train.fixed import batch_split_problems
+from proximal.train.sections import (
+    RENAMED_BATCH_FIELDS,
+    BatchTrainSection,
+    ModelSection,
+    OptimSection,
+    OutputSection,
+    PreferenceDataSection,
+)
+
+
+@dataclass
+class SFTData(PreferenceDataSection):
+    """Prompt/response rows: the same files, length limit and policies for long and empty rows as the
+    preference pairs of ``rm``, ``dpo`` and ``simpo`` (their defaults and checks are that section's)."""
+
+    train_file: str = reworded(
+        PreferenceDataSection,
+        "train_file",
+        'JSONL training file, one record per line: {"prompt": str, '
+        '"response": str} or {"messages": [...]} whose last message is the '
+        "assistant's response (docs/sft.md). Required.",
+    )
+    eval_file: str | None = reworded(
+        PreferenceDataSection,
+        "eval_file",
+        "JSONL file in the same format for the held-out loss; null = no held-out evaluation.",
+    )
+    max_length: int = reworded(
+        PreferenceDataSection,
+        "max_length",
+        "Longest prompt + response + EOS, in tokens. A longer row is an error "
+        "naming its file and line, or is dropped (see on_too_long).",
+    )
+    on_too_long: str = reworded(
+        PreferenceDataSection,
+        "on_too_long",
+        "What to do with a row longer than max_length: 'error' stops with "
+        "its file:line; 'skip' drops it and counts it in metrics.jsonl.",
+    )
+    on_empty: str = reworded(
+        PreferenceDataSection,
+        "on_empty",
+        "What to do with a row whose response is empty: 'error' stops with its "
+        "file:line; 'skip' drops it and counts it in metrics.jsonl.",
+    )
+
+
+@dataclass
+class SFTConfig:
+    """``proximal sft`` configuration."""
+
+    model: ModelSection = section(ModelSection, "The causal LM to fine-tune.")
+    data: SFTData = section(SFTData, "Prompt/response data.")
+    optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
+    train: BatchTrainSection = section(
+        BatchTrainSection, "Steps, batches, devices, checkpoints.", save_every=500
+    )
+    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/sft")
+
+    RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
+
+    def validate(self) -> list[str]:
+        return section_problems(self) + batch_split_problems(
+            self.train.batch_size, self.train.micro_batch_size
+        )
