@@ -25,11 +25,10 @@ each training; evaluation and the report are rank 0's (the policy must fit one d
 
 from __future__ import annotations
 
-import argparse
+import ctypes
 import gc
 import json
 import shutil
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -38,15 +37,10 @@ from pathlib import Path
 
 import yaml
 
-from proximal.config import (
-    ConfigError,
-    help_text,
-    load_config,
-    option,
-    parse_overrides,
-    section,
-    to_dict,
-)
+from proximal import compare_report, dist
+from proximal.config import ConfigError, load_config, option, section, to_dict
+from proximal.demo import DEFAULT_CONFIGS, FULL, stage_configs
+from proximal.evaluation import evaluate_policy
 from proximal.methods import (
     METHODS,
     PAIRS,
@@ -60,6 +54,9 @@ from proximal.methods import (
     responses_per_step,
     trainer,
 )
+from proximal.tasks.digits import make_task_data
+from proximal.train.command import config_command
+from proximal.trainers import reward, sft
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
 BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
@@ -300,12 +297,10 @@ def plan(cfg: CompareConfig) -> list[RunSpec]:
 
 def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> dict:
     """Prepare the inputs, train and evaluate every run, write the report; return ``compare.json``'s contents."""
-    from proximal import compare_report, dist
-
     out = Path(cfg.output.dir)
     main = dist.launched_rank() == 0
     _take_output_dir(out, cfg, main)
-    configs = Path(cfg.compare.configs) if cfg.compare.configs else _default_configs()
+    configs = Path(cfg.compare.configs) if cfg.compare.configs else DEFAULT_CONFIGS
     runs = plan(cfg)
     if main:  # what the report reads: every planned run, started or not, in order
         (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
@@ -413,11 +408,6 @@ def prepare_inputs(
 def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
     """The built-in task's data, SFT model and reward model, as ``proximal demo`` makes them (seed 0);
     kept from an earlier comparison when complete."""
-    from proximal import dist
-    from proximal.demo import FULL, stage_configs
-    from proximal.tasks.digits import make_task_data
-    from proximal.trainers import reward, sft
-
     done = base / "base.json"
     if done.is_file():
         echo(f"inputs: the built-in task, SFT and reward model from {base} (trained earlier)")
@@ -430,7 +420,7 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
     demo_configs = (
         configs
         if all((configs / f"{n}.yaml").is_file() for n in ("sft", "rm"))
-        else _default_configs()
+        else DEFAULT_CONFIGS
     )
     stages = stage_configs(demo_configs, base, 0, FULL, only=("sft", "rm"))
     for name, fn in (("sft", sft.train), ("rm", reward.train)):
@@ -508,8 +498,6 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
     path = out / "sft_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from proximal.evaluation import evaluate_policy
-
     ev = evaluate_policy(
         inputs.sft,
         reference=inputs.sft,
@@ -528,8 +516,6 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
     """Evaluate every checkpoint of a finished run on the held-out prompts; write ``run_dir/eval.json``:
     ``curve`` (step 0 = the SFT model, then each checkpoint: held-out means) and ``final`` (the last
     checkpoint's evaluation with every response)."""
-    from proximal.evaluation import evaluate_policy
-
     curve = [{"step": 0, "policy": inputs.sft, "mean": sft_eval["mean"]}]
     final = None
     for step, policy in checkpoint_policies(run_dir):
@@ -559,12 +545,6 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # ----------------------------------------------------------------------------------------------
 
 
-def _default_configs() -> Path:
-    from proximal.demo import DEFAULT_CONFIGS
-
-    return DEFAULT_CONFIGS
-
-
 def _finished(run_dir: Path) -> bool:
     status = run_dir / "compare_run.json"
     return (
@@ -577,8 +557,6 @@ def _finished(run_dir: Path) -> bool:
 def _take_output_dir(out: Path, cfg: CompareConfig, main: bool) -> None:
     """Write ``compare_config.yaml``; an ``output.dir`` holding a comparison with another config is
     refused (or, with ``output.overwrite``, emptied); with the same config it is continued."""
-    from proximal import dist
-
     saved = out / "compare_config.yaml"
     mine = to_dict(cfg)
 
@@ -625,8 +603,6 @@ def _one_line(e: BaseException) -> str:
 def _release_memory() -> None:
     """Between runs: drop the last run's objects and hand glibc's kept heap back to the system, so the
     next run's resident-set peak is its own."""
-    import ctypes
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -639,55 +615,37 @@ def _release_memory() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-class _ReportedByRankZero(Exception):
-    pass
+def compare(cfg: CompareConfig) -> tuple[Path, dict]:
+    """:func:`run_compare`, with rank 0 speaking for the comparison under torchrun; ``(output.dir,
+    compare.json's contents)``."""
+    echo = print if dist.launched_rank() == 0 else (lambda line: None)
+    return Path(cfg.output.dir), run_compare(cfg, echo=echo)
 
 
-def _quiet_user_errors(fn):
-    """On ranks other than 0: a config mistake is found by every rank alike, and rank 0 reports it."""
-    try:
-        return fn()
-    except (ConfigError, FileExistsError) as e:
-        raise _ReportedByRankZero() from e
+def failed_runs(finished: tuple[Path, dict]) -> str | None:
+    """The line that says some runs of a finished comparison failed (exit status 1), or None."""
+    out, result = finished
+    failed = [f["name"] for row in result.get("table", []) for f in row["failed"]]
+    if not failed:
+        return None
+    return (
+        f"{len(failed)} of {len(result['runs'])} runs failed ({', '.join(failed)}); their errors are "
+        f"in the table of {out / 'compare.md'} and in each run's error.txt"
+    )
 
 
 def cli(argv: list[str]) -> int:
-    from proximal import dist
-    from proximal.train.command import EXIT_TRAINING, EXIT_USER, run_reporting, say
-
-    parser = argparse.ArgumentParser(
-        prog="proximal compare",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="PPO, DPO, SimPO, GRPO and RLOO from one SFT model on matched budgets, over several seeds, "
-        "evaluated alike on held-out prompts; writes compare.md, compare.json and plots. Without "
-        "data.sft_model: the built-in digit-sorting task.",
-        epilog=help_text(CompareConfig),
+    return config_command(
+        argv,
+        prog="compare",
+        description="PPO, DPO, SimPO, GRPO and RLOO from one SFT model on matched budgets, over several "
+        "seeds, evaluated alike on held-out prompts; writes compare.md, compare.json and plots. "
+        "Without data.sft_model: the built-in digit-sorting task.",
+        config_cls=CompareConfig,
+        train=compare,
+        resume=False,
+        config_help="YAML file with the compare, data and output sections",
+        summary=lambda finished: None,  # run_compare has printed the tables
+        failed=failed_runs,
+        reported_once=(ConfigError, FileExistsError),
     )
-    parser.add_argument("--config", help="YAML file with the compare, data and output sections")
-    args, rest = parser.parse_known_args(argv)
-    try:
-        cfg = load_config(CompareConfig, args.config, parse_overrides(rest))
-    except ConfigError as e:
-        if dist.launched_rank() == 0:
-            print(f"proximal compare: {e}", file=sys.stderr)
-        return EXIT_USER
-    main = dist.launched_rank() == 0
-    echo = print if main else (lambda line: None)  # under torchrun rank 0 speaks for the comparison
-    if main:
-        code, result = run_reporting("compare", lambda: run_compare(cfg, echo=echo))
-    else:
-        try:
-            code, result = run_reporting(
-                "compare", lambda: _quiet_user_errors(lambda: run_compare(cfg, echo=echo))
-            )
-        except _ReportedByRankZero:
-            return EXIT_USER
-    failed = [f["name"] for row in (result or {}).get("table", []) for f in row["failed"]]
-    if code == 0 and failed:
-        say(
-            "compare",
-            f"{len(failed)} of {len(result['runs'])} runs failed ({', '.join(failed)}); their errors are "
-            f"in the table of {Path(cfg.output.dir) / 'compare.md'} and in each run's error.txt",
-        )
-        return EXIT_TRAINING
-    return code

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from proximal import dist
 from proximal.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -258,6 +259,30 @@ def test_a_directory_that_is_not_a_comparison_is_not_written_into(inputs, tmp_pa
     assert main(["compare", "--config", str(config)]) == 2
     assert "holds no comparison" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["thesis.tex"]
+
+
+def test_on_other_ranks_a_mistake_every_rank_meets_is_left_to_rank_0(
+    inputs, tmp_path, capsys, monkeypatch
+):
+    """Under torchrun every process finds the same mistake once the config has loaded; rank 0 says
+    it (the test above), the others exit with the same status in silence."""
+    monkeypatch.setattr(dist, "launched_rank", lambda: 1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "thesis.tex").write_text("precious")
+    config = compare_yaml(inputs, tmp_path / "out", ["dpo"])
+    assert main(["compare", "--config", str(config)]) == 2
+    assert capsys.readouterr() == ("", "")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["thesis.tex"]
+
+
+def test_help_names_the_config_and_no_resume(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["compare", "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: proximal compare [-h] [--config CONFIG]\n")
+    assert "YAML file with the compare, data and output sections" in text
+    assert "--resume" not in text and "--compare.methods (list[str]" in text
 
 
 # ----------------------------------------------------------------------------------------------

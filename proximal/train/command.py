@@ -10,12 +10,17 @@ non-finite loss or score) exit status 1; a bug is a traceback, as it should be.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as td
+import yaml
 
 from proximal import dist
-from proximal.config import ConfigError
+from proximal.config import ConfigError, help_text, load_config, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
 from proximal.rollout.scoring import RewardFunctionError
@@ -42,8 +47,6 @@ def lost_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective that failed because another rank died or stalled."""
     if not dist.is_distributed() or not isinstance(error, RuntimeError):
         return False
-    import torch.distributed as td
-
     if isinstance(error, getattr(td, "DistError", ())):
         return True
     text = str(error)
@@ -98,10 +101,6 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
 def check_same_models(saved_config: Path, cfg) -> None:
     """Refuse a resume whose ``model`` section differs from the run's own (another checkpoint, LoRA on
     or off, another reward model): the checkpoint's weights and optimiser states belong to those models."""
-    import dataclasses
-
-    import yaml
-
     saved = (yaml.safe_load(saved_config.read_text()) or {}).get("model") or {}
     now = (
         dataclasses.asdict(cfg.model)
@@ -120,56 +119,90 @@ def check_same_models(saved_config: Path, cfg) -> None:
         )
 
 
+class _ReportedByRankZero(Exception):
+    """A mistake every process of the job met alike; rank 0 has reported it."""
+
+    def __init__(self, code: int):
+        super().__init__()
+        self.code = code
+
+
 def config_command(
     argv: list[str],
     *,
     prog: str,
     description: str,
     config_cls: type,
-    train: Callable[..., Path],
-    summary: Callable[[Path], str] | None = None,
+    train: Callable[..., Any],
+    summary: Callable[[Any], str | None] | None = None,
+    failed: Callable[[Any], str | None] | None = None,
+    resume: bool = True,
+    config_help: str = "YAML file with the run's config sections",
+    reported_once: tuple[type[BaseException], ...] = (),
 ) -> int:
     """``proximal <prog> --config FILE [--section.key value ...] [--resume RUN_DIR]``.
 
-    ``train(cfg, resume_dir=None)`` gets the loaded, validated config and returns the run directory;
-    ``summary(run_dir)`` gives the one line printed when it finishes. Config errors are one message,
-    exit status 2, before any model is loaded (printed once, by rank 0, under torchrun).
+    ``train(cfg, resume_dir=None)`` (``train(cfg)`` when ``resume`` is false: the command has no
+    ``--resume``) gets the loaded, validated config and returns its result, for a training command the
+    run directory. When it finishes, ``failed(result)`` may name a failure in one line (exit status 1:
+    e.g. some of a comparison's runs failed); otherwise ``summary(result)`` gives the one line printed
+    (None: no line; without ``summary``: the run directory). Config errors are one message, exit
+    status 2, before any model is loaded (printed once, by rank 0, under torchrun); so are the
+    ``reported_once`` exceptions ``train`` raises — mistakes found after loading that every process
+    meets alike (the other ranks exit with the same status in silence).
     """
-    from proximal.config import help_text, load_config, parse_overrides
-
     parser = argparse.ArgumentParser(
         prog=f"proximal {prog}",
         description=description,
         epilog=help_text(config_cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML file with the run's config sections")
-    parser.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
-        "used; overrides such as --train.steps apply on top)",
-    )
+    parser.add_argument("--config", help=config_help)
+    if resume:
+        parser.add_argument(
+            "--resume",
+            metavar="RUN_DIR",
+            help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
+            "used; overrides such as --train.steps apply on top)",
+        )
     args, rest = parser.parse_known_args(argv)
+    resume_dir = getattr(args, "resume", None)
     try:
         overrides = parse_overrides(rest)
         config_path = args.config
-        if args.resume is not None:
-            saved = Path(args.resume) / "config.yaml"
+        if resume_dir is not None:
+            saved = Path(resume_dir) / "config.yaml"
             if not saved.is_file():
                 raise ConfigError(
-                    f"--resume {args.resume}: no config.yaml there; is it a run directory?"
+                    f"--resume {resume_dir}: no config.yaml there; is it a run directory?"
                 )
             config_path = config_path or saved
         cfg = load_config(config_cls, config_path, overrides)
-        if args.resume is not None:
-            check_same_models(Path(args.resume) / "config.yaml", cfg)
+        if resume_dir is not None:
+            check_same_models(Path(resume_dir) / "config.yaml", cfg)
     except ConfigError as e:
         if dist.launched_rank() == 0:
             print(f"proximal {prog}: {e}", file=sys.stderr)
         return EXIT_USER
-    code, run_dir = run_reporting(prog, lambda: train(cfg, resume_dir=args.resume))
+
+    def attempt():
+        try:
+            return train(cfg, resume_dir=resume_dir) if resume else train(cfg)
+        except reported_once as e:
+            if dist.launched_rank() == 0:
+                raise
+            raise _ReportedByRankZero(exit_code(e)) from e
+
+    try:
+        code, result = run_reporting(prog, attempt)
+    except _ReportedByRankZero as e:
+        return e.code
+    why = failed(result) if code == EXIT_OK and failed is not None else None
+    if why:
+        say(prog, why)
+        return EXIT_TRAINING
     if code == EXIT_OK and dist.is_main():
-        line = summary(run_dir) if summary is not None else f"done; run directory {run_dir}"
-        print(f"proximal {prog}: {line}", flush=True)
+        line = summary(result) if summary is not None else f"done; run directory {result}"
+        if line is not None:
+            print(f"proximal {prog}: {line}", flush=True)
     return code
