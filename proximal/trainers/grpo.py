@@ -68,6 +68,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         seed=t.seed,
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
+        cpu_matmul=t.cpu_matmul,
         resume_dir=resume_dir,
     )
     d = cfg.data
@@ -111,6 +112,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         wandb_project=cfg.output.wandb_project,
     )
     run.record_models(
+        engine=engine,
         actor=actor,
         reference=models.reference.model if models.reference is not None else None,
         reward_model=models.scorer.reward_model,

@@ -73,6 +73,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         seed=t.seed,
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
+        cpu_matmul=t.cpu_matmul,
         resume_dir=resume_dir,
     )
     d = (
@@ -147,6 +148,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         wandb_project=cfg.output.wandb_project,
     )
     run.record_models(
+        engine=engine,
         actor=actor,
         reference=models.reference.model,
         critic=critic,
