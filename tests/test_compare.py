@@ -4,7 +4,9 @@ and config mistakes refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import math
 import statistics
@@ -17,6 +19,18 @@ import yaml
 
 from proximal import dist
 from proximal.cli import main
+from proximal.compare import (
+    CompareConfig,
+    CompareData,
+    CompareOutput,
+    CompareSection,
+    Inputs,
+    RunSpec,
+    run_config,
+)
+from proximal.compare_report import collect_run, mean_std
+from proximal.methods import METHODS, trainer
+from proximal.train.run import Run
 
 HERE = Path(__file__).resolve().parent
 import sys  # noqa: E402
@@ -115,9 +129,6 @@ def nbytes(checkpoint: Path) -> int:
 def comparison(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out"
     config = compare_yaml(inputs, out, ["ppo", "dpo", "simpo"])
-    import contextlib
-    import io
-
     err, std = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         code = main(["compare", "--config", str(config)])
@@ -334,19 +345,6 @@ RESIDENT = [  # (method, overrides, models resident)
 def test_resident_models_are_counted_on_the_live_modules(
     inputs, tmp_path, monkeypatch, method, overrides, expected
 ):
-    from proximal.compare import (
-        CompareConfig,
-        CompareData,
-        CompareOutput,
-        CompareSection,
-        Inputs,
-        RunSpec,
-        run_config,
-    )
-    from proximal.compare_report import collect_run
-    from proximal.methods import METHODS, trainer
-    from proximal.train.run import Run
-
     # PPO against the reward model (its four models); GRPO on a verifier (actor and reference only)
     source = {"ppo": "reward_model", "grpo": "verifier"}.get(method, "pairs")
     cfg = CompareConfig(
@@ -412,8 +410,6 @@ def test_resident_models_are_counted_on_the_live_modules(
 
 
 def test_mean_and_spread_are_the_sample_statistics():
-    from proximal.compare_report import mean_std
-
     m, s = mean_std([0.5, 0.7, 0.9])
     assert m == pytest.approx(0.7) and s == pytest.approx(math.sqrt(((0.2**2) * 2) / 2))
     assert mean_std([0.3]) == (0.3, None) and mean_std([None]) == (None, None)

@@ -19,6 +19,7 @@ from ppo_support import TIMING_PREFIXES as TIMING
 from proximal.config import load_config
 from proximal.logging import read_metrics
 from proximal.train import fixed
+from proximal.train import run as run_module
 from proximal.trainers.dpo import DPOConfig, SimPOConfig, train
 
 CONFIGS = {"dpo": DPOConfig, "simpo": SimPOConfig}
@@ -341,7 +342,6 @@ class _Crash(Exception):
 
 
 def test_resume_after_a_crash_reproduces_the_run(llama, tmp_path, monkeypatch):
-    from proximal.train import run as run_module
 
     base_path = llama[0]
     rows, eval_rows = (

@@ -15,6 +15,7 @@ from test_dpo import count_task, write_jsonl  # noqa: E402  (tests/trainers is o
 from proximal.cli import main
 from proximal.config import describe
 from proximal.logging import read_metrics
+from proximal.models.loading import load_causal_lm
 from proximal.trainers.dpo import DPOConfig, SimPOConfig
 
 
@@ -98,8 +99,6 @@ def test_a_lora_run_is_the_next_stage_s_model_with_its_adapters_merged(assets, t
     """model.path = a LoRA run's directory: one plain model whose outputs are the adapted policy's
     (loaded as transformers would by default, the adapters would be trained on top and exported alone)."""
     from peft import AutoPeftModelForCausalLM
-
-    from proximal.models.loading import load_causal_lm
 
     config = write_yaml(
         tmp_path / "dpo.yaml",

@@ -20,7 +20,7 @@ from proximal.cli import main
 from proximal.config import describe, load_config
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
-from proximal.models.reward import pair_scores
+from proximal.models.reward import load_reward_model, pair_scores
 from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm, build_tiny_reward_model
 from proximal.trainers.reward import RMConfig, train
 from proximal.trainers.sft import SFTConfig
@@ -111,8 +111,6 @@ def test_scores_are_the_head_at_the_last_real_token(classifier, tok, tmp_path):
 
 def test_pad_equal_to_eos_is_warned_about(lm):
     from transformers import AutoTokenizer
-
-    from proximal.models.reward import load_reward_model
 
     tok = AutoTokenizer.from_pretrained(lm)
     tok.pad_token = tok.eos_token

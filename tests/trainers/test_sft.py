@@ -11,6 +11,7 @@ import json
 import math
 import random
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,8 +376,6 @@ def test_cli_data_error_names_file_and_line_without_traceback(base, tmp_path, ca
 
 
 def test_every_field_is_documented(tmp_path):
-    from pathlib import Path
-
     doc = (Path(__file__).parents[2] / "docs" / "sft.md").read_text()
     for name, _, _, help_ in describe(SFTConfig):
         assert help_, name
