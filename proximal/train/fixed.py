@@ -1,10 +1,10 @@
 """The loop of the methods that pass over a fixed data set — SFT, the reward model, DPO and SimPO.
 
 Around each method's own per-micro-batch step and metrics, the rest is the same for all of them:
-the data files and the run's step count, the optimiser and schedule, the sampler, resume, the
-step-0 row, then for every step: accumulate the micro-batches of this rank's share of the global
-batch → refuse a non-finite loss → clip and step → log → evaluate when due → checkpoint when due;
-at the end the trained model is exported next to ``config.yaml``. A trainer calls, in order::
+the data files and the run's step count, the sampler, resume, the step-0 row, then for every step:
+accumulate the micro-batches of this rank's share of the global batch → refuse a non-finite loss →
+clip and step → log → evaluate when due → checkpoint when due; at the end the trained model is
+exported next to ``config.yaml``. A trainer calls, in order::
 
     run = open_run(...)                       # before any model loads
     data = load_data(load, ...)               # the rows (data errors surface now) and the step count
@@ -12,12 +12,12 @@ at the end the trained model is exported next to ``config.yaml``. A trainer call
     optimizer, scheduler = optimizer_and_scheduler(model, ...)   # before any forward pass
     return fit(run, cfg, data, model=..., micro_step=..., metrics=..., held_out=..., ...)
 
-The optimiser is the trainer's to build, before the model's first forward pass — DPO's precomputed
-reference log-probabilities are one, and under FSDP2 a forward pass leaves the root module's gathered
-parameters in place until the next backward, so an optimiser built after it would hold those
-instead of the shards.
+The optimiser is the trainer's to build, before the model's first forward pass (DPO's precomputed
+reference log-probabilities are one): under FSDP2 the root module keeps its gathered parameters
+after a forward (it does not reshard, expecting a backward), and an optimiser built then would hold
+those instead of the shards (found by a two-process DPO run whose checkpoint could not map them).
 
-A method's step function gets the indices (into ``data.train``) of one micro-batch and the
+A method's ``micro_step`` gets the indices (into ``data.train``) of one micro-batch and the
 normaliser — the global batch's units (rows, pairs or tokens: what its loss is a mean over) ÷ the
 ranks — and returns sums; :func:`proximal.train.batches.accumulate` adds them over micro-batches
 and ranks, so every number logged is global.

@@ -146,8 +146,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         frozen_sharding=m.frozen_sharding,
     )
     check_fits(policy, tokenizer, d.max_length, m.path)
-    # Before the policy's first forward pass (the precomputation below): under FSDP2 a forward leaves the
-    # root module's gathered parameters in place, and an optimiser built then would hold them.
+    # Before the policy's first forward pass (the precomputation below): under FSDP2 the root module does
+    # not reshard after a forward, and an optimiser built then would hold its gathered parameters.
     optimizer, scheduler = optimizer_and_scheduler(policy, cfg.optim, total_steps=data.total)
     pad, W, dev = tokenizer.pad_token_id, run.world_size, run.device
 
