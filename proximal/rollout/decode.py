@@ -251,7 +251,12 @@ def _probe(base: torch.nn.Module, rotate: Callable, attend: Callable) -> None:
         )
 
     layers = len(_layers(base))
-    cache_class = getattr(transformers, "DynamicCache", None)
+    # The class the model's own forward builds its cache from: its modeling module's (looked up
+    # there, not on the ``transformers`` module object, which importing peft replaces).
+    modeling = sys.modules.get(type(a).__module__)
+    cache_class = getattr(modeling, "DynamicCache", None) or getattr(
+        transformers, "DynamicCache", None
+    )
     if cache_class is None:
         raise Unsupported("transformers has no DynamicCache")
     try:

@@ -196,7 +196,7 @@ def fit(
             row.update(held_out())
         shown = {label: next(row[m] for m in keys if m in row) for label, keys in postfix.items()}
         run.log(step, row, postfix=shown)
-        if run.save_due(step, data.total, train.save_every):
+        if due(step, data.total, train.save_every):
             run.save(
                 step,
                 trained=trained,

@@ -6,12 +6,17 @@ A trainer calls, in order::
     run = open_run(...)                      # before any model loads: cheap checks first
     ... build models, optimisers, samplers ...
     start, counters = run.restore(trained, stateful)   # from the checkpoint, when resuming
-    run.begin(cfg, total_steps=...)          # the run directory is now ours: config.yaml, logs, bar
+    run.begin(cfg, start=start, total=total, counters=counters, progress=...)
+                                             # the run directory is now ours: config.yaml, logs, bar
+    run.record_models(engine=engine, actor=actor, ...)   # models.json
     for step in range(start + 1, total + 1):
         ...
         run.log(step, metrics)
-        run.maybe_save(step, total, trained, stateful, counters, exports)
+        if due(step, total, save_every):
+            run.save(step, trained=..., stateful=..., counters=..., exports=..., keep=...)
     run.finish()
+
+The fixed-dataset methods (SFT, RM, DPO, SimPO) run this through :func:`proximal.train.fixed.fit`.
 """
 
 from __future__ import annotations
@@ -244,9 +249,6 @@ class Run:
                 )
 
     # ------------------------------------------------------------------ checkpoints
-    def save_due(self, step: int, total: int, save_every: int) -> bool:
-        return due(step, total, save_every)
-
     def save(
         self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int
     ) -> Path:

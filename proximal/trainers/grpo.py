@@ -50,7 +50,7 @@ from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
-from proximal.train.run import open_run
+from proximal.train.run import due, open_run
 from proximal.trainers.grpo_config import ADVANTAGES, LOSSES, GRPOConfig
 
 __all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
@@ -235,7 +235,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.valid,
                 cfg.output.samples_per_step,
             )
-        if run.save_due(step, t.steps, t.save_every):
+        if due(step, t.steps, t.save_every):
             run.save(
                 step,
                 trained=trained,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proximal.config import check_divides, option, section
+from proximal.config import check_divides, option, section, section_problems
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
@@ -138,13 +138,7 @@ class GRPOConfig:
         )
 
     def validate(self) -> list[str]:
-        e = (
-            self.model.problems()
-            + self.data.problems()
-            + self.rollout.problems()
-            + self.optim.problems()
-        )
-        e += self.train.problems() + self.output.problems()
+        e = section_problems(self)
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")

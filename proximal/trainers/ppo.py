@@ -56,7 +56,7 @@ from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
-from proximal.train.run import open_run
+from proximal.train.run import due, open_run
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
@@ -291,7 +291,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 valid,
                 cfg.output.samples_per_step,
             )
-        if run.save_due(step, t.steps, t.save_every):
+        if due(step, t.steps, t.save_every):
             run.save(
                 step,
                 trained=trained,

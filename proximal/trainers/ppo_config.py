@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from proximal.config import check_divides, option, section
+from proximal.config import check_divides, option, section, section_problems
 from proximal.core import AGGREGATIONS, ESTIMATORS, KL_CONTROLLERS
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
@@ -156,13 +156,7 @@ class PPOConfig:
     }
 
     def validate(self) -> list[str]:
-        e = (
-            self.model.problems()
-            + self.data.problems()
-            + self.rollout.problems()
-            + self.optim.problems()
-        )
-        e += self.train.problems() + self.output.problems()
+        e = section_problems(self)
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")

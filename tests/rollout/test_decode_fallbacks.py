@@ -190,7 +190,6 @@ class RenamedCache(transformers.DynamicCache):
 def test_cache_layers_without_keys_are_seen_at_start_up(saved, monkeypatch, lean_steps):
     model = tiny_lm("llama", saved)
     want = _own_tokens(model)
-    monkeypatch.setattr(transformers, "DynamicCache", RenamedCache)
     monkeypatch.setattr(modeling_llama, "DynamicCache", RenamedCache)  # what the model builds
     got = _fell_back(model, "a DynamicCache's layer 0 (RenamedLayer) has no keys", lean_steps)
     assert torch.equal(got, want)
@@ -199,13 +198,14 @@ def test_cache_layers_without_keys_are_seen_at_start_up(saved, monkeypatch, lean
 def test_a_cache_of_another_form_at_a_rollout_is_declined_there(
     saved, monkeypatch, lean_steps, capsys
 ):
-    """The model builds a cache the start-up check did not see (its own class): the rollout checks
-    the cache it got before any decode step, goes the model's own way and says so once."""
+    """The model builds a cache the start-up check did not see (its class changed after the engine
+    was built): the rollout checks the cache it got before any decode step, goes the model's own
+    way and says so once."""
     model = tiny_lm("llama", saved)
     want = _own_tokens(model)
-    monkeypatch.setattr(modeling_llama, "DynamicCache", RenamedCache)
     engine = HFEngine(model, 0)
     assert engine.lean_reason() is None  # nothing wrong that start-up could see
+    monkeypatch.setattr(modeling_llama, "DynamicCache", RenamedCache)
     ids, mask = prompts()
     capsys.readouterr()
     for _ in range(2):

@@ -8,6 +8,7 @@ through ``torch.cuda``'s two queries, so the device rules are checked on any mac
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -196,8 +197,12 @@ def test_cpu_peak_is_the_resident_high_water_mark_since_the_last_call():
     mib = 1 << 20
     peak_memory_bytes(torch.device("cpu"))  # start a new interval
     before = _resident_bytes()
-    block = torch.ones(96 * mib // 4)  # 96 MiB, every page written
-    del block
+    # 96 MiB of fresh pages, every one written: mapped here, so no allocator can serve them from
+    # memory already resident (torch's would, after earlier tests freed as much)
+    block = mmap.mmap(-1, 96 * mib)
+    for page in range(0, 96 * mib, mmap.PAGESIZE):
+        block[page] = 1
+    block.close()
     first = peak_memory_bytes(torch.device("cpu"))
     assert before + 92 * mib <= first <= before + 128 * mib  # the block, and little else
     if _can_reset_peak():  # Linux ≥ 4.0; elsewhere the peak is the process's, and only grows
