@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from proximal.data.collate import pad_left
-from proximal.data.jsonl import read_jsonl
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.prompts import load_prompts
+from proximal.data.sources import read_rows
 from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
 from proximal.models.reward import load_reward_model, pair_scores
 from proximal.rollout.engine import row_seed
@@ -140,7 +140,7 @@ def reward_model_gold_agreement(
     rm, _ = load_reward_model(str(reward_model), "float32", tok)
     freeze(rm)
     pairs, _ = load_preference_pairs(pairs_file, tok, max_length=10_000)
-    records = [r for _, r in read_jsonl(pairs_file)]
+    records = [r for _, r in read_rows(pairs_file)]
     r_w, r_l = pair_scores(rm, collate_pairs(pairs, tok.pad_token_id))
     agree = n = 0
     for rec, s_w, s_l in zip(records, r_w.tolist(), r_l.tolist()):

@@ -37,8 +37,9 @@ from proximal.data.chat import (
     prompt_context,
 )
 from proximal.data.collate import right_padded_with_spans
-from proximal.data.jsonl import DataError, read_jsonl
+from proximal.data.jsonl import DataError
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, LoadReport, empty_error, too_long_error
+from proximal.data.sources import read_rows
 
 #: ``on_too_long`` for preference pairs: the SFT choices, and truncating both sides to max_length.
 ON_TOO_LONG_PAIRS = ON_TOO_LONG + ("truncate",)
@@ -132,6 +133,8 @@ def load_preference_pairs(
     max_length: int,
     on_too_long: str = "error",
     on_empty: str = "error",
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ) -> tuple[list[PreferencePair], LoadReport]:
     """Read and tokenise a JSONL file of preference pairs.
 
@@ -150,8 +153,7 @@ def load_preference_pairs(
     report = LoadReport(str(path))
     pairs: list[PreferencePair] = []
     first_margin: tuple[str, bool] | None = None  # (where, has margin) of the first row
-    for lineno, record in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, record in read_rows(path, split=split, columns=columns):
         report.rows += 1
         prompt, chosen, rejected = render_preference(record, tokenizer, where)
         margin = _margin(record, where)

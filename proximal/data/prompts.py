@@ -1,7 +1,8 @@
 """Prompt sets for PPO and pretraining text for the PTX loss.
 
-Prompts come from JSONL (``{"prompt": str}`` or ``{"messages": [...]}``, the latter rendered with the
-tokenizer's chat template) or from a ``datasets`` dataset saved with ``save_to_disk`` (same columns).
+Prompts are rows ``{"prompt": str}`` or ``{"messages": [...]}`` (the latter rendered with the
+tokenizer's chat template) in any format :func:`proximal.data.sources.read_rows` reads: JSONL, JSON,
+Parquet, CSV, Arrow, a ``save_to_disk`` directory or a data set name in the local Hugging Face cache.
 Prompts longer than the limit are truncated on the left (keeping the end, where the question usually
 is) or skipped and counted, as configured.
 """
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proximal.data.chat import encode_prompt, render_prompt
-from proximal.data.jsonl import DataError, read_jsonl, require_str
+from proximal.data.jsonl import DataError, require_str
+from proximal.data.sources import is_data_source, read_rows
 
 
 @dataclass
@@ -30,31 +32,6 @@ class PromptSet:
         return len(self.texts)
 
 
-def _records(path: str):
-    p = Path(path)
-    if p.is_dir():
-        try:
-            # lazy: the optional `datasets` extra, only for a hub or Arrow prompt set
-            import datasets
-        except ImportError as e:
-            raise DataError(
-                f"{p}: a dataset directory needs the `datasets` package "
-                "(pip install 'proximal-rlhf[datasets]')"
-            ) from e
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(
-                    f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})"
-                )
-            ds = ds["train"]
-        for i, row in enumerate(ds):
-            yield f"{p}[row {i}]", dict(row)
-    else:
-        for lineno, record in read_jsonl(p):
-            yield f"{p}:{lineno}", record
-
-
 def load_prompts(
     path: str,
     tokenizer,
@@ -62,6 +39,8 @@ def load_prompts(
     max_length: int,
     on_too_long: str = "truncate_left",
     on_empty: str = "error",
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ) -> PromptSet:
     """Read, render and tokenize every prompt. Raises DataError for bad rows or an empty set.
 
@@ -71,7 +50,7 @@ def load_prompts(
     """
     texts, ids, messages = [], [], []
     skipped = truncated = empty = 0
-    for where, record in _records(path):
+    for where, record in read_rows(path, split=split, columns=columns):
         text = render_prompt(record, tokenizer, where)
         tok = encode_prompt(text, tokenizer)
         if not tok:
@@ -107,14 +86,22 @@ def load_prompts(
     )
 
 
-def load_texts(path: str, *, key: str = "text") -> list[str]:
-    """Pretraining texts for the PTX loss: JSONL with a ``text`` field, or a plain text file (one per line)."""
+def load_texts(
+    path: str,
+    *,
+    key: str = "text",
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
+) -> list[str]:
+    """Pretraining texts for the PTX loss: rows with a ``text`` field in any format
+    :func:`~proximal.data.sources.read_rows` reads, or a plain text file (one text per line; any
+    other suffix, such as ``.txt``)."""
     p = Path(path)
-    if p.suffix in (".jsonl", ".json"):
-        texts = [require_str(r, key, f"{p}:{n}") for n, r in read_jsonl(p)]
+    if is_data_source(p):
+        texts = [
+            require_str(r, key, where) for where, r in read_rows(p, split=split, columns=columns)
+        ]
     else:
-        if not p.is_file():
-            raise DataError(f"{p}: file not found")
         texts = []
         for lineno, raw in enumerate(p.read_bytes().splitlines(), start=1):
             try:

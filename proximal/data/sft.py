@@ -14,7 +14,8 @@ import torch
 
 from proximal.data.chat import encode_prompt, encode_response, render_pair
 from proximal.data.collate import right_padded_with_spans
-from proximal.data.jsonl import DataError, read_jsonl
+from proximal.data.jsonl import DataError
+from proximal.data.sources import read_rows
 
 #: ``data.on_too_long`` and ``data.on_empty``: stop with the row's file:line, or drop and count it.
 ON_TOO_LONG = ("error", "skip")
@@ -96,6 +97,8 @@ def load_sft_examples(
     max_length: int,
     on_too_long: str = "error",
     on_empty: str = "error",
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ) -> tuple[list[SFTExample], LoadReport]:
     """Read and tokenise a JSONL file of prompt/response records.
 
@@ -109,8 +112,7 @@ def load_sft_examples(
         )
     report = LoadReport(str(path))
     examples = []
-    for lineno, record in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, record in read_rows(path, split=split, columns=columns):
         report.rows += 1
         prompt, response = render_pair(record, tokenizer, where)
         prompt_ids = encode_prompt(prompt, tokenizer)

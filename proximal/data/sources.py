@@ -238,7 +238,7 @@ def _cached_rows(name: str, split: str | None) -> Iterator[tuple[str, dict]]:
     cache = datasets_cache()
     if not _cached(name):
         raise DataError(
-            f"{name}: not a file, and not a data set in the local Hugging Face cache (looked in "
+            f"{name}: file not found, and not a data set in the local Hugging Face cache (looked in "
             f"{_cache_dir(name)}; set HF_HOME or HF_DATASETS_CACHE to the cache that holds it). "
             "proximal never downloads data: load it once with datasets.load_dataset, or give a file"
         )
