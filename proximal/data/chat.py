@@ -16,15 +16,98 @@ normally the end-of-turn token, e.g. ``<|im_end|>`` for Qwen2-Instruct.)
 Tokenising the prompt and the response separately (see :func:`encode_prompt` and
 :func:`encode_response`) is deliberate for the same reason: PPO sees prompt ids followed by sampled
 ids, never a joint tokenisation of both strings.
+
+Beyond that layout, SFT can train **every assistant turn** of a conversation
+(:func:`conversation_tokens`): the whole conversation is rendered once and tokenised once, and a
+bool mask marks the tokens of the chosen assistant turns. Which characters belong to an assistant
+turn comes from the template's ``{% generation %}`` markers where it has them (transformers'
+``return_assistant_tokens_mask``), else from rendering prefixes of the conversation:
+
+* the turn starts where ``template(turns before it, add_generation_prompt=True)`` ends — the same
+  text after which the policy starts writing in a rollout;
+* it ends where ``template(turns up to and including it)`` ends, less trailing whitespace (the
+  newline many templates write *between* turns is not something the model emits);
+* both renderings must be prefixes of the whole conversation's rendering, or the row is refused
+  (templates that rewrite earlier turns, e.g. dropping reasoning, cannot be split this way).
+
+A token is trained when any of its characters lies in such a span (the rule transformers uses for
+generation markers), so a BPE token that merges the last characters of the content with the start
+of the end-of-turn text is trained — it is what the model has to emit there — and one that merges
+the generation prompt with the first content characters is trained too. The character offsets come
+from the fast tokenizer's ``offset_mapping`` over the whole text; nothing is re-tokenised per turn.
+The first token of a row is never trained (nothing precedes it to predict it from).
+
+Record shapes (TRL's dataset formats; docs/data.md has the table of shapes × commands):
+``{"text"}`` language modelling, ``{"prompt"}`` prompt-only, ``{"prompt", "completion"}``
+prompt–completion (``response`` is an alias of ``completion``), both as strings or both as message
+lists, ``{"messages"}`` a conversation, and an optional ``tools`` list handed to the chat template.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from proximal.data.jsonl import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
+
+#: ``data.loss_on``: which tokens of an SFT row the loss covers (docs/data.md, "Which tokens are
+#: trained").
+LOSS_ON = ("all_assistant", "last_assistant", "completion_only", "all_tokens")
+
+#: The fields naming a completion: TRL's ``completion`` and this project's first name, ``response``.
+COMPLETION_KEYS = ("completion", "response")
+
+#: What an SFT row may look like, for the message naming a row in another shape.
+SFT_SHAPES = (
+    '{"text": str}, {"prompt": str, "completion": str}, {"prompt": [messages], "completion": '
+    '[messages]}, {"messages": [messages]} (optionally with "tools"; "response" is an alias of '
+    '"completion")'
+)
+
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_template_text(value: str) -> str:
+    """``model.chat_template`` as template text: the contents of the file it names, or the string itself.
+
+    A value with no Jinja syntax (``{{`` or ``{%``) is taken as a path; a path that does not exist
+    is an error naming it (a typo would otherwise become a template that prints its own name).
+    """
+    if "{{" in value or "{%" in value:
+        return value
+    p = Path(value).expanduser()
+    if not p.is_file():
+        raise DataError(
+            f"model.chat_template = {value!r}: no such file, and not a template either (no '{{{{' "
+            "or '{%'); give a Jinja template file or the template text"
+        )
+    return p.read_text(encoding="utf-8")
+
+
+def set_chat_template(tokenizer, value: str | None) -> None:
+    """Give ``tokenizer`` the chat template of ``model.chat_template`` (None: keep its own).
+
+    The field replaces a template the tokenizer already has: a user who sets it wants that one. The
+    tokenizer is saved with the trained model, so the template travels with the checkpoint.
+    """
+    if value:
+        tokenizer.chat_template = chat_template_text(value)
+
+
+def check_tools(record: dict, where: str) -> list[dict] | None:
+    """The row's ``tools`` (a list of JSON-schema objects) or None."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(
+            f"{where}: field 'tools' must be a list of objects (JSON schemas of functions), got "
+            f"{type(tools).__name__} {tools!r:.60}"
+        )
+    return tools
 
 
 def check_messages(value: Any, where: str, field: str = "messages") -> list[dict]:
@@ -55,15 +138,27 @@ def check_messages(value: Any, where: str, field: str = "messages") -> list[dict
     return value
 
 
-def apply_template(messages: list[dict], tokenizer, where: str) -> str:
-    """The chat template over ``messages`` followed by the assistant-turn opener (generation prompt)."""
+def apply_template(
+    messages: list[dict],
+    tokenizer,
+    where: str,
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat template over ``messages`` (and ``tools``), by default followed by the assistant-turn
+    opener (generation prompt)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             f"{where}: the record uses chat messages, but the tokenizer "
             f"({getattr(tokenizer, 'name_or_path', '?') or '?'}) has no chat template; "
-            "give a plain 'prompt' string or use a tokenizer that has one"
+            "give a plain 'prompt' string, use a tokenizer that has one, or set model.chat_template "
+            "(a template file or the template text)"
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = {"tools": tools} if tools else {}  # no 'tools' key: the template sees it undefined
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
     if not isinstance(text, str):  # defensive: some versions return a list for a batch of one
         text = text[0]
     return text
@@ -98,11 +193,17 @@ def render_prompt(record: dict, tokenizer, where: str) -> str:
     ``add_generation_prompt=True``. ``where`` (``file:line``) prefixes every error.
     """
     context = prompt_context(record, where)
-    return context if isinstance(context, str) else apply_template(context, tokenizer, where)
+    if isinstance(context, str):
+        return context
+    return apply_template(context, tokenizer, where, tools=check_tools(record, where))
 
 
 def split_conversation(
-    messages: list[dict], tokenizer, where: str, field: str = "messages"
+    messages: list[dict],
+    tokenizer,
+    where: str,
+    field: str = "messages",
+    tools: list[dict] | None = None,
 ) -> tuple[str, str]:
     """``(prompt_text, response_text)`` from messages that end with an assistant turn.
 
@@ -120,30 +221,215 @@ def split_conversation(
             f"{where}: {field!r} has only the assistant's response; it needs at least one "
             "earlier turn as the prompt"
         )
-    return apply_template(messages[:-1], tokenizer, where), messages[-1]["content"]
+    return apply_template(messages[:-1], tokenizer, where, tools=tools), messages[-1]["content"]
+
+
+def completion_field(record: dict, where: str) -> str | None:
+    """Which of ``completion`` / ``response`` the row uses (None: neither); both is an error."""
+    present = [k for k in COMPLETION_KEYS if k in record]
+    if len(present) > 1:
+        raise DataError(f"{where}: give either 'completion' or 'response' (an alias), not both")
+    return present[0] if present else None
+
+
+def sft_parts(record: dict, where: str) -> tuple[str, Any, Any, int]:
+    """The shape of an SFT row: ``(kind, a, b, completion_start)``.
+
+    * ``("text", text, None, 0)`` — language modelling;
+    * ``("pair", prompt, completion, 0)`` — a prompt (string, or messages rendered with the generation
+      prompt) and a completion string: today's prompt/response layout;
+    * ``("conversation", messages, tools, k)`` — one message list (``messages``, or a conversational
+      ``prompt`` + ``completion``) whose turns from index ``k`` on are the completion (for a plain
+      ``messages`` row, ``k`` is its last turn).
+
+    Raises DataError naming ``where``, what was found and what is accepted.
+    """
+    ckey = completion_field(record, where)
+    if "text" in record:
+        others = [k for k in ("prompt", "messages", *COMPLETION_KEYS) if k in record]
+        if others:
+            raise DataError(
+                f"{where}: a 'text' row (language modelling) has no {others[0]!r}; give either "
+                f"'text' or a prompt/completion or messages row. Accepted: {SFT_SHAPES}"
+            )
+        text = record["text"]
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field 'text' must be a string, got {type(text).__name__} {text!r:.60}"
+            )
+        return "text", text, None, 0
+    tools = check_tools(record, where)
+    if ckey is None:
+        if "messages" in record:
+            if "prompt" in record:
+                raise DataError(f"{where}: give either 'prompt' or 'messages', not both")
+            messages = check_messages(record["messages"], where)
+            return "conversation", messages, tools, len(messages) - 1
+        if "prompt" in record:
+            raise DataError(
+                f"{where}: missing field 'response' (or 'completion') (fields present: "
+                f"{', '.join(sorted(record))}); a prompt alone is a prompt-only row, for ppo and grpo. "
+                f"An SFT row is one of: {SFT_SHAPES}"
+            )
+        raise DataError(
+            f"{where}: not an SFT row (fields present: {', '.join(sorted(record)) or 'none'}); "
+            f"accepted: {SFT_SHAPES}"
+        )
+    completion = record[ckey]
+    if isinstance(completion, list):
+        context = prompt_context(record, where)
+        if isinstance(context, str):
+            raise DataError(
+                f"{where}: {ckey!r} is a message list but the prompt is a string; give both as "
+                "strings or both as message lists"
+            )
+        completion = check_messages(completion, where, ckey)
+        return "conversation", context + completion, tools, len(context)
+    if not isinstance(completion, str):
+        raise DataError(
+            f"{where}: field {ckey!r} must be a string, got "
+            f"{type(completion).__name__} {completion!r:.60} (or a list of messages)"
+        )
+    return "pair", prompt_context(record, where), completion, 0
 
 
 def render_pair(record: dict, tokenizer, where: str) -> tuple[str, str]:
-    """``(prompt_text, response_text)`` of an SFT record.
+    """``(prompt_text, response_text)`` of an SFT record: today's layout, ``data.loss_on: last_assistant``.
 
-    ``{"prompt": str, "response": str}`` or ``{"messages": [..., {"role": "assistant", ...}]}``.
+    ``{"prompt": str, "completion": str}`` (or ``"response"``), messages with a completion string, or
+    a conversation (``messages``, or conversational ``prompt`` + ``completion``) that ends with an
+    assistant turn: the prompt is the template over every earlier turn with the generation prompt.
     """
-    if "messages" in record and "response" not in record:
-        if "prompt" in record:
-            raise DataError(f"{where}: give either 'prompt' or 'messages', not both")
-        return split_conversation(record["messages"], tokenizer, where)
-    prompt = render_prompt(record, tokenizer, where)
-    if "response" not in record:
+    kind, a, b, _ = sft_parts(record, where)
+    if kind == "text":
         raise DataError(
-            f"{where}: missing field 'response' (fields present: {', '.join(sorted(record))})"
+            f"{where}: a 'text' row has no prompt and response to split; with text rows set "
+            "data.loss_on: all_tokens (or all_assistant, which trains a text row's every token)"
         )
-    response = record["response"]
-    if not isinstance(response, str):
+    if kind == "conversation":
+        return split_conversation(a, tokenizer, where, tools=b)
+    tools = check_tools(record, where)
+    prompt = a if isinstance(a, str) else apply_template(a, tokenizer, where, tools=tools)
+    return prompt, b
+
+
+def has_generation_markers(tokenizer) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}``."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
+
+
+def _add_bos(text: str, tokenizer) -> bool:
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (bos and text.startswith(bos))
+
+
+def turn_spans(
+    messages: list[dict],
+    turns: list[int],
+    tokenizer,
+    where: str,
+    tools: list[dict] | None,
+    *,
+    whole: bool = False,
+) -> tuple[str, list[tuple[int, int]]]:
+    """The whole conversation's text and the character span ``[start, end)`` of each turn in ``turns``.
+
+    A turn starts where the template over the turns before it, with the generation prompt, ends,
+    and ends where the template over the turns up to it ends, less trailing whitespace (see the module
+    docstring). ``whole``: the turn's whole rendering instead (from the end of the turns before it,
+    without the generation prompt, to the end of the turn, whitespace included) — the region in which
+    a template's ``{% generation %}`` marks are looked for. Raises DataError when a prefix's rendering
+    is not a prefix of the whole.
+    """
+    full = apply_template(messages, tokenizer, where, tools=tools, add_generation_prompt=False)
+    spans = []
+    for i in turns:
+        opened = (
+            apply_template(
+                messages[:i], tokenizer, where, tools=tools, add_generation_prompt=not whole
+            )
+            if i
+            else ""
+        )
+        closed = apply_template(
+            messages[: i + 1], tokenizer, where, tools=tools, add_generation_prompt=False
+        )
+        closed = closed if whole else closed.rstrip()
+        for name, text in (("the turns before it", opened), ("the turns up to it", closed)):
+            if not full.startswith(text):
+                raise DataError(
+                    f"{where}: turn {i} ({messages[i]['role']}): the chat template renders {name} "
+                    "differently from the same turns inside the whole conversation, so the turn's "
+                    "tokens cannot be located; give the template {% generation %} markers or set "
+                    "data.loss_on: last_assistant"
+                )
+        spans.append((len(opened), max(len(opened), len(closed))))
+    return full, spans
+
+
+def overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """True for each token whose characters ``[s, e)`` overlap one of ``spans`` (as transformers'
+    ``return_assistant_tokens_mask`` does). A special token added by the tokenizer has ``(0, 0)``
+    and overlaps nothing."""
+    return [any(s < b and e > a for a, b in spans) for s, e in offsets]
+
+
+def conversation_tokens(
+    messages: list[dict],
+    tokenizer,
+    where: str,
+    *,
+    turns: list[int] | None,
+    tools: list[dict] | None = None,
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the whole conversation and the mask of the tokens to train.
+
+    ``turns``: indices of the assistant turns to train; None = every token. The text is rendered once
+    (no generation prompt) and tokenised once, with the tokenizer's BOS added unless the template
+    writes it. With ``{% generation %}`` markers, the marked tokens of the chosen turns are trained
+    (all of them when ``turns`` lists every assistant turn; else those inside the chosen turns'
+    whole renderings); without, the prefix spans of :func:`turn_spans`. The first token is never
+    trained.
+
+    Returns ``(ids, mask)``, two lists of length T.
+    """
+    markers = turns is not None and has_generation_markers(tokenizer)
+    every_assistant = turns == [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if turns is None or (markers and every_assistant):
+        full = apply_template(messages, tokenizer, where, tools=tools, add_generation_prompt=False)
+        spans = [(0, len(full))]
+    else:
+        full, spans = turn_spans(messages, turns, tokenizer, where, tools, whole=markers)
+    if not getattr(tokenizer, "is_fast", False):
         raise DataError(
-            f"{where}: field 'response' must be a string, got "
-            f"{type(response).__name__} {response!r:.60}"
+            f"{where}: training on assistant turns needs a fast tokenizer (character offsets); "
+            f"{type(tokenizer).__name__} is not one; set data.loss_on: last_assistant"
         )
-    return prompt, response
+    enc = tokenizer(full, add_special_tokens=_add_bos(full, tokenizer), return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    mask = overlapping(offsets, spans)
+    if markers:
+        kwargs = {"tools": tools} if tools else {}
+        marked = tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"return_offsets_mapping": True},
+            **kwargs,
+        )
+        # The same text; the marked tokens, matched to ours by their character offsets (ours may
+        # start with a BOS the template did not write).
+        by_offset = {
+            tuple(o): bool(m)
+            for o, m in zip(marked["offset_mapping"], marked["assistant_masks"])
+            if o[1] > o[0]
+        }
+        mask = [m and by_offset.get(o, False) for m, o in zip(mask, offsets)]
+    if mask:
+        mask[0] = False  # nothing precedes the first token to predict it from
+    return ids, mask
 
 
 def encode_prompt(text: str, tokenizer) -> list[int]:
