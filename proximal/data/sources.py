@@ -149,8 +149,7 @@ def _json_list(p: Path) -> Iterator[tuple[str, dict]]:
 
 def _datasets(p: Path | str):
     try:
-        # lazy: the optional `datasets` extra (and its pyarrow) is slow to import and only some
-        # formats need it
+        # lazy: the optional `datasets` extra, slow to import, for the formats that need it
         import datasets
     except ImportError:
         raise DataError(

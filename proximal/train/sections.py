@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from proximal.config import check_divides, option
 from proximal.core.ranges import problem
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
+from proximal.data.sources import columns_problems, source_problem
 from proximal.logging import missing_extras
 from proximal.models.kernels import CHOICES as CPU_MATMUL
 
@@ -391,8 +391,8 @@ class PromptDataSection:
         e = []
         if not self.prompts:
             e.append(f"{name}.prompts is required")
-        elif not Path(self.prompts).exists():
-            e.append(f"{name}.prompts: {self.prompts!r} does not exist")
+        elif problem := source_problem(self.prompts, f"{name}.prompts"):
+            e.append(problem)
         if self.max_prompt_length < 1:
             e.append(f"{name}.max_prompt_length = {self.max_prompt_length} must be ≥ 1")
         return e
@@ -476,6 +476,18 @@ class RolloutSection:
 # ----------------------------------------------------------------------------------------------
 
 
+SPLIT_HELP = (
+    "The split to read where the data is a DatasetDict (a save_to_disk directory or a data set "
+    "name in the local Hugging Face cache): null = 'train'. Applies to every data file of this "
+    "section; a single file is one split, 'train'. See docs/data.md."
+)
+COLUMNS_HELP = (
+    "Column names mapped to the names this command reads, canonical: column (e.g. {prompt: "
+    "question, completion: answer}); applied to every row of every data file of this section. "
+    "null = the columns as they are. See docs/data.md."
+)
+
+
 @dataclass
 class PreferenceDataSection:
     """Preference pairs (x, y_w, y_l): the data of ``proximal rm``, ``dpo`` and ``simpo``."""
@@ -509,9 +521,12 @@ class PreferenceDataSection:
         "the pair and counts it in metrics.jsonl.",
         choices=ON_EMPTY,
     )
+    split: str | None = option(None, SPLIT_HELP)
+    columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
     def problems(self, name: str = "data") -> list[str]:
         e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
+        e += columns_problems(self.columns, f"{name}.columns")
         if self.max_length < 2:
             e.append(
                 f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)"

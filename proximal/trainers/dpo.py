@@ -121,7 +121,13 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
-    load = dict(max_length=d.max_length, on_too_long=d.on_too_long, on_empty=d.on_empty)
+    load = dict(
+        max_length=d.max_length,
+        on_too_long=d.on_too_long,
+        on_empty=d.on_empty,
+        split=d.split,
+        columns=d.columns,
+    )
     data = load_data(
         lambda path: load_preference_pairs(path, tokenizer, **load),
         d.train_file,

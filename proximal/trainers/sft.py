@@ -58,6 +58,8 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
             max_length=d.max_length,
             on_too_long=d.on_too_long,
             on_empty=d.on_empty,
+            split=d.split,
+            columns=d.columns,
         ),
         d.train_file,
         d.eval_file,

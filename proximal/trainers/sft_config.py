@@ -57,6 +57,18 @@ class SFTData(PreferenceDataSection):
         "What to do with a row whose response is empty: 'error' stops with its "
         "file:line; 'skip' drops it and counts it in metrics.jsonl.",
     )
+    split: str | None = reworded(
+        PreferenceDataSection,
+        "split",
+        "The split of the rows where the data is a DatasetDict (save_to_disk directory or cached "
+        "data set name); null = 'train'. A single file is one split, 'train'. See docs/data.md.",
+    )
+    columns: dict[str, str] | None = reworded(
+        PreferenceDataSection,
+        "columns",
+        "Column names mapped to the names of a row, canonical: column (e.g. {prompt: question, "
+        "response: answer}); null = the columns as they are. See docs/data.md.",
+    )
 
 
 @dataclass
