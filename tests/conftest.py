@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 for sub in (
     "",
     "ppo",
-):  # tests/multiprocess.py; reward functions are configured as 'ppo_support:<name>'
+):  # tests/multiproc.py; reward functions are configured as 'ppo_support:<name>'
     if str(HERE / sub) not in sys.path:
         sys.path.insert(0, str(HERE / sub))
 

@@ -25,25 +25,7 @@ from proximal.data.sft import load_sft_examples
 from proximal.data.sources import read_rows
 from proximal.logging import read_metrics
 
-
-def _import_datasets():
-    """``datasets``, imported with the real ``multiprocess`` package it needs: tests/multiprocess.py
-    (the multi-process tests' helper) has the same name and is first on ``sys.path`` under pytest.
-    The name is handed back to the helper afterwards; ``datasets`` keeps its own reference."""
-    tests_dir = Path(__file__).resolve().parents[1]
-    helper = sys.modules.pop("multiprocess", None)
-    path = sys.path[:]
-    sys.path[:] = [p for p in path if Path(p or ".").resolve() != tests_dir]
-    try:
-        return pytest.importorskip("datasets")
-    finally:
-        sys.path[:] = path
-        sys.modules.pop("multiprocess", None)
-        if helper is not None:
-            sys.modules["multiprocess"] = helper
-
-
-datasets = _import_datasets()
+datasets = pytest.importorskip("datasets")
 
 # digits only in answers: CSV must keep "12" a string, not read it as the integer 12
 SFT_ROWS = [

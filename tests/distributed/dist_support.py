@@ -1,6 +1,6 @@
 """Helpers for the multi-process tests: fixed rollouts, SGD-trained models, gathered parameters.
 
-Every function here runs inside a rank started by :func:`multiprocess.run_ranks` (or alone, with a
+Every function here runs inside a rank started by :func:`multiproc.run_ranks` (or alone, with a
 world of one), builds its models from the tiny checkpoints, and returns plain CPU tensors.
 """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from multiproc import run_ranks
 from ppo_support import read_jsonl, tiny_config, without_timing, write_yaml
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import AutoModelForSequenceClassification

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiprocess import run_ranks
+from multiproc import run_ranks
 from ppo_support import read_jsonl, tiny_config, without_timing, write_yaml
 
 HERE = Path(__file__).resolve().parent

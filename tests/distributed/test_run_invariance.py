@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 
 import pytest
-from multiprocess import run_ranks
+from multiproc import run_ranks
 from ppo_support import TIMING_PREFIXES, load_safetensors_dir, read_jsonl, tiny_config
 
 REL, ABS = 1e-4, 1e-4

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_support import ids
-from multiprocess import run_ranks
+from multiproc import run_ranks
 
 # Rank 0 gets the first two prompts, rank 1 the last two; rank 1's rows are forced to stop early.
 PROMPTS = ["ab 1", "hhhh 2", "c", "dd 3"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from dist_support import ppo_update_once, rm_step_once, sft_step_once
-from multiprocess import run_ranks
+from multiproc import run_ranks
 
 ATOL = 1e-6
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from multiproc import run_ranks
 
 from proximal.train import batches
 from proximal.train.batches import accumulate

@@ -217,7 +217,7 @@ def test_one_and_two_processes_compute_the_same_steps(assets, tmp_path, monkeypa
     agree to float32 round-off of different reduction orders. Compared: every optimiser step's full
     gradient (sharper than the weights, which AdamW's 1/√v makes sensitive to round-off on
     near-zero gradients) at rtol 1e-4, and the logged losses and norms at rel 1e-4."""
-    from multiprocess import run_ranks
+    from multiproc import run_ranks
 
     from proximal.trainers import grpo
 
