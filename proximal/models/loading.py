@@ -105,6 +105,34 @@ def _merged_adapters(path: str, dtype: str):
     # transformers would take it for an adapter to load and save again
     if hasattr(model, "peft_config"):
         del model.peft_config
+    # peft loads adapters for inference, every weight frozen; a plain from_pretrained model trains
+    model.requires_grad_(True)
+    return model
+
+
+def _merged_scorer_adapters(path: str, dtype: str):
+    """A LoRA reward model's output exported as adapters (``proximal rm`` with ``output.merge_lora:
+    false``: adapters over a base checkpoint, often a causal LM, and the one-label head saved whole)
+    as one plain one-label classifier, the adapters merged into the weights."""
+    # lazy: peft loads only for LoRA (it takes a second to import)
+    from peft import AutoPeftModelForSequenceClassification, PeftConfig
+
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    if base and not Path(base).exists() and Path(base).is_absolute():
+        raise ModelLoadError(
+            f"{path!r} holds LoRA adapters over {base!r}, which does not exist (any more)"
+        )
+    # A causal-LM base has no one-label head: transformers makes a random one (num_labels=1, said in
+    # its load report, silenced) that the saved head then replaces.
+    with warnings.catch_warnings(), _quiet_load_report(True):
+        warnings.simplefilter("ignore")
+        model = AutoPeftModelForSequenceClassification.from_pretrained(
+            path, dtype=resolve_dtype(dtype), num_labels=1
+        ).merge_and_unload()
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    model.requires_grad_(True)  # as from_pretrained's (peft loads adapters frozen, for inference)
+    model.config.architectures = [type(model).__name__]
     return model
 
 
@@ -132,11 +160,16 @@ def load_sequence_scorer(
     _check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
     try:
-        with warnings.catch_warnings(), _quiet_load_report(new_head):
-            warnings.simplefilter("ignore")
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=resolve_dtype(dtype), **kwargs
-            )
+        if (Path(path) / "adapter_config.json").is_file():
+            model = _merged_scorer_adapters(path, dtype)
+        else:
+            with warnings.catch_warnings(), _quiet_load_report(new_head):
+                warnings.simplefilter("ignore")
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    path, dtype=resolve_dtype(dtype), **kwargs
+                )
+    except ModelLoadError:
+        raise
     except Exception as e:
         raise ModelLoadError(
             f"{role}: cannot load a sequence-classification model from {path!r}: {e}"

@@ -16,6 +16,7 @@ in bfloat16. ``bf16-true`` holds everything in bfloat16.
 from __future__ import annotations
 
 import contextlib
+import re
 from functools import partial
 
 import torch
@@ -129,8 +130,13 @@ def prepare_trained(
     precision: str,
     world_size: int,
     activation_checkpointing: bool = False,
+    merge_lora: bool = False,
 ) -> torch.nn.Module:
-    """Move, optionally checkpoint, and (several processes) shard a model that will be trained."""
+    """Move, optionally checkpoint, and (several processes) shard a model that will be trained.
+
+    ``merge_lora``: :func:`export_pretrained` writes this (peft) model as one plain checkpoint with its
+    adapters merged into the weights, not as adapters (``output.merge_lora``)."""
+    model._proximal_merge_lora = merge_lora
     model.to(device)
     choose_attention(model, device, torch.float32 if precision == "32-true" else torch.bfloat16)
     if device.type == "cpu":
@@ -200,18 +206,73 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_pretrained(
-    model: torch.nn.Module, tokenizer, directory, *, is_main: bool = True
+    model: torch.nn.Module,
+    tokenizer,
+    directory,
+    *,
+    is_main: bool = True,
+    merge_lora: bool | None = None,
 ) -> None:
     """A plain Hugging Face checkpoint (``save_pretrained``, safetensors + tokenizer) that loads on one
-    device; for a peft model, its adapters. Every rank calls it; rank 0 writes."""
+    device. For a peft model: its adapters (``adapter_config.json``, loaded over the base model), or
+    with ``merge_lora`` the base model with the adapters merged into its weights, which loads with
+    plain ``from_pretrained``. ``merge_lora=None`` takes what :func:`prepare_trained` was told
+    (default: adapters). Every rank calls it; rank 0 writes."""
+    if merge_lora is None:
+        merge_lora = getattr(model, "_proximal_merge_lora", False)
+    merge_lora = merge_lora and hasattr(model, "get_base_model")
     sharded = is_sharded(model)
-    state = full_state_dict(model) if sharded else None
+    state = full_state_dict(model) if sharded or merge_lora else None
     if not is_main:
         return
-    if sharded:
+    if merge_lora:
+        # The merge is computed on the exported tensors, never in place: merging and unmerging the
+        # live weights would leave round-off in the frozen base and the run would no longer resume
+        # exactly (a resumed run reloads the pristine base).
+        plain = merged_lora_state(model, state)
+        unwrap(model).save_pretrained(directory, state_dict=plain, safe_serialization=True)
+    elif sharded:
         # save_pretrained(state_dict=d) empties d (transformers 5): hand it a copy.
         model.save_pretrained(directory, state_dict=dict(state), safe_serialization=True)
     else:
         model.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+
+
+#: peft's names inside a wrapped model: the prefix of every key, a LoRA layer's frozen weight and a
+#: fully trained copy of a module (``modules_to_save``: a scorer's head) beside its frozen original.
+_PEFT_PREFIX = "base_model.model."
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
+def merged_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict:
+    """The state dict of the plain model under a peft LoRA ``model``, each adapted weight merged:
+    W' = W + s · B A (s = lora_alpha / r, peft's ``scaling``; W (out, in), B (out, r), A (r, in);
+    transposed for GPT-2's Conv1D, whose weight is stored (in, out)). ``state`` is ``model``'s full
+    state dict (peft's key names); the sum is taken in float32 and stored in W's dtype. A fully
+    trained ``modules_to_save`` copy replaces its frozen original. Keys are the plain model's."""
+    out = dict(state)
+    for name, m in model.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer") and hasattr(m, "scaling")):
+            continue
+        prefix = name.replace("_checkpoint_wrapped_module.", "")
+        w = out[f"{prefix}.base_layer.weight"]
+        merged = w.float()
+        for a in m.active_adapters:
+            a_key, b_key = f"{prefix}.lora_A.{a}.weight", f"{prefix}.lora_B.{a}.weight"
+            if a_key not in out:
+                raise ValueError(
+                    f"{prefix}: only LoRA on linear layers can be merged into an export "
+                    "(set output.merge_lora: false to export the adapters)"
+                )
+            delta = (out[b_key].float() @ out[a_key].float()) * m.scaling[a]  # (out, in)
+            merged = merged + (delta.T if getattr(m, "fan_in_fan_out", False) else delta)
+        out[f"{prefix}.base_layer.weight"] = merged.to(w.dtype)
+    plain = {}
+    for key, value in out.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        key = key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+        plain[_MODULES_TO_SAVE.sub(".", key)] = value
+    return plain

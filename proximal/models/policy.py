@@ -46,12 +46,19 @@ def with_adapters(model, config):
         return get_peft_model(model, config)
 
 
+def with_lora(model, task_type: str, lora: dict | None):
+    """``model`` with LoRA adapters (``lora``: r, alpha, target_modules; peft ``task_type``
+    'CAUSAL_LM' or 'SEQ_CLS', whose scalar head then trains in full), or ``model`` itself when
+    ``lora`` is None. Only the adapters (and such a head) require gradients."""
+    return with_adapters(model, lora_config(task_type, **lora)) if lora else model
+
+
 def build_actor(path: str, *, dtype: str, lora: dict | None = None):
     """The trainable policy, in eval mode (no dropout: the rollout and the update must see one
     policy). With ``lora`` (r, alpha, target_modules) only the adapters train."""
-    model = load_causal_lm(path, role="policy (model.path)", dtype=dtype)
-    if lora:
-        model = with_adapters(model, lora_config("CAUSAL_LM", **lora))
+    model = with_lora(
+        load_causal_lm(path, role="policy (model.path)", dtype=dtype), "CAUSAL_LM", lora
+    )
     model.eval()
     return model
 
@@ -158,7 +165,6 @@ def build_critic(
         model = load_sequence_scorer(
             source, role="critic (model.critic)", dtype=dtype, pad_token_id=pad_token_id
         )
-    if lora:
-        model = with_adapters(model, lora_config("SEQ_CLS", **lora))
+    model = with_lora(model, "SEQ_CLS", lora)
     model.eval()
     return model

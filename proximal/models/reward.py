@@ -15,10 +15,12 @@ from transformers import AutoConfig
 
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import ModelLoadError, load_sequence_scorer
+from proximal.models.policy import with_lora
 
 
-def load_reward_model(path: str, dtype: str, tokenizer):
-    """``(model, new_head)``: a one-label sequence classifier with ``config.pad_token_id`` set.
+def load_reward_model(path: str, dtype: str, tokenizer, lora: dict | None = None):
+    """``(model, new_head)``: a one-label sequence classifier with ``config.pad_token_id`` set; with
+    ``lora`` (r, alpha, target_modules), adapters on its backbone and its score head trained in full.
 
     A checkpoint whose architecture is already ``...ForSequenceClassification`` keeps its head; any
     other (a causal LM, e.g. the SFT model) gets a fresh zero-initialised one, so every initial score is
@@ -39,7 +41,7 @@ def load_reward_model(path: str, dtype: str, tokenizer):
             "model(...).logits, whose pooling skips the trailing EOS",
             stacklevel=2,
         )
-    return model, new_head
+    return with_lora(model, "SEQ_CLS", lora), new_head
 
 
 def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from proximal.config import check_divides, option
+from proximal.config import check_divides, option, reworded
 from proximal.core.ranges import problem
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 from proximal.data.sources import columns_problems, source_problem
@@ -58,14 +58,13 @@ class ModelSection:
         return [] if self.path else [f"{name}.path is required (a checkpoint directory or hub id)"]
 
 
-LORA_HELP = "LoRA rank; 0 trains all weights. With LoRA a reference model is the policy with its adapters disabled."
-
-
 @dataclass
-class PolicyModelSection(ModelSection):
-    """A causal-LM policy, optionally trained with LoRA (peft)."""
+class LoRAModelSection(ModelSection):
+    """A model trained in full or, with LoRA (peft), through low-rank adapters on its frozen weights."""
 
-    lora_r: int = option(0, LORA_HELP)
+    lora_r: int = option(
+        0, "LoRA rank; 0 trains all weights, r > 0 trains only rank-r adapters (peft)."
+    )
     lora_alpha: float = option(16.0, "LoRA scaling numerator (scale = alpha / r).")
     lora_target_modules: list[str] = option(
         help="Modules that get adapters; ['all-linear'] = every linear layer "
@@ -88,6 +87,16 @@ class PolicyModelSection(ModelSection):
         return dict(
             r=self.lora_r, alpha=self.lora_alpha, target_modules=list(self.lora_target_modules)
         )
+
+
+LORA_HELP = "LoRA rank; 0 trains all weights. With LoRA a reference model is the policy with its adapters disabled."
+
+
+@dataclass
+class PolicyModelSection(LoRAModelSection):
+    """A causal-LM policy, optionally trained with LoRA (peft)."""
+
+    lora_r: int = reworded(LoRAModelSection, "lora_r", LORA_HELP)
 
 
 FROZEN_SHARDING = ("shard", "replicate")
@@ -291,6 +300,21 @@ class OutputSection:
         return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(
             self.tensorboard, self.wandb_project
         )
+
+
+MERGE_LORA_HELP = (
+    "With model.lora_r > 0, export the trained model (into output.dir and each checkpoint) with "
+    "its adapters merged into the weights: a plain checkpoint that loads with from_pretrained. "
+    "false: the adapters alone (adapter_config.json, loaded over model.path with peft). Without "
+    "LoRA it changes nothing."
+)
+
+
+@dataclass
+class ExportOutputSection(OutputSection):
+    """The output of a command whose run directory is the trained model (sft, rm)."""
+
+    merge_lora: bool = option(True, MERGE_LORA_HELP)
 
 
 @dataclass

@@ -76,9 +76,10 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         warmup_steps=cfg.optim.warmup_steps,
     )
 
-    # 2. The model (a fresh zero head on a causal LM, or an existing classifier), its optimiser and schedule.
+    # 2. The model (a fresh zero head on a causal LM, or an existing classifier; with LoRA, adapters on
+    # the backbone and the head trained in full), its optimiser and schedule.
     model, new_head = load_reward_model(
-        cfg.model.path, load_dtype(t.precision, trained=True), tokenizer
+        cfg.model.path, load_dtype(t.precision, trained=True), tokenizer, lora=cfg.model.lora()
     )
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
     prepare_trained(
@@ -87,6 +88,7 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         precision=t.precision,
         world_size=run.world_size,
         activation_checkpointing=t.activation_checkpointing,
+        merge_lora=cfg.output.merge_lora,
     )
     model.train()
     optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
@@ -126,7 +128,8 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         }
 
     # 4. The loop (step 0's held-out metrics, then accumulate → clip and step → log, evaluate, save),
-    # and the one-label classifier (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    # and the one-label classifier (safetensors + tokenizer; with LoRA merged, or the adapters and the
+    # head when output.merge_lora is false) next to config.yaml and metrics.jsonl.
     return fit(
         run,
         cfg,

@@ -14,22 +14,28 @@ from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
     RENAMED_BATCH_FIELDS,
     BatchTrainSection,
-    ModelSection,
+    ExportOutputSection,
+    LoRAModelSection,
     OptimSection,
-    OutputSection,
     PreferenceDataSection,
 )
 
 
 @dataclass
-class RMModel(ModelSection):
+class RMModel(LoRAModelSection):
     path: str = reworded(
-        ModelSection,
+        LoRAModelSection,
         "path",
         "Initial weights: a causal-LM checkpoint (usually the SFT model; a zero-initialised "
         "one-output head replaces the LM head) or an existing one-label sequence-"
         "classification checkpoint (trained further as is). Its tokenizer is loaded from "
         "the same place and saved with the result. Required.",
+    )
+    lora_r: int = reworded(
+        LoRAModelSection,
+        "lora_r",
+        "LoRA rank; 0 trains all weights. r > 0 puts rank-r adapters on the backbone and "
+        "trains the score head in full (peft's modules_to_save).",
     )
 
 
@@ -43,7 +49,9 @@ class RMConfig:
     train: BatchTrainSection = section(
         BatchTrainSection, "Steps, batches (counting pairs), devices, checkpoints.", save_every=500
     )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/rm")
+    output: ExportOutputSection = section(
+        ExportOutputSection, "Where the run is written.", dir="runs/rm"
+    )
 
     RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
 

@@ -24,6 +24,7 @@ from proximal.logging import read_metrics
 from proximal.models.heads import lm_logits
 from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
+from proximal.models.policy import with_lora
 from proximal.train.batches import evaluate
 from proximal.train.command import config_command
 from proximal.train.fixed import fit, load_data
@@ -69,20 +70,23 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         warmup_steps=cfg.optim.warmup_steps,
     )
 
-    # 2. The model, prepared for training (sharded, in its precision) on this process's device, and its
-    # optimiser and schedule.
+    # 2. The model (all weights trained, or LoRA adapters), prepared for training (sharded, in its
+    # precision) on this process's device, and its optimiser and schedule.
+    # With LoRA only the adapters train; the export merges them unless output.merge_lora is false.
     model = load_causal_lm(
         cfg.model.path, role="model.path", dtype=load_dtype(t.precision, trained=True)
     )
     check_fits(model, tokenizer, d.max_length, cfg.model.path)
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # sampling from it stops at EOS
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = with_lora(model, "CAUSAL_LM", cfg.model.lora())
     prepare_trained(
         model,
         device=run.device,
         precision=t.precision,
         world_size=run.world_size,
         activation_checkpointing=t.activation_checkpointing,
+        merge_lora=cfg.output.merge_lora,
     )
     model.train()
     optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
@@ -110,7 +114,8 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         return {"eval/loss": s["loss_sum"] / s["tokens"], "eval/tokens": int(s["tokens"])}
 
     # 4. The loop (step 0's held-out loss, then accumulate → clip and step → log, evaluate, save),
-    # and the fine-tuned model (safetensors + tokenizer) next to config.yaml and metrics.jsonl.
+    # and the fine-tuned model (safetensors + tokenizer; with LoRA merged, or the adapters when
+    # output.merge_lora is false) next to config.yaml and metrics.jsonl.
     return fit(
         run,
         cfg,

@@ -15,9 +15,9 @@ from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
     RENAMED_BATCH_FIELDS,
     BatchTrainSection,
-    ModelSection,
+    ExportOutputSection,
+    LoRAModelSection,
     OptimSection,
-    OutputSection,
     PreferenceDataSection,
 )
 
@@ -75,13 +75,17 @@ class SFTData(PreferenceDataSection):
 class SFTConfig:
     """``proximal sft`` configuration."""
 
-    model: ModelSection = section(ModelSection, "The causal LM to fine-tune.")
+    model: LoRAModelSection = section(
+        LoRAModelSection, "The causal LM to fine-tune (all weights, or LoRA adapters)."
+    )
     data: SFTData = section(SFTData, "Prompt/response data.")
     optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")
     train: BatchTrainSection = section(
         BatchTrainSection, "Steps, batches, devices, checkpoints.", save_every=500
     )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/sft")
+    output: ExportOutputSection = section(
+        ExportOutputSection, "Where the run is written.", dir="runs/sft"
+    )
 
     RENAMED: ClassVar[dict[str, str]] = RENAMED_BATCH_FIELDS
 
