@@ -389,6 +389,18 @@ class OnlineModelSection(PolicyModelSection):
         )
 
 
+SPLIT_HELP = (
+    "The split to read where the data is a DatasetDict (a save_to_disk directory or a data set "
+    "name in the local Hugging Face cache): null = 'train'. Applies to every data file of this "
+    "section; a single file is one split, 'train'. See docs/data.md."
+)
+COLUMNS_HELP = (
+    "Column names mapped to the names this command reads, canonical: column (e.g. {prompt: "
+    "question, completion: answer}); applied to every row of every data file of this section. "
+    "null = the columns as they are. See docs/data.md."
+)
+
+
 @dataclass
 class PromptDataSection:
     prompts: str = option(
@@ -410,6 +422,8 @@ class PromptDataSection:
         choices=ON_EMPTY,
     )
     shuffle: bool = option(True, "Shuffle prompts each pass (seeded).")
+    split: str | None = option(None, SPLIT_HELP)
+    columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
     def problems(self, name: str = "data") -> list[str]:
         e = []
@@ -419,6 +433,7 @@ class PromptDataSection:
             e.append(problem)
         if self.max_prompt_length < 1:
             e.append(f"{name}.max_prompt_length = {self.max_prompt_length} must be ≥ 1")
+        e += columns_problems(self.columns, f"{name}.columns")
         return e
 
 
@@ -498,18 +513,6 @@ class RolloutSection:
 # ----------------------------------------------------------------------------------------------
 # Data of the methods that learn from preference pairs (reward model, DPO, SimPO)
 # ----------------------------------------------------------------------------------------------
-
-
-SPLIT_HELP = (
-    "The split to read where the data is a DatasetDict (a save_to_disk directory or a data set "
-    "name in the local Hugging Face cache): null = 'train'. Applies to every data file of this "
-    "section; a single file is one split, 'train'. See docs/data.md."
-)
-COLUMNS_HELP = (
-    "Column names mapped to the names this command reads, canonical: column (e.g. {prompt: "
-    "question, completion: answer}); applied to every row of every data file of this section. "
-    "null = the columns as they are. See docs/data.md."
-)
 
 
 @dataclass
