@@ -20,7 +20,10 @@ those instead of the shards (found by a two-process DPO run whose checkpoint cou
 A method's ``micro_step`` gets the indices (into ``data.train``) of one micro-batch and the
 normaliser — the global batch's units (rows, pairs or tokens: what its loss is a mean over) ÷ the
 ranks — and returns sums; :func:`proximal.train.batches.accumulate` adds them over micro-batches
-and ranks, so every number logged is global.
+and ranks, so every number logged is global. With ``train.micro_batch_tokens`` the micro-batches are
+cut by tokens (:func:`proximal.data.packing.plan_micro_batches`, from the method's ``lengths``)
+instead of ``train.micro_batch_size`` rows; the normaliser is the same global one, so the step's
+loss stays the mean over the whole batch however it is cut.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from proximal import dist
+from proximal.data.packing import plan_micro_batches, split_to
 from proximal.data.sampler import Sampler
 from proximal.data.sft import LoadReport
 from proximal.train.batches import Sums, accumulate, plan_steps
@@ -109,6 +114,7 @@ def fit(
     held_out: Callable[[], dict],
     postfix: dict[str, tuple[str, ...]],
     units: Callable[[list[int]], float] = len,
+    lengths: Callable[[int], list[int]] | None = None,
     first: dict | None = None,
     models: dict | None = None,
 ) -> Path:
@@ -125,6 +131,8 @@ def fit(
     - ``micro_step(indices, normalizer)``: one micro-batch of ``data.train``, its loss (÷ ``normalizer``)
       back-propagated; returns sums, among them ``loss_sum``;
     - ``units(global batch indices)``: what the loss is a mean over (pairs: ``len``; tokens);
+    - ``lengths(index)``: the sequence lengths of row ``index`` of ``data.train`` (one for SFT, two
+      for a pair), to cut micro-batches by ``train.micro_batch_tokens`` (needed only with it);
     - ``metrics(sums, units, seconds)``: the step's own ``train/`` metrics, from the global sums, the
       batch's units and the step's seconds; grad norm, rate, epoch and wall time are added here;
     - ``held_out()``: the held-out metrics, at step 0, every ``train.eval_every`` steps and after
@@ -171,9 +179,9 @@ def fit(
         batch = sampler.next_global_batch()
         n = units(batch)
         s = accumulate(
-            sampler.local_part(batch),
-            train.micro_batch_size,
-            lambda idx: micro_step(idx, n / run.world_size),
+            micro_batches(sampler.local_part(batch), train, lengths, run.world_size, run.device),
+            1,  # micro-batches already cut: each comes as a list of one
+            lambda one: micro_step(one[0], n / run.world_size),
             run.device,
         )
         if not math.isfinite(s["loss_sum"]):
@@ -210,3 +218,25 @@ def fit(
     export_final(run.dir, model, tokenizer)
     run.finish()
     return run.dir
+
+
+def micro_batches(
+    local: list[int],
+    train: BatchTrainSection,
+    lengths: Callable[[int], list[int]] | None,
+    world_size: int,
+    device: torch.device | str,
+) -> list[list[int]]:
+    """This rank's rows ``local`` cut into micro-batches (lists of indices): ``train.micro_batch_size``
+    rows each, or with ``train.micro_batch_tokens`` by tokens (every rank then cuts the same number,
+    the most any rank needs: a sharded model's forward passes are collective)."""
+    if train.micro_batch_tokens is None:
+        k = train.micro_batch_size
+        return [local[i : i + k] for i in range(0, len(local), k)]
+    groups = plan_micro_batches(
+        [lengths(i) for i in local], train.micro_batch_tokens, packed=train.packing
+    )
+    if world_size > 1:
+        count = dist.all_reduce_max(torch.tensor([float(len(groups))], device=device))
+        groups = split_to(groups, int(count.item()))
+    return [[local[j] for j in g] for g in groups]

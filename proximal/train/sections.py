@@ -251,9 +251,27 @@ class BatchTrainSection(TrainSection):
         "Evaluate on data.eval_file every this many steps (and always before the first "
         "step and after the last); 0 = only before and after.",
     )
+    packing: bool = option(
+        False,
+        "Pack each micro-batch's sequences into one row, position ids restarting per sequence and "
+        "attention kept inside each (sdpa or eager attention only), instead of padding every row "
+        "to the longest. Same loss; no compute spent on padding. See docs/data.md, 'Packing'.",
+    )
+    micro_batch_tokens: int | None = option(
+        None,
+        "Cut each process's share of a step into micro-batches by tokens instead of rows: at most "
+        "this many tokens per forward pass (packed: the sequences' tokens; padded: rows × the "
+        "longest), a longer row alone. null = train.micro_batch_size rows (which evaluation uses "
+        "either way). The loss stays the mean over the whole step.",
+    )
 
     def problems(self, name: str = "train") -> list[str]:
         e = super().problems(name)
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            e.append(
+                f"{name}.micro_batch_tokens = {self.micro_batch_tokens} must be ≥ 1 (or null for "
+                f"{name}.micro_batch_size rows)"
+            )
         if self.steps is not None and self.steps < 1:
             e.append(f"{name}.steps = {self.steps} must be ≥ 1 (or null to use {name}.epochs)")
         if self.epochs < 1:

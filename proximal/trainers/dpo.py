@@ -31,10 +31,17 @@ from pathlib import Path
 import torch
 
 from proximal.config import check_valid
-from proximal.core import dpo_loss, sequence_logprobs, simpo_loss, token_kl
+from proximal.core import (
+    dpo_loss,
+    logprobs_from_logits,
+    sequence_logprobs,
+    simpo_loss,
+    token_kl,
+)
+from proximal.data.packing import collate_packed_pairs, per_sequence
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
-from proximal.models.heads import lm_logits
+from proximal.models.heads import check_packing, lm_logits
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.policy import build_policy, load_reference
 from proximal.train.batches import evaluate, evaluate_rows
@@ -156,6 +163,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     # not reshard after a forward, and an optimiser built then would hold its gathered parameters.
     optimizer, scheduler = optimizer_and_scheduler(policy, cfg.optim, total_steps=data.total)
     pad, W, dev = tokenizer.pad_token_id, run.world_size, run.device
+    if t.packing:  # after the optimiser: the check is a forward pass
+        check_packing(policy)
 
     def ref_model():
         """The model whose log-probabilities are log π_ref: the resident reference, or — only before the
@@ -173,7 +182,12 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
                         len(pairs),
                         t.micro_batch_size,
                         lambda idx: reference_logprobs(
-                            r, [pairs[i] for i in idx], pad, dev, average=obj.average
+                            r,
+                            [pairs[i] for i in idx],
+                            pad,
+                            dev,
+                            average=obj.average,
+                            packed=t.packing,
                         ),
                         2,
                         dev,
@@ -193,6 +207,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             ref_logps=table[idx] if table is not None else None,
             reference=None if table is not None else reference,
             kl_reference=kl_model,
+            packed=t.packing,
         )
 
     def metrics(s: dict, n: int, seconds: float) -> dict:
@@ -248,6 +263,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         train=t,
         output=cfg.output,
         micro_step=lambda idx, norm: step_fn(data.train, idx, "train", normalizer=norm),
+        lengths=lambda i: [len(data.train[i].chosen_ids), len(data.train[i].rejected_ids)],
         metrics=metrics,
         held_out=held_out,
         postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
@@ -257,19 +273,44 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
 
 
 def response_logits(model, batch: dict) -> torch.Tensor:
-    """Logits predicting tokens 1..L−1 of a right-padded batch, (2B, L−1, V): ``[:, t]`` scores
-    ``input_ids[:, t + 1]``."""
+    """Logits predicting tokens 1..L−1 of a right-padded batch, (2B, L−1, V), or of packed rows
+    (R, L−1, V): ``[:, t]`` scores ``input_ids[:, t + 1]``."""
     ids = batch["input_ids"]
-    return lm_logits(model, ids, batch["attention_mask"], 0, ids.shape[1] - 1)
+    return lm_logits(
+        model,
+        ids,
+        batch.get("attention_mask"),
+        0,
+        ids.shape[1] - 1,
+        position_ids=batch.get("position_ids"),
+    )
+
+
+def collate(pairs, pad_id: int, device, packed: bool) -> dict[str, torch.Tensor]:
+    """The pairs' batch on ``device``: padded (:func:`proximal.data.preferences.collate_pairs`) or
+    packed into one row (:func:`proximal.data.packing.collate_packed_pairs`)."""
+    b = (collate_packed_pairs if packed else collate_pairs)(pairs, pad_id)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def side_logprobs(logits: torch.Tensor, b: dict, average: bool) -> torch.Tensor:
+    """(2B,) log π(y | x) of every side, chosen first, summed or averaged over its response tokens:
+    per row of a padded batch, per sequence of a packed one (per-token values summed by segment)."""
+    labels, mask = b["input_ids"][:, 1:], b["response_mask"][:, 1:]
+    if "segment_ids" not in b:
+        return sequence_logprobs(logits, labels, mask, average)
+    seg, n = b["segment_ids"][:, 1:], b["last"].numel()  # the segment of the predicted token
+    total = per_sequence(logprobs_from_logits(logits, labels, mask=mask), seg, n)
+    return total / per_sequence(mask.to(total.dtype), seg, n) if average else total
 
 
 @torch.no_grad()
-def reference_logprobs(model, pairs, pad_id: int, device, *, average: bool) -> torch.Tensor:
+def reference_logprobs(
+    model, pairs, pad_id: int, device, *, average: bool, packed: bool = False
+) -> torch.Tensor:
     """(B, 2): log π(y_w | x) and log π(y_l | x) of each pair under ``model``, summed or averaged."""
-    b = {k: v.to(device) for k, v in collate_pairs(pairs, pad_id).items()}
-    logps = sequence_logprobs(
-        response_logits(model, b), b["input_ids"][:, 1:], b["response_mask"][:, 1:], average
-    )
+    b = collate(pairs, pad_id, device, packed)
+    logps = side_logprobs(response_logits(model, b), b, average)
     return logps.view(2, len(pairs)).T
 
 
@@ -284,6 +325,7 @@ def pair_step(
     ref_logps: torch.Tensor | None = None,
     reference=None,
     kl_reference=None,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One micro-batch of pairs, chosen and rejected sides in one forward pass of the policy.
 
@@ -293,14 +335,13 @@ def pair_step(
     back-propagated; without (evaluation) nothing is. ``kl_reference`` (a ``Reference`` to the starting
     policy, evaluation only) adds the exact KL(π_θ ‖ π_start) over each response's tokens. Every
     reference is entered only after the policy's forward pass: with LoRA it is the policy itself with its
-    adapters off. Returns sums for logging.
+    adapters off. ``packed``: every side goes through the model in one packed row, its log-likelihood
+    summed over its own tokens (:func:`side_logprobs`). Returns sums for logging.
     """
-    b = {k: v.to(device) for k, v in collate_pairs(pairs, pad_id).items()}
-    labels, mask, B = b["input_ids"][:, 1:], b["response_mask"][:, 1:], len(pairs)
+    b = collate(pairs, pad_id, device, packed)
+    mask, B = b["response_mask"][:, 1:], len(pairs)
     logits = response_logits(policy, b)
-    logps = sequence_logprobs(
-        logits, labels, mask, objective.average
-    )  # (2B,): chosen rows, then rejected
+    logps = side_logprobs(logits, b, objective.average)  # (2B,): chosen, then rejected
     ref = None
     if ref_logps is not None:
         ref = ref_logps.to(device=device, dtype=logps.dtype).T.reshape(
@@ -308,9 +349,7 @@ def pair_step(
         )  # (2B,) in the same order
     elif objective.needs_reference:
         with torch.no_grad(), reference.active() as r:
-            ref = sequence_logprobs(response_logits(r, b), labels, mask, objective.average).to(
-                logps.dtype
-            )
+            ref = side_logprobs(response_logits(r, b), b, objective.average).to(logps.dtype)
     norm = normalizer if normalizer is not None else float(B)
     loss, stats = objective.loss(
         logps[:B], logps[B:], *((ref[:B], ref[B:]) if ref is not None else (None, None)), norm
@@ -321,7 +360,7 @@ def pair_step(
         "loss_sum": loss.detach() * norm,
         **{f"{k}_sum": v * B for k, v in stats.items()},
         "pairs": torch.tensor(B),
-        "tokens": b["attention_mask"].sum(),
+        "tokens": b["attention_mask"].sum() if not packed else (b["segment_ids"] >= 0).sum(),
     }
     if kl_reference is not None:
         with torch.no_grad(), kl_reference.active() as r:

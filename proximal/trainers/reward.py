@@ -27,8 +27,10 @@ import torch
 
 from proximal.config import check_valid
 from proximal.core import bradley_terry_loss
+from proximal.data.packing import collate_packed_pairs
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
+from proximal.models.heads import check_packing, packed_scores
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.reward import load_reward_model, pair_scores
@@ -93,10 +95,13 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
     model.train()
     optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
     pad = tokenizer.pad_token_id
+    if t.packing:  # after the optimiser: the check is a forward pass
+        check_packing(model)
 
     # 3. The loss of a step is the mean Bradley–Terry loss over the pairs of the global batch.
     def micro_step(idx: list[int], normalizer: float) -> dict:
-        return pair_step(model, [data.train[i] for i in idx], pad, run.device, normalizer)
+        pairs = [data.train[i] for i in idx]
+        return pair_step(model, pairs, pad, run.device, normalizer, packed=t.packing)
 
     def metrics(s: dict, n: int, _seconds: float) -> dict:
         return {
@@ -110,7 +115,9 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         s = evaluate(
             len(data.eval),
             t.micro_batch_size,
-            lambda idx: pair_step(model, [data.eval[i] for i in idx], pad, run.device),
+            lambda idx: pair_step(
+                model, [data.eval[i] for i in idx], pad, run.device, packed=t.packing
+            ),
             run.device,
         )
         model.train()
@@ -143,6 +150,7 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         train=t,
         output=cfg.output,
         micro_step=micro_step,
+        lengths=lambda i: [len(data.train[i].chosen_ids), len(data.train[i].rejected_ids)],
         metrics=metrics,
         held_out=held_out,
         postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
@@ -151,12 +159,19 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
 
 
 def pair_step(
-    model, pairs, pad_id: int, device, normalizer: float | None = None
+    model, pairs, pad_id: int, device, normalizer: float | None = None, *, packed: bool = False
 ) -> dict[str, torch.Tensor]:
     """One micro-batch of pairs: the Bradley–Terry loss, back-propagated as this micro-batch's share of
-    the batch's mean when ``normalizer`` (the batch's pairs ÷ the ranks) is given. Returns sums for logging."""
-    batch = {k: v.to(device) for k, v in collate_pairs(pairs, pad_id).items()}
-    r_w, r_l = pair_scores(model, batch)
+    the batch's mean when ``normalizer`` (the batch's pairs ÷ the ranks) is given. Returns sums for
+    logging. ``packed``: both sides of every pair go through the model as one packed row
+    (:func:`proximal.data.packing.collate_packed_pairs`), each scored at its own last token."""
+    if packed:
+        batch = {k: v.to(device) for k, v in collate_packed_pairs(pairs, pad_id).items()}
+        scores = packed_scores(model, batch["input_ids"], batch["position_ids"], batch["last"])
+        r_w, r_l = scores.float().split(len(pairs))
+    else:
+        batch = {k: v.to(device) for k, v in collate_pairs(pairs, pad_id).items()}
+        r_w, r_l = pair_scores(model, batch)
     norm = normalizer if normalizer is not None else float(len(pairs))
     loss, _ = bradley_terry_loss(r_w, r_l, batch.get("margin", 0.0), normalizer=norm)
     if normalizer is not None:

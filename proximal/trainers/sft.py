@@ -19,9 +19,10 @@ import torch
 
 from proximal.config import check_valid
 from proximal.core import sft_loss
+from proximal.data.packing import collate_packed_sft
 from proximal.data.sft import collate_sft, load_sft_examples
 from proximal.logging import read_metrics
-from proximal.models.heads import lm_logits
+from proximal.models.heads import check_packing, lm_logits
 from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import with_lora
@@ -91,13 +92,16 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     model.train()
     optimizer, scheduler = optimizer_and_scheduler(model, cfg.optim, total_steps=data.total)
     pad = tokenizer.pad_token_id
+    if t.packing:  # after the optimiser: the check is a forward pass
+        check_packing(model)
 
     # 3. The loss of a step is the mean NLL over the response tokens of the whole global batch.
     def tokens(batch: list[int]) -> int:
         return sum(data.train[i].n_targets for i in batch)
 
     def micro_step(idx: list[int], normalizer: float) -> dict:
-        return nll_step(model, [data.train[i] for i in idx], pad, run.device, normalizer)
+        rows = [data.train[i] for i in idx]
+        return nll_step(model, rows, pad, run.device, normalizer, packed=t.packing)
 
     def metrics(s: dict, n_tokens: int, _seconds: float) -> dict:
         return {"train/loss": s["loss_sum"] / n_tokens, "train/tokens": n_tokens}
@@ -107,7 +111,9 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         s = evaluate(
             len(data.eval),
             t.micro_batch_size,
-            lambda idx: nll_step(model, [data.eval[i] for i in idx], pad, run.device),
+            lambda idx: nll_step(
+                model, [data.eval[i] for i in idx], pad, run.device, packed=t.packing
+            ),
             run.device,
         )
         model.train()
@@ -130,6 +136,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         output=cfg.output,
         micro_step=micro_step,
         units=tokens,
+        lengths=lambda i: [len(data.train[i].input_ids)],
         metrics=metrics,
         held_out=held_out,
         postfix={"loss": ("eval/loss", "train/loss")},
@@ -137,16 +144,23 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
 
 
 def nll_step(
-    model, rows, pad_id: int, device, normalizer: float | None = None
+    model, rows, pad_id: int, device, normalizer: float | None = None, *, packed: bool = False
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's response-token NLL. With ``normalizer`` (the whole batch's token count ÷ the
     ranks) its share of the batch loss is back-propagated; without (evaluation) nothing is. Returns
-    the NLL sum and the token count, for logging."""
-    b = {k: v.to(device) for k, v in collate_sft(rows, pad_id).items()}
+    the NLL sum and the token count, for logging. ``packed``: the rows go through the model as one
+    packed row (:func:`proximal.data.packing.collate_packed_sft`), the same tokens and loss."""
+    collate = collate_packed_sft if packed else collate_sft
+    b = {k: v.to(device) for k, v in collate(rows, pad_id).items()}
     mask = b["response_mask"][:, 1:]
     norm = normalizer if normalizer is not None else float(mask.sum())
     logits = lm_logits(
-        model, b["input_ids"], b["attention_mask"], 0, b["input_ids"].shape[1] - 1
+        model,
+        b["input_ids"],
+        b.get("attention_mask"),
+        0,
+        b["input_ids"].shape[1] - 1,
+        position_ids=b.get("position_ids"),
     )  # predict 1 … L−1
     loss = sft_loss(logits, b["input_ids"][:, 1:], mask, normalizer=norm)
     if normalizer is not None:
