@@ -4,11 +4,16 @@ Ouyang et al. 2022).
 Accepted JSONL records (see docs/rm.md for examples):
 
 * ``{"prompt": str, "chosen": str, "rejected": str}`` — plain text, the prompt used verbatim;
+* ``{"chosen": str, "rejected": str}`` — an *implicit* prompt: both sides are whole texts that start
+  with the same prompt (:func:`implicit_prompt` cuts it off at a word boundary);
 * ``{"messages": [...], "chosen": str, "rejected": str}`` — the messages are the conversation so
   far, rendered with the chat template and the generation prompt;
 * ``{"chosen": [...messages], "rejected": [...messages]}`` — two whole conversations that share all
-  turns but the last assistant one (the shared turns are the prompt); a ``prompt``/``messages`` list
-  may hold the first turns.
+  turns but the last assistant one (the shared turns are the prompt: the implicit prompt of message
+  lists); a ``prompt``/``messages`` list may hold the first turns — with ``prompt`` as messages and
+  ``chosen``/``rejected`` as one assistant message each, this is TRL's conversational preference row.
+
+An optional ``tools`` list is handed to the chat template with the messages.
 
 An optional numeric ``margin`` (how much better ``chosen`` is, Llama 2 style) is passed to the loss.
 
@@ -32,6 +37,7 @@ import torch
 from proximal.data.chat import (
     apply_template,
     check_messages,
+    check_tools,
     encode_prompt,
     encode_response,
     prompt_context,
@@ -52,6 +58,38 @@ class PreferencePair:
     margin: float | None  # the row's 'margin', if it has one
     where: str  # "file:line"
     prompt_len: int = 0  # prompt ids at the front of both sides
+
+
+def implicit_prompt(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
+    """``(prompt, chosen_response, rejected_response)`` of two texts that start with the same prompt.
+
+    The prompt is their longest common prefix, cut back to a word boundary: to the start of the last
+    run of whitespace in that prefix, so the whitespace opens both responses (as in TRL's
+    ``extract_prompt``, which moves one space to the response) and no word is split between prompt
+    and response (``"Q: 2+2? A: 4"`` / ``"Q: 2+2? A: 5"`` → ``"Q: 2+2? A:"``, ``" 4"``, ``" 5"``;
+    ``"It is four"`` / ``"It is fine"`` → ``"It is"``, ``" four"``, ``" fine"``, where the first
+    difference alone would give ``"It is f"``). A common prefix with no whitespace is cut where the
+    texts first differ. DataError when no non-blank prompt is left.
+    """
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    cut = n
+    spaces = [i for i in range(n) if chosen[i].isspace()]
+    if spaces:
+        cut = spaces[-1]
+        while cut > 0 and chosen[cut - 1].isspace():
+            cut -= 1
+    prompt = chosen[:cut]
+    if not prompt.strip():
+        raise DataError(
+            f"{where}: missing field 'prompt' (or 'messages'), and 'chosen' and 'rejected' share no "
+            f"implicit prompt (their common start {chosen[:n]!r:.60} holds no word before a word "
+            "boundary); give the prompt as 'prompt'"
+        )
+    return prompt, chosen[cut:], rejected[cut:]
 
 
 def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, str]:
@@ -76,6 +114,8 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
         )
 
     has_context = "prompt" in record or "messages" in record
+    if not has_context and isinstance(chosen, str):
+        return implicit_prompt(chosen, rejected, where)
     context = prompt_context(record, where) if has_context else []
     if isinstance(chosen, list):
         for key, turns in sides.items():
@@ -104,7 +144,7 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
                 f"{where}: missing field 'prompt' (or 'messages') "
                 f"(fields present: {', '.join(sorted(record))})"
             )
-        context = apply_template(context, tokenizer, where)
+        context = apply_template(context, tokenizer, where, tools=check_tools(record, where))
     return context, chosen, rejected
 
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from proximal.data.chat import encode_prompt, render_prompt
+from proximal.data.chat import (
+    apply_template,
+    check_messages,
+    check_tools,
+    encode_prompt,
+    render_prompt,
+)
 from proximal.data.jsonl import DataError, require_str
 from proximal.data.sources import is_data_source, read_rows
 
@@ -92,14 +98,23 @@ def load_texts(
     key: str = "text",
     split: str | None = None,
     columns: dict[str, str] | None = None,
+    tokenizer=None,
 ) -> list[str]:
-    """Pretraining texts for the PTX loss: rows with a ``text`` field in any format
-    :func:`~proximal.data.sources.read_rows` reads, or a plain text file (one text per line; any
-    other suffix, such as ``.txt``)."""
+    """Pretraining texts for the PTX loss: rows with a ``text`` field, or conversations
+    (``messages``, optionally with ``tools``), in any format :func:`~proximal.data.sources.read_rows`
+    reads, or a plain text file (one text per line; any other suffix, such as ``.txt``).
+
+    A conversation becomes the text of ``tokenizer``'s chat template over all its turns (no
+    generation prompt), and PTX trains every token of it, as of a ``text`` row: the PTX loss is
+    language modelling of a whole text, not supervision of one speaker. A BOS string the template
+    writes is taken off the front when the tokenizer adds its own BOS on tokenising (it does, in the
+    PTX step), so a text has one.
+    """
     p = Path(path)
     if is_data_source(p):
         texts = [
-            require_str(r, key, where) for where, r in read_rows(p, split=split, columns=columns)
+            _ptx_text(r, key, where, tokenizer)
+            for where, r in read_rows(p, split=split, columns=columns)
         ]
     else:
         texts = []
@@ -116,3 +131,24 @@ def load_texts(
     if not texts:
         raise DataError(f"{p}: no pretraining texts")
     return texts
+
+
+def _ptx_text(record: dict, key: str, where: str, tokenizer) -> str:
+    """A PTX row's text: its ``key`` field, or its conversation rendered whole (see load_texts)."""
+    if key in record:
+        return require_str(record, key, where)
+    if "messages" not in record:
+        raise DataError(
+            f"{where}: missing field {key!r} (fields present: {', '.join(sorted(record)) or 'none'}); "
+            f"a PTX row is {{{key!r}: str}} or a conversation {{'messages': [...]}}"
+        )
+    messages = check_messages(record["messages"], where)
+    if tokenizer is None:
+        raise DataError(f"{where}: a conversation row needs a tokenizer to render it")
+    text = apply_template(
+        messages, tokenizer, where, tools=check_tools(record, where), add_generation_prompt=False
+    )
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos) :]
+    return text
