@@ -17,6 +17,7 @@ from proximal.data.chat import (
     check_messages,
     check_tools,
     encode_prompt,
+    prompt_context,
     render_prompt,
 )
 from proximal.data.jsonl import DataError, require_str
@@ -76,7 +77,10 @@ def load_prompts(
             truncated += 1
         texts.append(text)
         ids.append(tok)
-        messages.append(record.get("messages"))
+        # The messages, as 'messages' or as a conversational 'prompt': a reward model with another
+        # tokenizer renders them with its own chat template (rollout/scoring.py).
+        context = prompt_context(record, where)
+        messages.append(context if isinstance(context, list) else None)
     if not texts:
         why = []
         if skipped:

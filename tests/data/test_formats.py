@@ -12,7 +12,7 @@ from tokenizers import processors
 
 from proximal.data.jsonl import DataError
 from proximal.data.preferences import implicit_prompt, load_preference_pairs, render_preference
-from proximal.data.prompts import load_texts
+from proximal.data.prompts import load_prompts, load_texts
 from proximal.models.tiny import build_char_tokenizer
 
 TEMPLATE = (
@@ -181,3 +181,15 @@ def test_ptx_rows_of_other_shapes_are_refused(tok, tmp_path, row, message):
     f = write(tmp_path / "ptx.jsonl", [{"text": "a"}, row])
     with pytest.raises(DataError, match=f"^{re.escape(str(f))}:2: .*{re.escape(message)}"):
         load_texts(str(f), tokenizer=tok)
+
+
+def test_conversational_prompts_keep_their_messages(tok, tmp_path):
+    """A conversational prompt-only row (TRL's {'prompt': [messages]}) keeps its messages, as a
+    'messages' row does: a reward model with its own chat template renders them (rollout/scoring.py)."""
+    f = write(
+        tmp_path / "p.jsonl",
+        [{"prompt": [msg("user", "ab")]}, {"messages": [msg("user", "cd")]}, {"prompt": "ab"}],
+    )
+    prompts = load_prompts(str(f), tok, max_length=16)
+    assert prompts.texts == ["U:ab\nA:", "U:cd\nA:", "ab"]
+    assert prompts.messages == [[msg("user", "ab")], [msg("user", "cd")], None]
