@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from proximal import dist
+from proximal.data.chat import set_chat_template
 from proximal.data.collate import pad_left
 from proximal.data.prompts import load_prompts
 from proximal.models.loading import load_tokenizer
@@ -44,18 +45,25 @@ def load_inputs(
     max_prompt_length: int,
     on_long_prompt: str,
     on_empty_prompt: str,
+    chat_template: str | None = None,
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported
     (:func:`~proximal.rollout.scoring.load_reward_function`), and the prompts rendered and tokenised
     with the policy's tokenizer (:func:`~proximal.data.prompts.load_prompts`)."""
     functions = {spec: load_reward_function(spec) for spec in reward_functions}
+    tokenizer = load_tokenizer(policy_path, role="policy tokenizer (model.path)")
+    set_chat_template(tokenizer, chat_template)  # the policy tokenizer gets it too (build_models)
     prompt_set = load_prompts(
         prompts_path,
-        load_tokenizer(policy_path, role="policy tokenizer (model.path)"),
+        tokenizer,
         max_length=max_prompt_length,
         on_too_long=on_long_prompt,
         on_empty=on_empty_prompt,
+        split=split,
+        columns=columns,
     )
     return functions, prompt_set
 

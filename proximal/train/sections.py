@@ -46,6 +46,14 @@ RENAMED_BATCH_FIELDS = {
 }
 
 
+#: ``model.chat_template`` (sft, rm, dpo, simpo, ppo, grpo): one text, the same in every command that has it.
+CHAT_TEMPLATE_HELP = (
+    "A chat template for the model's tokenizer: a Jinja file or the template text itself. It "
+    "replaces the tokenizer's own (a base model has none, and rows with messages then need this) "
+    "and is saved with the trained model. null = the tokenizer's own."
+)
+
+
 @dataclass
 class ModelSection:
     path: str = option(
@@ -379,6 +387,7 @@ class OnlineModelSection(PolicyModelSection):
         default_factory=list,
     )
     frozen_sharding: str = option("shard", FROZEN_HELP, choices=FROZEN_SHARDING)
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP)
 
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)

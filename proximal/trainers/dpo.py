@@ -38,6 +38,7 @@ from proximal.core import (
     simpo_loss,
     token_kl,
 )
+from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_pairs, per_sequence
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
@@ -128,6 +129,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
+    set_chat_template(tokenizer, m.chat_template)
     load = dict(
         max_length=d.max_length,
         on_too_long=d.on_too_long,

@@ -16,6 +16,7 @@ from proximal.core.ranges import problem
 from proximal.data.preferences import ON_TOO_LONG_PAIRS
 from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
+    CHAT_TEMPLATE_HELP,
     FROZEN_SHARDING,
     BatchTrainSection,
     OptimSection,
@@ -43,6 +44,7 @@ class PreferencePolicyModel(PolicyModelSection):
         "'replicate' keeps a full copy on every rank (no communication).",
         choices=FROZEN_SHARDING,
     )
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP)
 
 
 @dataclass

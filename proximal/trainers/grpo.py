@@ -39,6 +39,7 @@ from proximal.core import (
     logprobs_from_logits,
     masked_sum,
 )
+from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
 from proximal.models.policy import build_policy
@@ -79,6 +80,9 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         max_prompt_length=d.max_prompt_length,
         on_long_prompt=d.on_long_prompt,
         on_empty_prompt=d.on_empty_prompt,
+        chat_template=mc.chat_template,
+        split=d.split,
+        columns=d.columns,
     )
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
@@ -425,6 +429,7 @@ def build_models(
         reference=cfg.grpo.beta > 0,
         frozen_sharding=mc.frozen_sharding,
     )
+    set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the policy
     scorer = build_scorer(
         tokenizer,
         reward_model=mc.reward_model,

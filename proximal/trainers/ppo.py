@@ -40,6 +40,7 @@ from proximal.core import (
     value_loss,
     whiten,
 )
+from proximal.data.chat import set_chat_template
 from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
@@ -86,6 +87,9 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         max_prompt_length=d.max_prompt_length,
         on_long_prompt=d.on_long_prompt,
         on_empty_prompt=d.on_empty_prompt,
+        chat_template=mc.chat_template,
+        split=d.split,
+        columns=d.columns,
     )
 
     models = build_models(cfg, run.device, run.world_size, functions)
@@ -100,7 +104,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     )
     ptx = None
     if p.ptx_coef > 0:
-        texts = load_texts(cfg.data.ptx_file)
+        texts = load_texts(cfg.data.ptx_file, tokenizer=tokenizer)
         ptx = PTXData(
             texts,
             Sampler(
@@ -653,6 +657,7 @@ def build_models(
         activation_checkpointing=t.activation_checkpointing,
         frozen_sharding=mc.frozen_sharding,
     )
+    set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the policy
     scorer = build_scorer(
         tokenizer,
         reward_model=mc.reward_model,

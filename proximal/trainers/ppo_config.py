@@ -50,8 +50,9 @@ class PPOModel(OnlineModelSection):
 class PPOData(PromptDataSection):
     ptx_file: str | None = option(
         None,
-        "Pretraining texts for the PTX loss (JSONL {'text'} or plain text, one per "
-        "line). Needed when ppo.ptx_coef > 0.",
+        "Pretraining texts for the PTX loss: {'text'} rows, {'messages'} conversations (the "
+        "chat template's whole text, every token trained) or plain text, one per line. Needed "
+        "when ppo.ptx_coef > 0.",
     )
     ptx_batch_size: int = option(4, "PTX texts per mini-batch, over all processes together.")
     ptx_max_length: int = option(256, "PTX texts are cut to this many tokens.")

@@ -27,6 +27,7 @@ import torch
 
 from proximal.config import check_valid
 from proximal.core import bradley_terry_loss
+from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_pairs
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
@@ -61,6 +62,7 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
+    set_chat_template(tokenizer, cfg.model.chat_template)
     load = dict(
         max_length=d.max_length,
         on_too_long=d.on_too_long,

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from proximal.config import reworded, section, section_problems
+from proximal.config import option, reworded, section, section_problems
 from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
+    CHAT_TEMPLATE_HELP,
     RENAMED_BATCH_FIELDS,
     BatchTrainSection,
     ExportOutputSection,
@@ -37,6 +38,7 @@ class RMModel(LoRAModelSection):
         "LoRA rank; 0 trains all weights. r > 0 puts rank-r adapters on the backbone and "
         "trains the score head in full (peft's modules_to_save).",
     )
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 
 from proximal.config import check_valid
 from proximal.core import sft_loss
+from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_sft
 from proximal.data.sft import collate_sft, load_sft_examples
 from proximal.logging import read_metrics
@@ -53,6 +54,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         cpu_matmul=t.cpu_matmul,
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
+    set_chat_template(tokenizer, cfg.model.chat_template)
     data = load_data(
         lambda path: load_sft_examples(
             path,
@@ -62,6 +64,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
             on_empty=d.on_empty,
             split=d.split,
             columns=d.columns,
+            loss_on=d.loss_on,
         ),
         d.train_file,
         d.eval_file,

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from proximal.config import reworded, section, section_problems
+from proximal.config import option, reworded, section, section_problems
+from proximal.data.chat import LOSS_ON
 from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
+    CHAT_TEMPLATE_HELP,
     RENAMED_BATCH_FIELDS,
     BatchTrainSection,
     ExportOutputSection,
@@ -69,14 +71,28 @@ class SFTData(PreferenceDataSection):
         "Column names mapped to the names of a row, canonical: column (e.g. {prompt: question, "
         "response: answer}); null = the columns as they are. See docs/data.md.",
     )
+    loss_on: str = option(
+        "all_assistant",
+        "Which tokens the loss covers (docs/data.md): 'all_assistant' every assistant turn of a "
+        "conversation (masks from the whole conversation's tokens), a completion, a text row's "
+        "every token; 'last_assistant' the last assistant turn only, the earlier turns as prompt; "
+        "'completion_only' the completion (assistant turns in a conversational prompt are context); "
+        "'all_tokens' every token.",
+        choices=LOSS_ON,
+    )
+
+
+@dataclass
+class SFTModel(LoRAModelSection):
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP)
 
 
 @dataclass
 class SFTConfig:
     """``proximal sft`` configuration."""
 
-    model: LoRAModelSection = section(
-        LoRAModelSection, "The causal LM to fine-tune (all weights, or LoRA adapters)."
+    model: SFTModel = section(
+        SFTModel, "The causal LM to fine-tune (all weights, or LoRA adapters)."
     )
     data: SFTData = section(SFTData, "Prompt/response data.")
     optim: OptimSection = section(OptimSection, "Optimisation.", schedule="linear")

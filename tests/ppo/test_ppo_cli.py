@@ -5,6 +5,7 @@ checkpoints that plain ``transformers`` / ``peft`` load)."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -323,15 +324,12 @@ def test_cli_chat_messages_prompts(assets, tmp_path, capsys):
     assert samples and all(s["prompt"] in rendered for s in samples)
 
 
-def test_cli_datasets_directory_without_the_package(assets, tmp_path, capsys):
-    """A prompts *directory* is read as a `datasets` dataset; without the package the message says so."""
-    try:
-        import datasets  # noqa: F401
-
-        pytest.skip("the datasets package is installed; this checks the message when it is not")
-    except ImportError:
-        pass
-    (tmp_path / "ds").mkdir()
+def test_cli_datasets_directory_without_the_package(assets, tmp_path, capsys, monkeypatch):
+    """A prompts *directory* is read as a `datasets` dataset; without the package the message says so
+    (the package is in the test extra: its absence is simulated, an import of it then fails)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"prompt": "ab 1"}]).save_to_disk(str(tmp_path / "ds"))
+    monkeypatch.setitem(sys.modules, "datasets", None)
     rc = ppo_main(tiny_config(assets.policy("llama"), tmp_path / "ds", tmp_path / "run"))
     assert rc == 2
     assert "needs the `datasets` package" in capsys.readouterr().err

@@ -31,7 +31,9 @@ def write_rows(path, method, n=8, seed=0):
         rows = []
         for _ in range(n):
             c, r = text(1, 12), text(1, 12)
-            rows.append({"prompt": text(1, 6), "chosen": c, "rejected": r + ("a" if r == c else "")})
+            rows.append(
+                {"prompt": text(1, 6), "chosen": c, "rejected": r + ("a" if r == c else "")}
+            )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
