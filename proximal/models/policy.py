@@ -92,8 +92,11 @@ def build_policy(
     activation_checkpointing: bool = False,
     reference: bool = True,
     frozen_sharding: str = "shard",
+    merge_lora: bool = False,
 ):
-    """``(tokenizer, actor, reference or None)``, placed and (several processes) sharded."""
+    """``(tokenizer, actor, reference or None)``, placed and (several processes) sharded.
+    ``merge_lora``: the actor's exports are one plain checkpoint, its adapters merged into the
+    weights (``output.merge_lora``), not the adapters alone."""
     tokenizer = load_tokenizer(path, role="policy tokenizer (model.path)")
     actor = build_actor(path, dtype=load_dtype(precision, trained=True), lora=lora)
     ref = None
@@ -113,6 +116,7 @@ def build_policy(
         precision=precision,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
+        merge_lora=merge_lora,
     )
     return tokenizer, actor, ref
 

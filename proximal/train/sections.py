@@ -334,19 +334,34 @@ MERGE_LORA_HELP = (
     "false: the adapters alone (adapter_config.json, loaded over model.path with peft). Without "
     "LoRA it changes nothing."
 )
+#: The same default in every command (sft, rm, dpo, simpo, ppo, grpo): an exported model loads the
+#: same way whichever command trained it.
+MERGE_LORA_DEFAULT_WHY = (
+    " true in every command alike, so any exported model loads with plain from_pretrained; false "
+    "keeps exports small (the adapters are a few MB) where model.path stays available."
+)
 
 
 @dataclass
 class ExportOutputSection(OutputSection):
-    """The output of a command whose run directory is the trained model (sft, rm)."""
+    """The output of a command that exports the trained model (sft, rm, dpo, simpo: into the run
+    directory and each checkpoint), with or without its LoRA adapters merged."""
 
-    merge_lora: bool = option(True, MERGE_LORA_HELP)
+    merge_lora: bool = option(True, MERGE_LORA_HELP + MERGE_LORA_DEFAULT_WHY)
 
 
 @dataclass
 class RLOutputSection(OutputSection):
     samples_per_step: int = option(
         4, "Prompt/response/score rows written to samples.jsonl per step."
+    )
+    merge_lora: bool = option(
+        True,
+        "With model.lora_r > 0, export the policy (each checkpoint's policy/; PPO's critic/ too "
+        "with model.critic_lora) with its adapters merged into the weights: a plain checkpoint "
+        "that loads with from_pretrained. false: the adapters alone (adapter_config.json, loaded "
+        "over the starting model with peft). Without LoRA it changes nothing. Resuming never "
+        "reads these exports." + MERGE_LORA_DEFAULT_WHY,
     )
 
     def problems(self, name: str = "output") -> list[str]:

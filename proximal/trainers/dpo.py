@@ -159,6 +159,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         activation_checkpointing=t.activation_checkpointing,
         reference=resident,
         frozen_sharding=m.frozen_sharding,
+        merge_lora=cfg.output.merge_lora,
     )
     check_fits(policy, tokenizer, d.max_length, m.path)
     # Before the policy's first forward pass (the precomputation below): under FSDP2 the root module does
@@ -246,7 +247,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         return row
 
     # 5. The loop (step 0's held-out metrics, then accumulate → clip and step → log, evaluate, save),
-    # and the trained policy (safetensors + tokenizer; with LoRA its adapters) next to config.yaml.
+    # and the trained policy (safetensors + tokenizer; with LoRA merged, or its adapters when
+    # output.merge_lora is false) next to config.yaml.
     first = {
         "data/train_truncated": data.train_report.truncated,
         "model/reference_resident": int(resident),

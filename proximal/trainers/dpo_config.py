@@ -19,8 +19,8 @@ from proximal.train.sections import (
     CHAT_TEMPLATE_HELP,
     FROZEN_SHARDING,
     BatchTrainSection,
+    ExportOutputSection,
     OptimSection,
-    OutputSection,
     PolicyModelSection,
     PreferenceDataSection,
 )
@@ -154,7 +154,9 @@ class DPOConfig:
     train: DPOTrainSection = section(
         DPOTrainSection, "Steps, batches (counting pairs), devices, checkpoints.", save_every=500
     )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/dpo")
+    output: ExportOutputSection = section(
+        ExportOutputSection, "Where the run is written.", dir="runs/dpo"
+    )
     dpo: DPOSection = section(DPOSection, "The DPO loss.")
 
     def validate(self) -> list[str]:
@@ -177,7 +179,9 @@ class SimPOConfig:
         "Steps, batches (counting pairs), devices, checkpoints.",
         save_every=500,
     )
-    output: OutputSection = section(OutputSection, "Where the run is written.", dir="runs/simpo")
+    output: ExportOutputSection = section(
+        ExportOutputSection, "Where the run is written.", dir="runs/simpo"
+    )
     simpo: SimPOSection = section(SimPOSection, "The SimPO loss.")
 
     def validate(self) -> list[str]:

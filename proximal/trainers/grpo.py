@@ -428,6 +428,7 @@ def build_models(
         activation_checkpointing=t.activation_checkpointing,
         reference=cfg.grpo.beta > 0,
         frozen_sharding=mc.frozen_sharding,
+        merge_lora=cfg.output.merge_lora,
     )
     set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the policy
     scorer = build_scorer(

@@ -656,6 +656,7 @@ def build_models(
         world_size=world_size,
         activation_checkpointing=t.activation_checkpointing,
         frozen_sharding=mc.frozen_sharding,
+        merge_lora=cfg.output.merge_lora,
     )
     set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the policy
     scorer = build_scorer(
@@ -698,6 +699,7 @@ def build_models(
         precision=t.precision,
         world_size=world_size,
         activation_checkpointing=t.activation_checkpointing,
+        merge_lora=cfg.output.merge_lora,  # with model.critic_lora
     )
     return PPOModels(tokenizer, actor, reference, critic, scorer)
 

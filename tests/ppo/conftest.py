@@ -67,4 +67,14 @@ def lora_run(assets, tmp_path_factory) -> Run:
         optim={"lr": 1e-2, "critic_lr": 1e-2},
     )
     with pytest.MonkeyPatch.context() as mp:
-        return run_with_models(mp, cfg, "--model.lora_r", "4", "--model.critic_lora", "true")
+        # the adapters alone in the checkpoints (merged: tests/trainers/test_lora_exports.py)
+        return run_with_models(
+            mp,
+            cfg,
+            "--model.lora_r",
+            "4",
+            "--model.critic_lora",
+            "true",
+            "--output.merge_lora",
+            "false",
+        )

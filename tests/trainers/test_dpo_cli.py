@@ -85,6 +85,7 @@ def test_cli_lora_runs_and_resumes(assets, tmp_path, capsys):
         model={"lora_r": 4},
         train={"save_every": 1, "steps": 1},
         optim={"lr": 1e-2},
+        output={"merge_lora": False},  # the adapters alone (merged: test_lora_exports.py)
     )
     assert main(["dpo", "--config", config]) == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "adapter_config.json").is_file()
@@ -108,6 +109,7 @@ def test_a_lora_run_is_the_next_stage_s_model_with_its_adapters_merged(assets, t
         model={"lora_r": 4},
         train={"steps": 2},
         optim={"lr": 5e-2},
+        output={"merge_lora": False},  # an adapters-only run directory as the next stage's model
     )
     assert main(["dpo", "--config", config]) == 0, capsys.readouterr().err
     merged = load_causal_lm(str(tmp_path / "run"))
