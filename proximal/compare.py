@@ -39,6 +39,7 @@ import yaml
 
 from proximal import compare_report, dist
 from proximal.config import ConfigError, load_config, option, section, to_dict
+from proximal.data.sources import columns_problems, source_problem
 from proximal.demo import DEFAULT_CONFIGS, FULL, stage_configs
 from proximal.evaluation import evaluate_policy
 from proximal.methods import (
@@ -155,16 +156,24 @@ class CompareData:
         "The learned reward model r_ψ (the proxy score of every evaluation, and "
         "the reward of methods with source reward_model).",
     )
-    prompts: str | None = option(None, "Training prompts (JSONL) of the online methods.")
+    prompts: str | None = option(
+        None,
+        "Training prompts of the online methods: a file (JSONL, JSON, Parquet, CSV, Arrow), a "
+        "save_to_disk directory or a data set name in the local Hugging Face cache (docs/data.md).",
+    )
     pairs: str | None = option(
         None,
-        "Preference pairs (JSONL) of the offline methods: the pairs the reward model "
-        "was trained on.",
+        "Preference pairs of the offline methods, read as data.prompts is: the pairs the "
+        "reward model was trained on.",
     )
     eval_pairs: str | None = option(
         None, "Held-out preference pairs: DPO's and SimPO's eval/accuracy (optional)."
     )
-    eval_prompts: str | None = option(None, "Held-out prompts every policy is evaluated on.")
+    eval_prompts: str | None = option(
+        None,
+        "Held-out prompts every policy is evaluated on, read as data.prompts is (but as they "
+        "are: data.split and data.columns do not apply to them).",
+    )
     verifier: str | None = option(
         None,
         "A rule verifier 'module:function(prompts, completions) -> scores': the "
@@ -176,16 +185,36 @@ class CompareData:
         "logged during online training with weight 0, never trained on; the main "
         "held-out column and the one stability is measured on.",
     )
+    # The shared SPLIT_HELP / COLUMNS_HELP say "this section"; here they cover the methods' data only.
+    split: str | None = option(
+        None,
+        "The split to read where data.prompts, data.pairs or data.eval_pairs is a DatasetDict (a "
+        "save_to_disk directory or a data set name in the local Hugging Face cache): null = "
+        "'train'; a single file is one split. Handed to every method as its data.split. See "
+        "docs/data.md.",
+    )
+    columns: dict[str, str] | None = option(
+        None,
+        "Column names of data.prompts, data.pairs and data.eval_pairs mapped to the names the "
+        "methods read, canonical: column (e.g. {prompt: question, chosen: good, rejected: bad}). "
+        "Handed to every method as its data.columns: to an online method only the entries for "
+        "prompt rows (prompt, messages, tools). null = the columns as they are. See docs/data.md.",
+    )
 
     def problems(self) -> list[str]:
         if self.sft_model is None:
             return []
         e = [] if self.eval_prompts else ["data.eval_prompts is required (the held-out prompts)"]
-        for name in ("sft_model", "reward_model", "prompts", "pairs", "eval_pairs", "eval_prompts"):
+        for name in ("sft_model", "reward_model"):
             value = getattr(self, name)
             if value and not Path(value).exists():
                 e.append(f"data.{name}: {value!r} does not exist")
-        return e
+        # a data set may also be a name in the local Hugging Face cache, as in every command
+        for name in ("prompts", "pairs", "eval_pairs", "eval_prompts"):
+            value = getattr(self, name)
+            if value and (problem := source_problem(value, f"data.{name}")):
+                e.append(problem)
+        return e + columns_problems(self.columns, "data.columns")
 
 
 @dataclass
@@ -280,6 +309,8 @@ class Inputs:
     eval_prompts: str
     verifier: str | None
     gold: str | None
+    split: str | None = None  # of prompts, pairs and eval_pairs
+    columns: dict[str, str] | None = None
     scores: dict = field(default_factory=dict)  # held-out score functions by column name
 
 
@@ -401,6 +432,8 @@ def prepare_inputs(
         eval_prompts=d.eval_prompts,
         verifier=d.verifier,
         gold=d.gold,
+        split=d.split,
+        columns=d.columns,
         scores=scores,
     )
 
@@ -453,6 +486,8 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
             eval_pairs=inputs.eval_pairs,
             verifier=inputs.verifier,
             gold=inputs.gold,
+            split=inputs.split,
+            columns=inputs.columns,
         ),
         "train.seed": r.seed,
         "output.dir": str(run_dir),

@@ -23,6 +23,10 @@ from proximal.trainers import dpo, grpo, ppo
 #: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
 REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
 
+#: The fields a prompt row is read from (proximal.data.prompts): the entries of a shared column
+#: mapping an online method takes (a mapping of 'chosen' would name a column its prompts lack).
+PROMPT_FIELDS = ("prompt", "messages", "tools")
+
 
 @dataclass(frozen=True)
 class Method:
@@ -74,17 +78,24 @@ def input_overrides(
     eval_pairs: str | Path | None = None,
     verifier: str | None = None,
     gold: str | None = None,
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The config overrides that point ``method`` at the shared inputs: ``model.path`` = the SFT model
     (the start and, where there is one, the reference); online methods the training prompts and the
     reward ``source`` — the reward model, or the verifier (weight 1) — with the ``gold`` score, when
     given, as a weight-0 reward function (logged every step, never trained on); offline methods the
-    preference pairs."""
-    out: dict[str, Any] = {"model.path": str(sft)}
+    preference pairs. ``split`` and ``columns`` describe the data given here, so they replace the
+    method config's ``data.split`` and ``data.columns`` (null ones too: that config's were written
+    for other files); an online method takes the entries of ``columns`` for :data:`PROMPT_FIELDS`,
+    an offline one all of them."""
+    out: dict[str, Any] = {"model.path": str(sft), "data.split": split, "data.columns": columns}
     if not method.online:
         out["data.train_file"] = str(pairs)
         out["data.eval_file"] = str(eval_pairs) if eval_pairs else None
         return out
+    if columns is not None:
+        out["data.columns"] = {k: v for k, v in columns.items() if k in PROMPT_FIELDS} or None
     out["data.prompts"] = str(prompts)
     logged = [gold] if gold else []
     if source == REWARD_MODEL:
