@@ -431,6 +431,11 @@ class OnlineModelSection(PolicyModelSection):
         )
 
 
+#: What every data path reads (proximal.data.sources.read_rows; docs/data.md).
+DATA_SOURCES = (
+    "a JSONL, JSON, Parquet, CSV or Arrow file, a save_to_disk directory or a data set name in "
+    "the local Hugging Face cache (docs/data.md)"
+)
 SPLIT_HELP = (
     "The split to read where the data is a DatasetDict (a save_to_disk directory or a data set "
     "name in the local Hugging Face cache): null = 'train'. Applies to every data file of this "
@@ -447,8 +452,7 @@ COLUMNS_HELP = (
 class PromptDataSection:
     prompts: str = option(
         "",
-        "Prompts: JSONL with {'prompt': str} or {'messages': [...]}, or a `datasets` "
-        "directory saved with save_to_disk. Required.",
+        "Prompts, {'prompt': str} or {'messages': [...]} rows: " + DATA_SOURCES + ". Required.",
     )
     max_prompt_length: int = option(256, "Longest prompt in tokens.")
     on_long_prompt: str = option(
@@ -563,12 +567,14 @@ class PreferenceDataSection:
 
     train_file: str = option(
         "",
-        'JSONL training file of preference pairs: {"prompt": str, "chosen": str, '
-        '"rejected": str} with an optional numeric "margin", or chat messages '
-        "(docs/rm.md). Required.",
+        'Preference pairs, {"prompt": str, "chosen": str, "rejected": str} rows with an optional '
+        'numeric "margin" (the prompt may be implicit, a prefix both responses share), or chat '
+        "messages (docs/rm.md): " + DATA_SOURCES + ". Required.",
     )
     eval_file: str | None = option(
-        None, "JSONL file in the same format for held-out metrics; null = no held-out evaluation."
+        None,
+        "Held-out pairs in the same format, from any of the same sources, for held-out metrics; "
+        "null = no held-out evaluation.",
     )
     max_length: int = option(
         512,

@@ -15,6 +15,7 @@ from proximal.data.chat import LOSS_ON
 from proximal.train.fixed import batch_split_problems
 from proximal.train.sections import (
     CHAT_TEMPLATE_HELP,
+    DATA_SOURCES,
     RENAMED_BATCH_FIELDS,
     BatchTrainSection,
     ExportOutputSection,
@@ -32,14 +33,15 @@ class SFTData(PreferenceDataSection):
     train_file: str = reworded(
         PreferenceDataSection,
         "train_file",
-        'JSONL training file, one record per line: {"prompt": str, '
-        '"response": str} or {"messages": [...]} whose last message is the '
-        "assistant's response (docs/sft.md). Required.",
+        'Training rows, {"text": str}, {"prompt": str, "completion": str} ("response" an '
+        'alias; both may be messages) or {"messages": [...]} conversations, every assistant turn '
+        "trained by default (data.loss_on; docs/sft.md): " + DATA_SOURCES + ". Required.",
     )
     eval_file: str | None = reworded(
         PreferenceDataSection,
         "eval_file",
-        "JSONL file in the same format for the held-out loss; null = no held-out evaluation.",
+        "Held-out rows in the same format, from any of the same sources, for the held-out loss; "
+        "null = no held-out evaluation.",
     )
     max_length: int = reworded(
         PreferenceDataSection,
