@@ -600,7 +600,11 @@ class PreferenceDataSection:
     columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
     def problems(self, name: str = "data") -> list[str]:
-        e = [] if self.train_file else [f"{name}.train_file is required (a JSONL file)"]
+        e = (
+            []
+            if self.train_file
+            else [f"{name}.train_file is required (a data file or a data set name; docs/data.md)"]
+        )
         e += columns_problems(self.columns, f"{name}.columns")
         if self.max_length < 2:
             e.append(

@@ -310,7 +310,7 @@ def test_validate_lists_each_section_in_order_then_the_split_over_processes(monk
     cfg.train.batch_size, cfg.train.micro_batch_size = 8, 4
     assert cfg.validate() == [
         "model.path is required (a checkpoint directory or hub id)",
-        "data.train_file is required (a JSONL file)",
+        "data.train_file is required (a data file or a data set name; docs/data.md)",
         "data.max_length = 1 must be at least 2 (a prompt token and EOS)",
         "optim.lr = -1.0 must be a positive number",
         "train.keep_checkpoints = 0 must be ≥ 1",
@@ -350,7 +350,7 @@ def test_the_data_section_is_the_preference_pairs_one_worded_for_rows():
         a.metadata["help"] != b.metadata["help"] for a, b in zip(ours, theirs) if a.name in reworded
     )
     assert SFTData(max_length=1, train_file="").problems() == [
-        "data.train_file is required (a JSONL file)",
+        "data.train_file is required (a data file or a data set name; docs/data.md)",
         "data.max_length = 1 must be at least 2 (a prompt token and EOS)",
     ]
 
