@@ -1,10 +1,17 @@
 """SFT on a length-skewed set, padded against packed, the same model and tokens per step.
 
 Lengths are drawn from 8 to 512 tokens, most short (a geometric-like skew: 8 · 64^u with u ~ U(0,1)²).
-Each mode runs in its own fresh process (so its peak resident memory, ``ru_maxrss``, is its own),
-alternating padded / packed ``--repeats`` times; a step is the same 32 rows in both, cut into
-micro-batches of at most ``--budget`` tokens (padded: rows × longest; packed: the sum). Prints the
-medians and the packed/padded ratios.
+Three ways to cut a step's 32 rows into micro-batches, each in its own fresh process (so its peak
+resident memory, ``ru_maxrss``, is its own), alternating ``--repeats`` times:
+
+- ``rows``: ``--rows`` rows a micro-batch in data order, padded (``train.micro_batch_size``, the
+  default way);
+- ``padded``: micro-batches of at most ``--budget`` tokens counted as rows × the longest, rows taken
+  longest first (``train.micro_batch_tokens``);
+- ``packed``: the same budget counted as the sum of lengths, each micro-batch one packed row
+  (``train.packing``).
+
+Prints the medians and the ratios to ``rows`` and to ``padded``.
 
     .venv/bin/python benchmarks/packing.py [--repeats 3] [--steps 4]
 """
@@ -43,7 +50,8 @@ def examples(n: int, vocab: int, seed: int = 0) -> list[SFTExample]:
     return out
 
 
-def worker(model_dir: str, packed: bool, steps: int, budget: int) -> dict:
+def worker(model_dir: str, mode: str, steps: int, budget: int, rows_per_micro: int) -> dict:
+    packed = mode == "packed"
     torch.manual_seed(0)
     torch.set_num_threads(2)
     model = load_causal_lm(model_dir, dtype="float32")
@@ -54,7 +62,14 @@ def worker(model_dir: str, packed: bool, steps: int, budget: int) -> dict:
         rows = data[s * ROWS_PER_STEP : (s + 1) * ROWS_PER_STEP]
         n = float(sum(r.n_targets for r in rows))
         t0 = time.perf_counter()
-        for g in plan_micro_batches([[len(r.input_ids)] for r in rows], budget, packed=packed):
+        if mode == "rows":
+            groups = [
+                list(range(i, min(i + rows_per_micro, len(rows))))
+                for i in range(0, len(rows), rows_per_micro)
+            ]
+        else:
+            groups = plan_micro_batches([[len(r.input_ids)] for r in rows], budget, packed=packed)
+        for g in groups:
             nll_step(model, [rows[i] for i in g], 0, "cpu", n, packed=packed)
         model.zero_grad(set_to_none=True)
         if s:
@@ -69,10 +84,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=4, help="rows a micro-batch in the 'rows' mode")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "MODE"))
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker[0], a.worker[1] == "packed", a.steps, a.budget)))
+        print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.budget, a.rows)))
         return
     with tempfile.TemporaryDirectory() as d:
         tok = build_char_tokenizer(list("abcdefghijklmnopqrstuvwxyz"))
@@ -85,11 +101,11 @@ def main() -> None:
             heads=4,
             max_positions=1024,
         )
-        got: dict[str, list[dict]] = {"padded": [], "packed": []}
+        got: dict[str, list[dict]] = {"rows": [], "padded": [], "packed": []}
         for _ in range(a.repeats):
-            for mode in ("padded", "packed"):
+            for mode in got:
                 cmd = [sys.executable, __file__, "--worker", str(path), mode]
-                cmd += ["--steps", str(a.steps), "--budget", str(a.budget)]
+                cmd += ["--steps", str(a.steps), "--budget", str(a.budget), "--rows", str(a.rows)]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 got[mode].append(json.loads(out.strip().splitlines()[-1]))
     med = {
@@ -97,10 +113,12 @@ def main() -> None:
         for m, rs in got.items()
     }
     print(json.dumps({"runs": got, "median": med}, indent=1))
-    print(
-        f"packed/padded: tokens/s × {med['packed']['tokens_per_s'] / med['padded']['tokens_per_s']:.2f}, "
-        f"peak memory × {med['packed']['peak_mib'] / med['padded']['peak_mib']:.2f}"
-    )
+    for a_mode, b_mode in (("packed", "rows"), ("padded", "rows"), ("packed", "padded")):
+        a, b = med[a_mode], med[b_mode]
+        print(
+            f"{a_mode}/{b_mode}: tokens/s × {a['tokens_per_s'] / b['tokens_per_s']:.2f}, "
+            f"peak memory × {a['peak_mib'] / b['peak_mib']:.2f}"
+        )
 
 
 if __name__ == "__main__":
