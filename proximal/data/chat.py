@@ -211,17 +211,22 @@ def split_conversation(
     last turn's content.
     """
     check_messages(messages, where, field)
+    check_ends_with_reply(messages, where, f"the last message of {field!r}", repr(field))
+    return apply_template(messages[:-1], tokenizer, where, tools=tools), messages[-1]["content"]
+
+
+def check_ends_with_reply(messages: list[dict], where: str, last: str, whole: str) -> None:
+    """DataError naming ``where`` unless ``messages`` end with the assistant's reply to at least one
+    earlier turn (``last``/``whole`` name the last message and the list in the message)."""
     if messages[-1]["role"] != "assistant":
         raise DataError(
-            f"{where}: the last message of {field!r} must be the assistant's response, "
-            f"got role {messages[-1]['role']!r}"
+            f"{where}: {last} must be the assistant's response, got role {messages[-1]['role']!r}"
         )
     if len(messages) < 2:
         raise DataError(
-            f"{where}: {field!r} has only the assistant's response; it needs at least one "
+            f"{where}: {whole} has only the assistant's response; it needs at least one "
             "earlier turn as the prompt"
         )
-    return apply_template(messages[:-1], tokenizer, where, tools=tools), messages[-1]["content"]
 
 
 def completion_field(record: dict, where: str) -> str | None:

@@ -27,6 +27,7 @@ import torch
 
 from proximal.data.chat import (
     LOSS_ON,
+    check_ends_with_reply,
     conversation_tokens,
     encode_prompt,
     encode_response,
@@ -216,16 +217,9 @@ def _masked_example(
         ids = ids + encode_response("", tokenizer)  # + EOS: the text ends there
         return SFTExample(ids, 0, where, [False] + [True] * (len(ids) - 1))
     messages, tools = a, b
-    if messages[-1]["role"] != "assistant":
-        raise DataError(
-            f"{where}: the last message of the conversation must be the assistant's response, got "
-            f"role {messages[-1]['role']!r}"
-        )
-    if len(messages) < 2:
-        raise DataError(
-            f"{where}: the conversation has only the assistant's response; it needs at least one "
-            "earlier turn as the prompt"
-        )
+    check_ends_with_reply(
+        messages, where, "the last message of the conversation", "the conversation"
+    )
     first = 0 if loss_on == "all_assistant" else start
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if loss_on != "all_tokens" and not any(messages[i]["content"] for i in turns):
