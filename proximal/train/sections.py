@@ -611,3 +611,15 @@ class PreferenceDataSection:
                 f"{name}.max_length = {self.max_length} must be at least 2 (a prompt token and EOS)"
             )
         return e
+
+    def load_kwargs(self) -> dict:
+        """What the loaders (:func:`proximal.data.preferences.load_preference_pairs`,
+        :func:`proximal.data.sft.load_sft_examples`) take from this section besides the path and the
+        tokenizer, as keyword arguments."""
+        return dict(
+            max_length=self.max_length,
+            on_too_long=self.on_too_long,
+            on_empty=self.on_empty,
+            split=self.split,
+            columns=self.columns,
+        )

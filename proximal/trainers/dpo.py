@@ -130,15 +130,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, m.chat_template)
-    load = dict(
-        max_length=d.max_length,
-        on_too_long=d.on_too_long,
-        on_empty=d.on_empty,
-        split=d.split,
-        columns=d.columns,
-    )
     data = load_data(
-        lambda path: load_preference_pairs(path, tokenizer, **load),
+        lambda path: load_preference_pairs(path, tokenizer, **d.load_kwargs()),
         d.train_file,
         d.eval_file,
         steps=t.steps,

@@ -63,15 +63,8 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, cfg.model.chat_template)
-    load = dict(
-        max_length=d.max_length,
-        on_too_long=d.on_too_long,
-        on_empty=d.on_empty,
-        split=d.split,
-        columns=d.columns,
-    )
     data = load_data(
-        lambda path: load_preference_pairs(path, tokenizer, **load),
+        lambda path: load_preference_pairs(path, tokenizer, **d.load_kwargs()),
         d.train_file,
         d.eval_file,
         steps=t.steps,

@@ -56,16 +56,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, cfg.model.chat_template)
     data = load_data(
-        lambda path: load_sft_examples(
-            path,
-            tokenizer,
-            max_length=d.max_length,
-            on_too_long=d.on_too_long,
-            on_empty=d.on_empty,
-            split=d.split,
-            columns=d.columns,
-            loss_on=d.loss_on,
-        ),
+        lambda path: load_sft_examples(path, tokenizer, **d.load_kwargs(), loss_on=d.loss_on),
         d.train_file,
         d.eval_file,
         steps=t.steps,
