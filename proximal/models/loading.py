@@ -7,7 +7,9 @@ downloads unless the user points at a hub id on a machine that has the network.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import json
 import warnings
 from pathlib import Path
 
@@ -159,8 +161,20 @@ def load_sequence_scorer(
     """
     _check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
+    task = adapter_task(path)
+    if task not in (
+        None,
+        "SEQ_CLS",
+    ):  # a language model's LoRA adapters (sft's adapters-only export)
+        if not new_head:
+            raise ModelLoadError(
+                f"{role}: {path!r} holds a language model's LoRA adapters ({task}), not a reward "
+                "model; a reward model is an AutoModelForSequenceClassification with one label, "
+                "such as the output of `proximal rm`"
+            )
+        return scorer_from_causal_lm(load_causal_lm(path, role=role, dtype=dtype), pad_token_id)
     try:
-        if (Path(path) / "adapter_config.json").is_file():
+        if task == "SEQ_CLS":
             model = _merged_scorer_adapters(path, dtype)
         else:
             with warnings.catch_warnings(), _quiet_load_report(new_head):
@@ -199,6 +213,39 @@ def load_sequence_scorer(
     if model.config.pad_token_id is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
+
+
+def adapter_task(path: str) -> str | None:
+    """The peft ``task_type`` of a LoRA adapters-only export at ``path`` ('CAUSAL_LM', 'SEQ_CLS'), or
+    None when ``path`` is not one (a plain checkpoint, a hub id)."""
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("task_type") or "CAUSAL_LM"
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path!r}: cannot read {config}: {e}") from e
+
+
+def scorer_from_causal_lm(causal, pad_token_id: int | None = None):
+    """A one-label sequence classifier with the backbone of the causal LM ``causal`` (its tensors
+    copied, the LM head dropped) and a zero-initialised head: what :func:`load_sequence_scorer` with
+    ``new_head=True`` makes of a causal-LM checkpoint, for a causal LM that exists only in memory
+    (LoRA adapters merged into their base)."""
+    config = copy.deepcopy(causal.config)
+    config.num_labels, config.architectures = 1, None
+    scorer = AutoModelForSequenceClassification.from_config(config, dtype=causal.dtype)
+    # The same backbone module in both heads (base_model_prefix): strict, so no tensor is left behind.
+    backbone(scorer).load_state_dict(backbone(causal).state_dict())
+    with torch.no_grad():
+        head = score_head(scorer)
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+    scorer.config.architectures = [type(scorer).__name__]
+    if scorer.config.pad_token_id is None and pad_token_id is not None:
+        scorer.config.pad_token_id = pad_token_id
+    return scorer
 
 
 @contextlib.contextmanager

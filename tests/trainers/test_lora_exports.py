@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from proximal.cli import main
-from proximal.models.loading import load_tokenizer
+from proximal.models.loading import ModelLoadError, load_sequence_scorer, load_tokenizer
 from proximal.models.reward import load_reward_model
 from proximal.trainers import dpo, grpo, ppo
 
@@ -172,3 +172,30 @@ def test_rm_starts_from_an_adapters_only_sft_export(assets, tmp_path):
     assert main(argv) == 0
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
     assert rm.config.num_labels == 1
+
+
+def test_ppo_starts_from_an_adapters_only_sft_export(assets, tmp_path):
+    """A critic initialised from the policy (``model.critic: policy``) over an adapters-only SFT
+    export is the adapted backbone (peft's own unmerged model) under a fresh zero head, and
+    ``proximal ppo`` trains from that export (it used to stop: peft's classifier loader refused the
+    causal-LM adapters)."""
+    sft_dir = _sft_adapters(assets, tmp_path)
+    critic = load_sequence_scorer(str(sft_dir), role="critic", new_head=True)
+    assert isinstance(critic, LlamaForSequenceClassification)
+    adapted = AutoPeftModelForCausalLM.from_pretrained(str(sft_dir)).get_base_model()
+    with torch.no_grad():
+        got = critic.model(input_ids=IDS).last_hidden_state
+        want = adapted.model(input_ids=IDS).last_hidden_state
+        assert torch.equal(critic(input_ids=IDS).logits, torch.zeros(1, 1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelLoadError, match="language model's LoRA adapters"):
+        load_sequence_scorer(str(sft_dir), role="reward model")  # not a reward model
+
+    cfg = tiny_config(
+        str(sft_dir),
+        assets.prompts,
+        tmp_path / "run",
+        model={"reward_model": str(assets.reward_model("llama")), "critic": "policy"},
+        train={"steps": 1},
+    )
+    assert ppo_main(cfg) == 0
