@@ -37,8 +37,7 @@ from proximal import report
 from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
 from proximal.logging import read_metrics
-from proximal.methods import METHODS, config_class, input_overrides
-from proximal.methods import final_policy as final
+from proximal.methods import METHODS, config_class, final_policy, input_overrides
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import run_reporting
 from proximal.trainers import dpo, grpo, ppo, reward, sft
@@ -358,11 +357,6 @@ def command_arg(value) -> str:
     if isinstance(value, (list, tuple)):
         return "'[" + ", ".join(str(v) for v in value) + "]'"
     return str(value)
-
-
-def final_policy(run_dir: Path) -> Path:
-    """The policy saved by a finished run: ``run_dir/checkpoints/<latest>/policy``."""
-    return final(run_dir)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
