@@ -257,6 +257,25 @@ def token_nll(
         Scalar NLL in nats per token.
     """
     logprobs = logprobs_from_logits(logits, labels, mask=mask, chunk_tokens=chunk_tokens)
+    return nll_from_logprobs(logprobs, mask, normalizer=normalizer)
+
+
+def nll_from_logprobs(
+    logprobs: Tensor, mask: Tensor, *, normalizer: float | Tensor | None = None
+) -> Tensor:
+    """The mean NLL of :func:`token_nll` — and so of :func:`sft_loss` and :func:`ptx_loss` —
+    from log-probabilities already computed, −(1/n) Σ_{(b,t) ∈ mask} logprobs[b, t]: for the
+    log-probabilities of the fused path (:func:`proximal.core.fused.linear_logprobs`), which never
+    forms the logits these take.
+
+    Args:
+        logprobs: (B, L) log π(labels | ·), values where ``mask`` is False never read.
+        mask: bool (B, L).
+        normalizer: as in :func:`token_nll`.
+
+    Returns:
+        Scalar NLL in nats per token.
+    """
     return -masked_aggregate(logprobs, mask, "token-mean", normalizer=normalizer)
 
 
