@@ -16,6 +16,11 @@ and every file has been hashed; ``checkpoints/latest`` then names it. On resume 
 checked file by file; a damaged checkpoint is reported (which file, how) and the newest intact one
 is used instead. Temporary directories a killed run left behind are removed at the next start.
 
+A save that fails — a full disk (ENOSPC, EDQUOT), any other ``OSError`` of the file system, on any
+rank and at any point up to and including the update of ``latest`` — removes what it wrote, so the
+previous checkpoint stays intact and still ``latest``, and raises :class:`SaveError` on every rank
+alike: one line naming the path, and for a full disk the bytes the checkpoint needs.
+
 Resuming reads the weights from ``state/`` into models built from the run's own config, so the
 resumed run continues bitwise on CPU (and loads at a different number of processes, with DCP's
 resharding, up to float32 round-off).
@@ -24,6 +29,7 @@ resharding, up to float32 round-off).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -46,6 +52,19 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint: the message names the directory and what is wrong with each candidate."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file system error, on this process or another).
+
+    What the save wrote is removed; the previous checkpoint is intact and still ``latest``. Every rank
+    raises it with the same message, so rank 0 alone reports it (``everywhere``)."""
+
+    everywhere = True
+
+
+#: errno values of a file system that is out of space (or of the user's quota on it).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +178,14 @@ def _quiet_dcp():
 
 
 def save_checkpoint(
-    root: str | Path, step: int, *, trained: dict, state: dict, exports: dict, keep: int
+    root: str | Path,
+    step: int,
+    *,
+    trained: dict,
+    state: dict,
+    exports: dict,
+    keep: int,
+    meta: dict | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` (every rank calls this); return its path.
 
@@ -169,39 +195,202 @@ def save_checkpoint(
         state: picklable trainer state (state dicts of schedules, samplers, controllers; counters),
             identical on every rank; rank 0 writes it.
         exports: ``{name: (module, tokenizer)}`` written as Hugging Face checkpoints ``<name>/``.
-        keep: how many checkpoints to keep; older ones are deleted.
+        keep: how many checkpoints to keep; older ones (by step) are deleted, never this one.
+        meta: entries added to ``manifest.json`` (the command that wrote it).
+
+    Raises:
+        SaveError: on every rank, when a file could not be written on any rank (what was written is
+            removed; the previous checkpoint stays ``latest``).
     """
     root = Path(root)
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.tmp"
-    if dist.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    ctx = _quiet_dcp()
+    previous = _latest_name(root)
     try:
-        dcp.save(_dcp_state(trained), checkpoint_id=str(tmp / "state"))
-    finally:
-        ctx.__exit__(None, None, None)
-    for name, (module, tokenizer) in exports.items():
-        export_pretrained(module, tokenizer, tmp / name, is_main=dist.is_main())
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
-    if dist.is_main():
-        torch.save(
-            {"step": step, "world_size": dist.world_size(), **state}, tmp / "trainer_state.pt"
-        )
-    dist.barrier()
-    names = _files(tmp)
-    hashes = _hash_shared(tmp, names)
-    if dist.is_main():
-        manifest = {"step": step, "world_size": dist.world_size(), "files": hashes}
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        _replace_dir(tmp, final)
-        atomic_write_text(root / "latest", step_name(step) + "\n")
-        for old in completed(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        # Each phase ends with every rank learning whether any failed (the barrier it needs anyway),
+        # so all raise together and none waits in a collective the others have left.
+        _agree(lambda: _fresh_dir(tmp / "rng") if dist.is_main() else None)
+        ctx = _quiet_dcp()
+        try:  # DCP agrees by itself: a write that fails on any rank raises on every rank
+            dcp.save(_dcp_state(trained), checkpoint_id=str(tmp / "state"))
+        finally:
+            ctx.__exit__(None, None, None)
+        for name, (module, tokenizer) in exports.items():  # each a collective (the full weights)
+            _agree(lambda: export_pretrained(module, tokenizer, tmp / name, is_main=dist.is_main()))
+
+        def own_files():
+            torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
+            if dist.is_main():
+                torch.save(
+                    {"step": step, "world_size": dist.world_size(), **state},
+                    tmp / "trainer_state.pt",
+                )
+
+        _agree(own_files)
+        hashes = _hash_shared(tmp, _files(tmp))
+        manifest = {"step": step, "world_size": dist.world_size(), **(meta or {}), "files": hashes}
+        _agree(lambda: _publish(root, tmp, final, manifest, keep) if dist.is_main() else None)
+    except BaseException as e:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _save_error(e, final, previous, root, trained, exports)
+        if error is None:
+            raise
+        raise error from e
     return final
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path.parent, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _publish(root: Path, tmp: Path, final: Path, manifest: dict, keep: int) -> None:
+    """Rank 0: the manifest, the rename into place, ``latest``, then the older checkpoints pruned.
+    A ``latest`` that cannot be written takes the renamed checkpoint back out, so the one ``latest``
+    names is still the one to resume."""
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _replace_dir(tmp, final)
+    try:
+        atomic_write_text(root / "latest", final.name + "\n")
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    for old in completed(root)[:-keep]:
+        if old != final:  # never the checkpoint just written: at worst the only intact one
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class _OtherRank(Exception):
+    """What another rank's failure in a save phase looked like: ``(rank, text, errno, path)``."""
+
+
+def _agree(fn) -> None:
+    """Run ``fn`` on this rank, then learn whether any rank failed: the failing rank re-raises its
+    error, the others raise :class:`_OtherRank` describing it (one process: ``fn`` alone)."""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on this rank and as _OtherRank on the others
+        error = e
+    if not dist.is_distributed():
+        if error is not None:
+            raise error
+        return
+    os_error = _os_error(error) if error is not None else None
+    seen = dist.all_gather_object(
+        None
+        if error is None
+        else (
+            f"{type(error).__name__}: {error}",
+            getattr(os_error, "errno", None),
+            getattr(os_error, "filename", None),
+        )
+    )
+    if error is not None:
+        raise error
+    for rank, failure in enumerate(seen):
+        if failure is not None:
+            raise _OtherRank(rank, *failure)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The file-system error behind ``e``: itself, one DCP collected from a rank, or one another rank
+    reported (as an OSError rebuilt from its errno and path)."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, _OtherRank):
+        _, text, code, path = e.args
+        return OSError(code, text, path) if code is not None else None
+    if isinstance(e, dcp.api.CheckpointException):
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+    return None
+
+
+def _save_error(
+    e: BaseException,
+    final: Path,
+    previous: str | None,
+    root: Path,
+    trained: dict,
+    exports: dict,
+) -> SaveError | None:
+    """The one-line :class:`SaveError` for a failed save, or None when ``e`` is not the file system's
+    (a bug, an interrupt: re-raised as it is)."""
+    os_error = _os_error(e)
+    if os_error is None:
+        if isinstance(e, _OtherRank):
+            return SaveError(
+                f"checkpoint {final} was not written: process {e.args[0]} failed while writing it "
+                f"({e.args[1][:300]}); {_kept(previous)}"
+            )
+        return None
+    path = os_error.filename or final
+    if os_error.errno in DISK_FULL:
+        need = _previous_bytes(root, previous) or estimate_bytes(trained, exports)
+        free = shutil.disk_usage(_existing(root)).free
+        return SaveError(
+            f"no space left on device for checkpoint {final} (writing {path}): it needs about "
+            f"{_human(need)} ({need} bytes) and {_human(free)} are free there; the half-written "
+            f"checkpoint was removed; {_kept(previous)}"
+        )
+    reason = os_error.strerror or str(os_error)
+    return SaveError(f"cannot write checkpoint {final} ({reason}: {path}); {_kept(previous)}")
+
+
+def _kept(previous: str | None) -> str:
+    if previous is None:
+        return "there is no earlier checkpoint"
+    return f"{previous} is intact and still latest"
+
+
+def _latest_name(root: Path) -> str | None:
+    pointer = root / "latest"
+    try:
+        return pointer.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _previous_bytes(root: Path, name: str | None) -> int | None:
+    """The size of checkpoint ``name`` from its manifest (the next one is about as large)."""
+    if name is None:
+        return None
+    try:
+        files = json.loads((root / name / MANIFEST).read_text())["files"]
+        return sum(int(f["bytes"]) for f in files.values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def estimate_bytes(trained: dict, exports: dict) -> int:
+    """About how many bytes a checkpoint of these models takes: the trained parameters and their
+    optimiser states (global sizes, however they are sharded), plus each export's whole state dict."""
+    n = 0
+    for module, optimizer in trained.values():
+        n += sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        for entry in optimizer.state.values():
+            n += sum(t.numel() * t.element_size() for t in entry.values() if torch.is_tensor(t))
+    for module, _ in exports.values():
+        n += sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return n
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _human(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # pragma: no cover
 
 
 def _rng_state() -> dict:
@@ -218,9 +407,13 @@ def _rng_state() -> dict:
 
 
 def completed(root: str | Path) -> list[Path]:
-    """Checkpoint directories under ``root``, oldest first (temporary ones excluded)."""
+    """Checkpoint directories under ``root``, oldest first by step (``step_1000000`` after
+    ``step_999999``; temporary ones excluded)."""
     root = Path(root)
-    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def remove_leftovers(root: str | Path) -> list[str]:

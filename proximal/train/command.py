@@ -1,7 +1,8 @@
 """The command-line glue every training command shares: config loading, ``--resume``, and one map
 from exceptions to exit codes.
 
-``proximal <command> --config FILE [--section.key value ...]`` or ``--resume RUN_DIR``. A user's
+``proximal <command> --config FILE [--section.key value ...]``, ``--resume RUN_DIR``, or
+``--config FILE --resume auto`` (the same line for the first launch and every relaunch). A user's
 mistake (bad config, bad data, a model that cannot load, a damaged checkpoint, a reward function
 that fails) is one line on stderr and exit status 2, with no traceback; a training failure (a
 non-finite loss or score) exit status 1; a bug is a traceback, as it should be.
@@ -24,7 +25,8 @@ from proximal.config import ConfigError, help_text, load_config, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
 from proximal.rollout.scoring import RewardFunctionError
-from proximal.train.checkpoint import CheckpointError
+from proximal.train.checkpoint import CheckpointError, SaveError, completed
+from proximal.train.run import AUTO, RunFinished
 
 #: Exceptions that mean the input was wrong: exit status 2.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -37,8 +39,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     FileExistsError,
     ImportError,
 )
-#: Exceptions that mean training itself failed (e.g. a non-finite loss): exit status 1.
-TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError,)
+#: Exceptions that mean training itself failed (e.g. a non-finite loss, a checkpoint that could not
+#: be written): exit status 1.
+TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError)
 
 EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -119,6 +122,23 @@ def check_same_models(saved_config: Path, cfg) -> None:
         )
 
 
+def check_auto(cfg) -> None:
+    """``--resume auto``'s checks of the config, before anything loads: ``output.overwrite`` would
+    delete the very run it continues; a run in ``output.dir`` with a checkpoint keeps its models
+    (:func:`check_same_models`)."""
+    output = getattr(cfg, "output", None)
+    if output is None:  # pragma: no cover - every training command has an output section
+        raise ConfigError("--resume auto: this command has no output.dir to continue")
+    if output.overwrite:
+        raise ConfigError(
+            "--resume auto continues the run in output.dir, and output.overwrite = true would "
+            "delete it; give one or the other"
+        )
+    run_dir = Path(output.dir)
+    if (run_dir / "config.yaml").is_file() and completed(run_dir / "checkpoints"):
+        check_same_models(run_dir / "config.yaml", cfg)
+
+
 class _ReportedByRankZero(Exception):
     """A mistake every process of the job met alike; rank 0 has reported it."""
 
@@ -161,25 +181,32 @@ def config_command(
     if resume:
         parser.add_argument(
             "--resume",
-            metavar="RUN_DIR",
+            metavar="RUN_DIR|auto",
             help="continue the run in RUN_DIR from its newest intact checkpoint (its config.yaml is "
-            "used; overrides such as --train.steps apply on top)",
+            "used; overrides such as --train.steps apply on top). 'auto': continue the run in "
+            "output.dir (of --config and the overrides) when it has an intact checkpoint, start it "
+            "when it has none, and do nothing when it is finished - one command line for the first "
+            "launch and every relaunch (a directory named auto: ./auto)",
         )
     args, rest = parser.parse_known_args(argv)
     resume_dir = getattr(args, "resume", None)
     try:
         overrides = parse_overrides(rest)
         config_path = args.config
-        if resume_dir is not None:
+        if resume_dir == AUTO:
+            cfg = load_config(config_cls, config_path, overrides)
+            check_auto(cfg)
+        elif resume_dir is not None:
             saved = Path(resume_dir) / "config.yaml"
             if not saved.is_file():
                 raise ConfigError(
                     f"--resume {resume_dir}: no config.yaml there; is it a run directory?"
                 )
             config_path = config_path or saved
-        cfg = load_config(config_cls, config_path, overrides)
-        if resume_dir is not None:
+            cfg = load_config(config_cls, config_path, overrides)
             check_same_models(Path(resume_dir) / "config.yaml", cfg)
+        else:
+            cfg = load_config(config_cls, config_path, overrides)
     except ConfigError as e:
         if dist.launched_rank() == 0:
             print(f"proximal {prog}: {e}", file=sys.stderr)
@@ -188,6 +215,8 @@ def config_command(
     def attempt():
         try:
             return train(cfg, resume_dir=resume_dir) if resume else train(cfg)
+        except RunFinished as e:  # --resume auto of a finished run: nothing was done
+            return e
         except reported_once as e:
             if dist.launched_rank() == 0:
                 raise
@@ -197,6 +226,10 @@ def config_command(
         code, result = run_reporting(prog, attempt)
     except _ReportedByRankZero as e:
         return e.code
+    if isinstance(result, RunFinished):
+        if dist.is_main():
+            print(f"proximal {prog}: {result}", flush=True)
+        return EXIT_OK
     why = failed(result) if code == EXIT_OK and failed is not None else None
     if why:
         say(prog, why)

@@ -79,10 +79,12 @@ def load_data(
     epochs: int,
     batch_size: int,
     warmup_steps: int,
+    run: Run | None = None,
 ) -> Data:
     """``load(path)`` of the training file and, when given, the held-out file; the run's step count
     (:func:`proximal.train.batches.plan_steps`). Bad data and a batch larger than the data raise here,
-    before any model loads."""
+    before any model loads; so does ``run``'s :class:`~proximal.train.run.RunFinished` when
+    ``--resume auto`` finds its checkpoint at that step count."""
     train, train_report = load(train_file)
     held, eval_report = load(eval_file) if eval_file else ([], None)
     total = plan_steps(
@@ -93,6 +95,8 @@ def load_data(
         warmup_steps=warmup_steps,
         train_file=train_file,
     )
+    if run is not None:
+        run.check_finished(total)
     return Data(train, held, train_report, eval_report, total)
 
 

@@ -17,6 +17,12 @@ A trainer calls, in order::
     run.finish()
 
 The fixed-dataset methods (SFT, RM, DPO, SimPO) run this through :func:`proximal.train.fixed.fit`.
+
+``open_run(..., resume_dir="auto")`` (``--resume auto``) continues the run in ``output_dir`` from its
+newest intact checkpoint when it has one and starts it otherwise, so one command line serves the
+first launch and every relaunch; a run already at its last step raises :class:`RunFinished` before
+anything is written (before any model loads where the trainer knows its step count by then:
+``open_run(total=...)``, or :meth:`Run.check_finished` once the data is read).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models import kernels
 from proximal.rollout.engine import HFEngine
 from proximal.train.checkpoint import (
+    MANIFEST,
     CheckpointError,
     completed,
     find_checkpoint,
@@ -49,6 +56,13 @@ from proximal.train.optim import resync_schedule, seed_everything
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 #: Line-per-step logs that a resumed run cuts back to its checkpoint.
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
+#: ``resume_dir`` of :func:`open_run` for ``--resume auto``: continue the run in ``output_dir`` from
+#: its newest intact checkpoint when it has one, else start it.
+AUTO = "auto"
+
+
+class RunFinished(Exception):
+    """``--resume auto`` of a run that already reached its last step: nothing to do (exit status 0)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +128,9 @@ class Run:
     #: ``{"backend": "onednn" | "blas", "why": ...}`` of the float32 CPU products
     #: (:func:`proximal.models.kernels.configure`); None on other devices.
     cpu_matmul: dict | None = None
+    #: ``--resume auto``; and the step of the checkpoint resumed from (None: a fresh run).
+    auto: bool = False
+    checkpoint_step: int | None = None
     logger: MetricsLogger | None = None
     bar: object = None
     wall0: float = field(default_factory=time.perf_counter)
@@ -146,6 +163,15 @@ class Run:
                     )  # the run may have been extended: the schedule's shape changed
         return int(state["step"]), dict(state.get("counters", {}))
 
+    def check_finished(self, total: int) -> None:
+        """Under ``--resume auto``, raise :class:`RunFinished` when the checkpoint is the run's last
+        step ``total`` (a blind relaunch of a finished run touches nothing)."""
+        if self.auto and self.checkpoint_step is not None and self.checkpoint_step == total:
+            raise RunFinished(
+                f"the run in {self.dir} is finished (its checkpoint is step {total} of {total}); "
+                "nothing to do (give a larger --train.steps to continue it)"
+            )
+
     # ------------------------------------------------------------------ start
     def begin(
         self,
@@ -161,6 +187,7 @@ class Run:
     ) -> None:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
         config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
+        self.check_finished(total)  # --resume auto of a finished run: nothing is written
         if (
             start > total
         ):  # before anything is written: the checkpoint and the logs stay as they are
@@ -263,6 +290,7 @@ class Run:
             state={**state, "counters": counters},
             exports=exports,
             keep=keep,
+            meta={"command": self.command},
         )
 
     def finish(self) -> None:
@@ -357,31 +385,51 @@ def open_run(
     dist_timeout_s: float,
     resume_dir: str | Path | None = None,
     cpu_matmul: str = "auto",
+    total: int | None = None,
 ) -> Run:
     """Everything before the first model loads: the device, the backend of the float32 CPU products
     (``cpu_matmul``, ``train.cpu_matmul``: auto, onednn or blas, set process-wide by
     :func:`proximal.models.kernels.configure` and printed at the start on a CPU), the process group,
-    the seed, the run directory's guard (or the checkpoint to resume, verified)."""
+    the seed, the run directory's guard (or the checkpoint to resume, verified).
+
+    ``resume_dir``: None starts a run in ``output_dir``; a run directory continues it; :data:`AUTO`
+    continues the run in ``output_dir`` when it has an intact checkpoint and starts it otherwise
+    (replacing the files of an earlier launch that never wrote one; a directory whose checkpoints
+    are all damaged is refused). ``total``: the run's step count when the caller knows it before
+    loading anything (ppo, grpo), so that ``--resume auto`` of a finished run stops here."""
     dev = resolve_device(device)
     backend, why = kernels.configure(cpu_matmul)
     dist.init(dev, dist_timeout_s)
     seed_everything(seed)
-    run_dir = Path(resume_dir or output_dir)
+    auto = isinstance(resume_dir, str) and resume_dir == AUTO
+    run_dir = Path(output_dir if auto or resume_dir is None else resume_dir)
     notes: list[str] = []
     if dev.type == "cpu":
         notes.append(f"cpu matmul: {backend} ({why})")
         busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
         notes += [busy] if busy else []
+    ckpt, step = None, None
     if resume_dir is not None:
         ckpt, found_notes = find_checkpoint(run_dir / "checkpoints")
         notes += found_notes
-        if ckpt is None:
-            detail = (
-                "; ".join(n for n in found_notes if n.startswith("skipping"))
-                or "none was ever written"
-            )
+        damaged = "; ".join(n for n in found_notes if n.startswith("skipping"))
+        if ckpt is None and auto and damaged:
             raise CheckpointError(
-                f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} ({detail})"
+                f"--resume auto: {run_dir} has checkpoints but none is intact ({damaged}); to start "
+                "the run afresh, launch it without --resume auto and with --output.overwrite true"
+            )
+        if ckpt is None and not auto:
+            raise CheckpointError(
+                f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} "
+                f"({damaged or 'none was ever written'})"
+            )
+    if ckpt is not None:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        step, wrote = int(manifest["step"]), manifest.get("command", command)
+        if wrote != command:
+            raise CheckpointError(
+                f"{ckpt} is a checkpoint of proximal {wrote}, not of proximal {command}; give this "
+                "run an output.dir of its own"
             )
         stale = [c for c in completed(run_dir / "checkpoints") if c.name > ckpt.name]
         if (
@@ -394,11 +442,30 @@ def open_run(
                 f"removed {', '.join(c.name for c in stale)}, newer than the checkpoint resumed from"
             )
         earlier = []
+        if auto:
+            notes.append(f"--resume auto: continuing from {ckpt.name}")
     else:
-        ckpt = None
-        earlier = earlier_run(
-            run_dir, overwrite
-        )  # every rank checks (one shared file system), rank 0 deletes
+        # every rank checks (one shared file system), rank 0 deletes; --resume auto without a
+        # checkpoint replaces what an earlier launch that never wrote one left (a run's files only)
+        earlier = earlier_run(run_dir, overwrite or auto)
+        if auto:
+            notes.append(
+                f"--resume auto: no checkpoint in {run_dir} yet, starting the run"
+                + (" (replacing the files of an earlier launch)" if earlier else "")
+            )
     dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
     matmul = {"backend": backend, "why": why} if dev.type == "cpu" else None
-    return Run(command, run_dir, dev, ckpt, earlier, notes, cpu_matmul=matmul)
+    run = Run(
+        command,
+        run_dir,
+        dev,
+        ckpt,
+        earlier,
+        notes,
+        cpu_matmul=matmul,
+        auto=auto,
+        checkpoint_step=step,
+    )
+    if total is not None:
+        run.check_finished(total)
+    return run

@@ -138,6 +138,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
+        run=run,
     )
 
     # 2. The policy, and DPO's reference when it is to be resident: a frozen copy, or the LoRA policy with

@@ -71,6 +71,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         dist_timeout_s=t.dist_timeout_s,
         cpu_matmul=t.cpu_matmul,
         resume_dir=resume_dir,
+        total=t.steps,
     )
     d = cfg.data
     functions, prompts = load_inputs(

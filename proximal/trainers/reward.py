@@ -71,6 +71,7 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
+        run=run,
     )
 
     # 2. The model (a fresh zero head on a causal LM, or an existing classifier; with LoRA, adapters on

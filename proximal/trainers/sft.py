@@ -63,6 +63,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         epochs=t.epochs,
         batch_size=t.batch_size,
         warmup_steps=cfg.optim.warmup_steps,
+        run=run,
     )
 
     # 2. The model (all weights trained, or LoRA adapters), prepared for training (sharded, in its
