@@ -20,6 +20,12 @@ from proximal.core.advantages import (
     uniform_groups,
     whiten,
 )
+from proximal.core.fused import (
+    DEFAULT_CHUNK_ELEMENTS,
+    linear_logprobs,
+    linear_sequence_logprobs,
+    linear_token_kl,
+)
 from proximal.core.grpo import grpo_advantages, grpo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,
@@ -56,6 +62,7 @@ from proximal.core.stats import (
 
 __all__ = [
     "AGGREGATIONS",
+    "DEFAULT_CHUNK_ELEMENTS",
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "GROUP_SCALES",
@@ -74,6 +81,9 @@ __all__ = [
     "grpo_policy_loss",
     "kl_penalty",
     "last_valid_index",
+    "linear_logprobs",
+    "linear_sequence_logprobs",
+    "linear_token_kl",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_aggregate",
