@@ -51,7 +51,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "cli",
         "PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over seeds, measured alike: compare.md",
     ),
-    "memory": ("proximal.memory", "cli", "GPU memory planner for the four PPO models"),
+    "memory": (
+        "proximal.memory.command",
+        "cli",
+        "GPU memory planner: will a run of any method fit, and on how many GPUs?",
+    ),
 }
 
 

@@ -75,7 +75,7 @@ def test_the_check_covers_the_tree():
     names = {p.relative_to(ROOT).as_posix() for p in checked_files()}
     assert {
         "proximal/core/advantages.py",
-        "proximal/memory.py",
+        "proximal/memory/budget.py",
         "tests/test_memory.py",
         "benchmarks/memory_check.py",
         "docs/formulas.md",
