@@ -80,17 +80,29 @@ class _Head:
     def z(self, h: Tensor, ws: _Buffers) -> Tensor:
         """z for a chunk h (n, H) of hidden states in the matmul dtype: (n, V) in the compute dtype,
         in a workspace buffer (computed identically in forward and backward)."""
-        n = h.shape[0]
+        n, wt = h.shape[0], self.w.t()
         raw = ws.chunk("raw", n, self.mdt)
-        if self.b is None:
-            torch.mm(h, self.w.t(), out=raw)
-        else:
-            torch.addmm(self.b, h, self.w.t(), out=raw)
-        z = raw if self.mdt == self.cdt else ws.chunk("z", n, self.cdt).copy_(raw)
-        if self.cap is not None:  # c · tanh(raw / c) / τ
-            z.div_(self.cap).tanh_().mul_(self.cap / self.tau)
-        elif self.tau != 1.0:
-            z.div_(self.tau)
+        if self.mdt != self.cdt:  # bf16 logits, as the logits path has them, then float32
+            if self.b is None:
+                torch.mm(h, wt, out=raw)
+            else:
+                torch.addmm(self.b, h, wt, out=raw)
+            z = ws.chunk("z", n, self.cdt).copy_(raw)
+            if self.cap is not None:
+                z.div_(self.cap)
+            elif self.tau != 1.0:
+                z.div_(self.tau)
+        else:  # the product's α, β scale by 1/c (soft-capping) or 1/τ: one pass over (n, V) fewer
+            a = 1.0 / (self.cap if self.cap is not None else self.tau)
+            if self.b is not None:
+                torch.addmm(self.b, h, wt, beta=a, alpha=a, out=raw)
+            elif a != 1.0:  # β = 0: the buffer's old contents are not read
+                torch.addmm(raw, h, wt, beta=0.0, alpha=a, out=raw)
+            else:
+                torch.mm(h, wt, out=raw)
+            z = raw
+        if self.cap is not None:  # z = c · tanh(raw / c) / τ
+            z.tanh_().mul_(self.cap / self.tau)
         return z
 
 
@@ -120,7 +132,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 if with_entropy:  # S = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
                     logp.clamp_(min=floor)
                     p = torch.exp(logp, out=ws.chunk("p", e - s, cdt))
-                    ent[s:e] = -torch.einsum("nv,nv->n", p, logp)
+                    torch.sum(p.mul_(logp), -1, out=ent[s:e]).neg_()
         ctx.save_for_backward(h, weight, bias, y, ent if entropy_grad else None)
         ctx.temperature, ctx.softcap, ctx.rows = temperature, softcap, rows
         ctx.entropy_grad = entropy_grad
@@ -153,21 +165,18 @@ class _LinearLogprobs(torch.autograd.Function):
                 e, n = min(s + rows, N), min(rows, N - s)
                 hc = h[s:e]
                 z = head.z(hc, ws)
-                go = g_lp[s:e, None].to(cdt)
+                go = g_lp[s:e, None] / tau  # ∂z/∂ℓ = 1/τ, folded into the (n,) factors
                 if g_ent is not None:
                     # −g_S · p ⊙ (log p + S); p = 0 (banned) gives 0, not 0 · (−inf)
                     logp = torch.log_softmax(z, -1, out=ws.chunk("logp", n, cdt)).clamp_(min=floor)
                     g = torch.exp(logp, out=ws.chunk("g", n, cdt))
                     logp.add_(ent[s:e, None]).mul_(g)
-                    g.mul_(-go).addcmul_(logp, g_ent[s:e, None].to(cdt), value=-1.0)
+                    g.mul_(-go).addcmul_(logp, g_ent[s:e, None] / tau, value=-1.0)
                 else:
                     g = torch.softmax(z, -1, out=ws.chunk("g", n, cdt)).mul_(-go)
-                g.scatter_add_(1, y[s:e, None], go)  # + g_lp · onehot(y): ∂L/∂z done
-                if cap is not None:  # ∂ℓ/∂raw = 1 − tanh²(raw / c), and tanh(raw / c) = z τ / c
-                    t = z.mul_(tau / cap)
-                    g.mul_(t.mul_(t).sub_(1.0).mul_(-1.0 / tau))
-                elif tau != 1.0:
-                    g.div_(tau)
+                g.scatter_add_(1, y[s:e, None], go)  # + g_lp · onehot(y): ∂L/∂ℓ done
+                if cap is not None:  # ∂ℓ/∂(raw) = 1 − tanh²(raw / c), and tanh(raw / c) = z τ / c
+                    g.addcmul_(g, z.square_(), value=-((tau / cap) ** 2))
                 # g is ∂L/∂raw (n, V) in the compute dtype; the products run in the matmul dtype
                 if need_b:
                     db.add_(torch.sum(g, 0, out=ws.fixed("db", (V,), cdt)))
