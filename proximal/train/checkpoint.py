@@ -334,8 +334,8 @@ def _save_error(
         free = shutil.disk_usage(_existing(root)).free
         return SaveError(
             f"no space left on device for checkpoint {final} (writing {path}): it needs about "
-            f"{_human(need)} ({need} bytes) and {_human(free)} are free there; the half-written "
-            f"checkpoint was removed; {_kept(previous)}"
+            f"{_amount(need)} and {_amount(free)} are free there; the half-written checkpoint was "
+            f"removed; {_kept(previous)}"
         )
     reason = os_error.strerror or str(os_error)
     return SaveError(f"cannot write checkpoint {final} ({reason}: {path}); {_kept(previous)}")
@@ -371,12 +371,20 @@ def estimate_bytes(trained: dict, exports: dict) -> int:
     optimiser states (global sizes, however they are sharded), plus each export's whole state dict."""
     n = 0
     for module, optimizer in trained.values():
-        n += sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        for entry in optimizer.state.values():
-            n += sum(t.numel() * t.element_size() for t in entry.values() if torch.is_tensor(t))
+        # DCP stores by name: tied weights (an embedding shared with the head) count once per name
+        for _, p in module.named_parameters(remove_duplicate=False):
+            if p.requires_grad:
+                state = optimizer.state.get(p, {})
+                n += _bytes(p) + sum(_bytes(t) for t in state.values() if torch.is_tensor(t))
     for module, _ in exports.values():
-        n += sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        # safetensors stores shared tensors once
+        seen = {t.data_ptr(): _bytes(t) for t in module.state_dict().values()}
+        n += sum(seen.values())
     return n
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _existing(path: Path) -> Path:
@@ -385,12 +393,16 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _human(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} bytes"  # pragma: no cover
+def _amount(n: int) -> str:
+    """``12.3 GiB (13207024435 bytes)``; below a KiB just the bytes."""
+    if n < 1024:
+        return f"{n} bytes"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        x /= 1024
+        if x < 1024 or unit == "TiB":
+            break
+    return f"{x:.1f} {unit} ({n} bytes)"
 
 
 def _rng_state() -> dict:
@@ -531,16 +543,32 @@ def export_final(run_dir: str | Path, module: torch.nn.Module, tokenizer) -> Non
     """The trained model as a plain Hugging Face checkpoint in ``run_dir`` itself (``proximal sft``
     and ``proximal rm`` runs are model directories: point the next stage's ``model.path`` at them).
 
-    Written into ``run_dir/.export.tmp`` first, then each file renamed into place. Every rank calls it.
+    Written into ``run_dir/.export.tmp`` first, then each file renamed into place. Every rank calls it;
+    a file system error on any rank (a full disk) removes the temporary directory and raises
+    :class:`SaveError` on every rank (the last checkpoint's ``<name>/`` holds the same model).
     """
     run_dir = Path(run_dir)
     tmp = run_dir / ".export.tmp"
+
+    def write():
+        export_pretrained(module, tokenizer, tmp, is_main=dist.is_main())
+        if dist.is_main():
+            _fsync_tree(tmp)
+
+    try:
+        _agree(lambda: shutil.rmtree(tmp, ignore_errors=True) if dist.is_main() else None)
+        _agree(write)
+    except BaseException as e:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _os_error(e)
+        if error is None:
+            raise
+        raise SaveError(
+            f"cannot write the trained model into {run_dir} ({error.strerror or error}: "
+            f"{error.filename or tmp}); the last checkpoint under {run_dir / 'checkpoints'} holds it"
+        ) from e
     if dist.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    export_pretrained(module, tokenizer, tmp, is_main=dist.is_main())
-    if dist.is_main():
-        _fsync_tree(tmp)
         for f in sorted(tmp.iterdir()):
             os.replace(f, run_dir / f.name)
         tmp.rmdir()

@@ -5,13 +5,16 @@ from exceptions to exit codes.
 ``--config FILE --resume auto`` (the same line for the first launch and every relaunch). A user's
 mistake (bad config, bad data, a model that cannot load, a damaged checkpoint, a reward function
 that fails) is one line on stderr and exit status 2, with no traceback; a training failure (a
-non-finite loss or score) exit status 1; a bug is a traceback, as it should be.
+non-finite loss or score, a checkpoint the disk had no room for) exit status 1; a run stopped by
+SIGTERM or SIGUSR1 after writing its checkpoint (pre-emption, :mod:`proximal.train.signals`) exit
+status 75, by Ctrl-C 130; a bug is a traceback, as it should be.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +28,8 @@ from proximal.config import ConfigError, help_text, load_config, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
 from proximal.rollout.scoring import RewardFunctionError
-from proximal.train.checkpoint import CheckpointError, SaveError, completed
+from proximal.train import signals
+from proximal.train.checkpoint import DISK_FULL, CheckpointError, SaveError, completed
 from proximal.train.run import AUTO, RunFinished
 
 #: Exceptions that mean the input was wrong: exit status 2.
@@ -43,7 +47,13 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 #: be written): exit status 1.
 TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError)
 
-EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: Exit statuses. EXIT_PREEMPTED: stopped by SIGTERM or SIGUSR1 — after the step in progress and its
+#: checkpoint, or at once on a second signal with the previous checkpoint intact — so a scheduler
+#: requeues the job and the same command line with ``--resume auto`` continues it. 75 is sysexits.h's
+#: EX_TEMPFAIL ("a temporary failure; the user is invited to retry"): distinct from 0 (done), 1
+#: (training failed), 2 (bad input) and 130 (Ctrl-C, 128 + SIGINT), and not 143 (128 + SIGTERM),
+#: which shells and schedulers read as "killed by SIGTERM", a failure.
+EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -62,6 +72,10 @@ def lost_peer(error: BaseException) -> bool:
 def exit_code(error: BaseException) -> int | None:
     """The exit status for an exception a command reports in one line, or None for a bug."""
     if lost_peer(error):
+        return EXIT_TRAINING
+    if isinstance(error, signals.Stopped):
+        return EXIT_INTERRUPTED if error.signum == signal.SIGINT else EXIT_PREEMPTED
+    if isinstance(error, OSError) and error.errno in DISK_FULL:  # a log line, an export
         return EXIT_TRAINING
     if isinstance(error, USER_ERRORS):
         return EXIT_USER
@@ -88,8 +102,13 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
         code = exit_code(e)
         if code is None:
             raise
-        if code == EXIT_INTERRUPTED:
+        if getattr(e, "everywhere", False) and dist.rank() > 0:
+            # every rank met it alike (a stop agreed, a save that failed): rank 0 says it
+            return code, None
+        if isinstance(e, KeyboardInterrupt):
             message = "interrupted"
+        elif isinstance(e, OSError) and e.errno in DISK_FULL:
+            message = f"{e.strerror}: {e.filename}" if e.filename else str(e)
         elif lost_peer(e):
             message = (
                 f"stopped: another process of the job failed or stalled ({str(e).splitlines()[0][:160]}); "
@@ -226,6 +245,8 @@ def config_command(
         code, result = run_reporting(prog, attempt)
     except _ReportedByRankZero as e:
         return e.code
+    finally:
+        signals.restore()  # the run's stop-signal handlers (pre-emption), however it ended
     if isinstance(result, RunFinished):
         if dist.is_main():
             print(f"proximal {prog}: {result}", flush=True)

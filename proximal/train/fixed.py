@@ -208,7 +208,14 @@ def fit(
             row.update(held_out())
         shown = {label: next(row[m] for m in keys if m in row) for label, keys in postfix.items()}
         run.log(step, row, postfix=shown)
-        if due(step, data.total, train.save_every):
+        if step == data.total:
+            # The trained model (safetensors + tokenizer; with LoRA its adapters) next to
+            # config.yaml, before the last checkpoint: a run whose last checkpoint exists has its
+            # model (--resume auto then leaves it alone).
+            export_final(run.dir, model, tokenizer)
+        # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
+        stop = run.stop_requested()
+        if stop or due(step, data.total, train.save_every):
             run.save(
                 step,
                 trained=trained,
@@ -217,9 +224,11 @@ def fit(
                 exports={name: (model, tokenizer)},
                 keep=train.keep_checkpoints,
             )
+        if stop:
+            run.stop(step)
 
-    # The trained model (safetensors + tokenizer; with LoRA its adapters) next to config.yaml.
-    export_final(run.dir, model, tokenizer)
+    if start == data.total:  # --resume of a finished run: its model written again
+        export_final(run.dir, model, tokenizer)
     run.finish()
     return run.dir
 

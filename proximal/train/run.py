@@ -12,8 +12,11 @@ A trainer calls, in order::
     for step in range(start + 1, total + 1):
         ...
         run.log(step, metrics)
-        if due(step, total, save_every):
+        stop = run.stop_requested()          # SIGTERM / SIGUSR1 / SIGINT on any rank (signals.py)
+        if stop or due(step, total, save_every):
             run.save(step, trained=..., stateful=..., counters=..., exports=..., keep=...)
+        if stop:
+            run.stop(step)                   # raises signals.Stopped (not after the last step)
     run.finish()
 
 The fixed-dataset methods (SFT, RM, DPO, SimPO) run this through :func:`proximal.train.fixed.fit`.
@@ -28,7 +31,9 @@ anything is written (before any model loads where the trainer knows its step cou
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +46,7 @@ from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models import kernels
 from proximal.rollout.engine import HFEngine
+from proximal.train import signals
 from proximal.train.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -48,6 +54,7 @@ from proximal.train.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    step_name,
 )
 from proximal.train.host import busy_cpu_note
 from proximal.train.optim import resync_schedule, seed_everything
@@ -131,6 +138,9 @@ class Run:
     #: ``--resume auto``; and the step of the checkpoint resumed from (None: a fresh run).
     auto: bool = False
     checkpoint_step: int | None = None
+    #: The step count :meth:`begin` was given; the stop signal agreed at the last step boundary.
+    total: int | None = None
+    stop_signal: int = 0
     logger: MetricsLogger | None = None
     bar: object = None
     wall0: float = field(default_factory=time.perf_counter)
@@ -188,6 +198,7 @@ class Run:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
         config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
         self.check_finished(total)  # --resume auto of a finished run: nothing is written
+        self.total = total
         if (
             start > total
         ):  # before anything is written: the checkpoint and the logs stay as they are
@@ -195,6 +206,19 @@ class Run:
                 f"--resume {self.dir}: its checkpoint is at step {start}, past the {total} steps "
                 f"this config trains (train.steps, or train.epochs); give --train.steps larger "
                 f"than {start} to continue the run"
+            )
+        if self.stop_requested():  # signalled while loading: nothing trained, nothing to write
+            signals.stopping()
+            where = (
+                f"the run continues from {self.resume_from.name}"
+                if self.resume_from is not None
+                else "nothing was written"
+            )
+            raise signals.Stopped(
+                f"{signals.name(self.stop_signal)} received before the first step: stopped; "
+                f"{where} (relaunch with --resume auto)",
+                self.stop_signal,
+                everywhere=True,
             )
         if start == total and start > 0:
             self.notes.append(
@@ -293,12 +317,46 @@ class Run:
             meta={"command": self.command},
         )
 
+    def stop_requested(self) -> bool:
+        """Whether a stop signal (:mod:`proximal.train.signals`) reached this process or any other
+        since the run opened: one decision for every rank (a max over ranks of the signal number,
+        one small all-reduce per step when there are several), so all checkpoint the same step and
+        none waits alone in a collective. Call it at the same point of every step."""
+        got = signals.received()
+        if self.world_size > 1:
+            got = int(dist.all_reduce_max(torch.tensor([got], device=self.device))[0])
+        self.stop_signal = got
+        return got != 0
+
+    def stop(self, step: int) -> None:
+        """After step ``step``'s checkpoint, when :meth:`stop_requested`: end the run with
+        :class:`~proximal.train.signals.Stopped` (exit status 75 for SIGTERM and SIGUSR1, 130 for
+        SIGINT). After the last step there is nothing to stop: the run finishes as usual."""
+        which = signals.name(self.stop_signal)
+        if step == self.total:
+            if self.is_main:
+                self.say(f"{which} received during the last step: finishing the run")
+            return
+        signals.stopping()
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        raise signals.Stopped(
+            f"{which} received: stopped after step {step} of {self.total}, checkpoint "
+            f"{self.dir / 'checkpoints' / step_name(step)} written; the same command line with "
+            f"--resume auto (or --resume {self.dir}) continues the run",
+            self.stop_signal,
+            everywhere=True,
+        )
+
     def finish(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.logger is not None:
             self.logger.close()
         dist.barrier()
+        signals.restore()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -375,6 +433,36 @@ def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
     return entries
 
 
+def unwritable(run_dir: Path) -> str | None:
+    """Why no file can be created in ``run_dir`` (None: one can): the directory and any missing
+    parents are made, a probe file is written and removed, then what was made is removed again, so
+    a run that stops later on bad input leaves nothing behind. A path that exists and is not a
+    directory is :func:`earlier_run`'s to report."""
+    missing, p = [], run_dir
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if run_dir.exists() and not run_dir.is_dir():
+        return None
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        fd, probe = tempfile.mkstemp(prefix=".proximal-write-test-", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"output.dir = {run_dir}: cannot write there ({e.strerror or e}: {e.filename or run_dir})"
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    return None
+
+
 def open_run(
     command: str,
     *,
@@ -403,6 +491,11 @@ def open_run(
     seed_everything(seed)
     auto = isinstance(resume_dir, str) and resume_dir == AUTO
     run_dir = Path(output_dir if auto or resume_dir is None else resume_dir)
+    # A directory that cannot be written is found now, not at the first checkpoint (rank 0 looks:
+    # the job's processes share the file system a run directory is on).
+    problem = dist.broadcast_object(unwritable(run_dir) if dist.is_main() else None)
+    if problem is not None:
+        raise ConfigError(problem)
     notes: list[str] = []
     if dev.type == "cpu":
         notes.append(f"cpu matmul: {backend} ({why})")
@@ -468,4 +561,7 @@ def open_run(
     )
     if total is not None:
         run.check_finished(total)
+    # From here a stop signal asks the run to stop after the step in progress (signals.py); the
+    # handlers stay until Run.finish (or the command's end, proximal.train.command).
+    signals.install()
     return run

@@ -240,7 +240,9 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.valid,
                 cfg.output.samples_per_step,
             )
-        if due(step, t.steps, t.save_every):
+        # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
+        stop = run.stop_requested()
+        if stop or due(step, t.steps, t.save_every):
             run.save(
                 step,
                 trained=trained,
@@ -249,6 +251,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 exports={"policy": (actor, tokenizer)},
                 keep=t.keep_checkpoints,
             )
+        if stop:
+            run.stop(step)
 
     run.finish()
     return run.dir

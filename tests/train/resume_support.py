@@ -40,9 +40,11 @@ def write_rows(command: str, path: Path, n: int) -> str:
     return str(path)
 
 
-def fixed_argv(command: str, base: Path, data: str, out: Path, *extra: str) -> list[str]:
-    """A tiny run of a fixed-data-set command: batches of 8 rows, two passes (``train.epochs``) by
-    default, a checkpoint every step."""
+def fixed_argv(
+    command: str, base: Path, data: str, out: Path, *extra: str, save_every: int = 1
+) -> list[str]:
+    """A tiny run of a fixed-data-set command: batches of 8 rows, two passes (``train.epochs``), a
+    checkpoint every ``save_every`` steps (0: after the last only)."""
     return [
         command,
         "--model.path",
@@ -66,7 +68,7 @@ def fixed_argv(command: str, base: Path, data: str, out: Path, *extra: str) -> l
         "--train.micro_batch_size",
         "4",
         "--train.save_every",
-        "1",
+        str(save_every),
         "--train.keep_checkpoints",
         "2",
         "--train.device",
