@@ -1,0 +1,144 @@
+"""The denominator of MFU and the per-step bookkeeping (proximal.train.perf): the datasheet table
+looked up by device name, the CPU probe and its record in the run directory, the step's metrics and
+an online step's FLOPs by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from proximal.models.flops import ModelShape, Tokens
+from proximal.train import perf
+
+
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989.5e12),  # SXM
+        ("NVIDIA H100 PCIe", "bfloat16", 756.5e12),
+        ("NVIDIA H100 NVL", "float16", 835.5e12),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5e12),
+        ("NVIDIA H100 80GB HBM3", "float32", 67e12),
+        ("NVIDIA H200", "bfloat16", 989.5e12),
+        ("NVIDIA H200 NVL", "bfloat16", 835.5e12),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+        ("NVIDIA A100 80GB PCIe", "float32", 19.5e12),
+        ("NVIDIA L40S", "bfloat16", 362.05e12),
+        ("NVIDIA A10G", "bfloat16", 125e12),  # an A10G is not taken for an A100
+        ("NVIDIA A10", "tf32", 62.5e12),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", 165.2e12),
+        ("AMD Instinct MI300X", "bfloat16", 1307.4e12),
+    ],
+)
+def test_datasheet_peaks(name, dtype, peak):
+    found, source = perf.gpu_peak(name, dtype)
+    assert found == peak
+    assert source
+
+
+def test_an_unknown_gpu_has_no_table_entry():
+    assert perf.gpu_peak("Tesla T4", "bfloat16") is None
+
+
+def test_the_probe_is_positive_finite_and_short():
+    rate, how = perf.probe(torch.device("cpu"), torch.float32, budget_s=0.4)
+    assert math.isfinite(rate) and rate > 0
+    assert how["products"] and how["threads"] == torch.get_num_threads()
+
+
+def test_a_cpu_peak_is_probed_once_and_recorded_in_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(perf, "_MEASURED", {})
+    calls = []
+    real = perf.probe
+
+    def counting(*a, **kw):
+        calls.append(a)
+        return real(*a, budget_s=0.4)
+
+    monkeypatch.setattr(perf, "probe", counting)
+    record = perf.measure_peak(torch.device("cpu"), "bf16-mixed", tmp_path)
+    written = json.loads((tmp_path / "perf.json").read_text())
+    assert written == record
+    assert record["device"].startswith("cpu: ") and record["dtype"] == "bfloat16"
+    assert record["method"] == "probe" and record["threads"] == torch.get_num_threads()
+    assert record["processes"] == 1
+    assert record["total_peak_flops_per_s"] == record["peak_flops_per_s"] > 0
+    assert calls[0][1] == torch.bfloat16
+    # a resumed run reads its record back; another process of the same run does not probe again
+    assert perf.measure_peak(torch.device("cpu"), "bf16-mixed", tmp_path) == record
+    assert perf.measure_peak(torch.device("cpu"), "bf16-mixed", tmp_path / "other") == record
+    assert len(calls) == 1
+    # another dtype is another measurement, and replaces the record
+    assert perf.measure_peak(torch.device("cpu"), "32-true", tmp_path)["dtype"] == "float32"
+    assert len(calls) == 2
+    assert json.loads((tmp_path / "perf.json").read_text())["dtype"] == "float32"
+
+
+def test_a_gpu_in_the_table_is_looked_up_not_probed(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    monkeypatch.setattr(perf, "probe", lambda *a, **kw: pytest.fail("probed a GPU in the table"))
+    monkeypatch.setattr(perf, "_MEASURED", {})
+    cuda = torch.device("cuda")
+    record = perf.measure_peak(cuda, "bf16-true", tmp_path)
+    assert (record["dtype"], record["method"], record["peak_flops_per_s"]) == (
+        "bfloat16",
+        "datasheet",
+        756.5e12,
+    )
+    assert record["threads"] is None
+    assert "H100 PCIe" in record["source"]
+    # float32 products: the CUDA cores' rate, or the tensor cores' when TF32 is allowed
+    assert perf.measure_peak(cuda, "32-true")["peak_flops_per_s"] == 51e12
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert perf.measure_peak(cuda, "32-true")["dtype"] == "tf32"
+        assert perf.measure_peak(cuda, "32-true")["peak_flops_per_s"] == 378e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_step_metrics():
+    m = perf.step_metrics(flops=6e12, tokens=3000, seconds=2.0, peak=1e13)
+    assert m == {"perf/tokens_per_s": 1500.0, "perf/flops_per_s": 3e12, "perf/mfu": 0.3}
+
+
+def test_online_step_flops_by_hand():
+    """Two rows: prompts of 2 and 3 real tokens, responses of 2 and 1. The actor decodes them, the
+    reference scores them, a reward model that is not held is skipped, and the actor trains on
+    them (given as every process's tokens)."""
+    actor = ModelShape(
+        body=100, head=10, body_trained=100, head_trained=10, layers=1, attention_width=2
+    )
+    ref = ModelShape(body=100, head=10, body_trained=0, head_trained=0, layers=1, attention_width=2)
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    response_mask = torch.tensor([[True, True], [True, False]])
+    trained = Tokens(body=8, squares=16 + 16, head=3)
+    got = perf.online_step_flops(
+        {"actor": actor, "reference": ref, "reward_model": None},
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        policy="actor",
+        forward=("reference", "reward_model"),
+        trained={"actor": trained},
+    )
+    # decode: row 1 — prompt 2 (2·100·2 + 2·10 + 4·1·2·4 = 452), then one token seeing 3 positions
+    # (2·100 + 2·10 + 4·1·2·3 = 244); row 2 — prompt 3 only (2·100·3 + 2·10 + 4·1·2·9 = 692)
+    decode = 452 + 244 + 692
+    # the reference's forward over 4 + 4 tokens, its head on 3: 2·100·8 + 2·10·3 + 4·1·2·(16 + 16)
+    score = 1600 + 60 + 256
+    # the actor's training: 6·100·8 + 6·10·3 + 12·1·2·32
+    train = 4800 + 180 + 768
+    assert got == decode + score + train
+    with pytest.raises(KeyError, match="critic"):
+        perf.online_step_flops(
+            {"actor": actor},
+            prompt_mask=prompt_mask,
+            response_mask=response_mask,
+            policy="actor",
+            forward=("critic",),
+            trained={},
+        )
