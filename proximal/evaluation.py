@@ -22,7 +22,7 @@ from proximal.data.sources import read_rows
 from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
 from proximal.models.reward import load_reward_model, pair_scores
 from proximal.rollout.engine import row_seed
-from proximal.rollout.sampling import response_logits, sample
+from proximal.rollout.sampling import response_kl, sample
 from proximal.rollout.scoring import Scorer, load_reward_function
 from proximal.tasks.digits import gold as digits_gold
 
@@ -97,10 +97,7 @@ def evaluate_policy(
         if reward_model is not None:
             _, comp = scorer(r, texts)
             scored["proxy"] = [float(v) for v in comp["reward_model"]]
-        logp = torch.log_softmax(response_logits(actor, r).float(), -1)
-        logq = torch.log_softmax(response_logits(ref, r).float(), -1)
-        kl_tok = (logp.exp() * (logp - logq)).sum(-1)  # (B, T), exact per state
-        kl = torch.where(r.response_mask, kl_tok, 0.0).sum(1)
+        kl = response_kl(actor, ref, r).sum(1)  # Σ_t of the exact KL per state
         for j, completion in enumerate(completions):
             rows.append(
                 {

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from proximal import dist
-from proximal.core import logprobs_from_logits
 from proximal.models.heads import token_values
-from proximal.rollout.sampling import Rollout, response_logits
+from proximal.rollout.sampling import Rollout, response_logprobs
 
 
 @dataclass
@@ -84,16 +83,15 @@ def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sequence_token_logprobs(
-    model, rollout: Rollout, temperature: float, micro_batch_size: int
+    model, rollout: Rollout, temperature: float, micro_batch_size: int, path: str = "fused"
 ) -> torch.Tensor:
-    """log π(y_t | s_t) of the sampled tokens under ``model``, (B, T), 0 after the stop; micro-batched."""
+    """log π(y_t | s_t) of the sampled tokens under ``model``, (B, T), 0 after the stop; micro-batched.
+    ``path``: ``train.logprobs`` (:func:`proximal.rollout.sampling.response_logprobs`)."""
     T = rollout.response_ids.shape[1]
     out = []
     for idx in _micro_batches(len(rollout), micro_batch_size):
         r = rollout.select(idx)
-        lp = logprobs_from_logits(
-            response_logits(model, r), r.response_ids, temperature, mask=r.response_mask
-        )
+        lp = response_logprobs(model, r, temperature, path=path).logprobs
         out.append(_pad_to(lp, T))
     return torch.cat(out)
 
@@ -116,6 +114,7 @@ def compute_experience(
     temperature: float = 1.0,
     micro_batch_size: int = 8,
     old_logprobs: bool = True,
+    logprobs_path: str = "fused",
 ) -> Experience:
     """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
     or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients.
@@ -123,16 +122,21 @@ def compute_experience(
     ``old_logprobs=False`` skips the π_old pass (``logprobs`` is None): right when the batch gets exactly
     one optimiser step, for then π_old *is* the policy in the update's forward pass, whose own
     log-probabilities, detached, serve as log π_old — ρ = 1 and ∇ρ = ∇log π, the same gradient, one
-    forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation)."""
+    forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation).
+
+    ``logprobs_path``: ``train.logprobs``, how both log-probabilities are computed (from the hidden
+    states, or through the logits: :func:`proximal.models.output.token_logprobs`)."""
     logprobs = (
-        sequence_token_logprobs(actor, rollout, temperature, micro_batch_size)
+        sequence_token_logprobs(actor, rollout, temperature, micro_batch_size, logprobs_path)
         if old_logprobs
         else None
     )
     ref = None
     if reference is not None:
         with reference.active() as ref_model:
-            ref = sequence_token_logprobs(ref_model, rollout, temperature, micro_batch_size)
+            ref = sequence_token_logprobs(
+                ref_model, rollout, temperature, micro_batch_size, logprobs_path
+            )
     values = None
     if critic is not None:
         T = rollout.response_ids.shape[1]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from proximal.models.heads import lm_logits
+from proximal.models.output import TokenScores, models_token_kl, token_logprobs
 from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 
 
@@ -161,3 +162,51 @@ def response_logits(
     else:
         input_ids = rollout_or_ids
     return lm_logits(model, input_ids, attention_mask, prompt_len - 1, input_ids.shape[1] - 1)
+
+
+def response_logprobs(
+    model,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    *,
+    mask: torch.Tensor | None = None,
+    entropy: str | None = None,
+    path: str = "fused",
+) -> TokenScores:
+    """log π(y_t | s_t) of each response token under ``model`` (and, with ``entropy``, the entropy of
+    π(·|s_t)), (B, T), 0 where ``mask`` (default: the response mask) is False: from positions
+    P-1 … P+T-2, as :func:`response_logits`, through
+    :func:`proximal.models.output.token_logprobs` — the fused path unless ``path`` is "logits" or
+    the model needs the logits."""
+    P = rollout.prompt_ids.shape[1]
+    input_ids = rollout.input_ids
+    return token_logprobs(
+        model,
+        input_ids,
+        rollout.attention_mask,
+        P - 1,
+        input_ids.shape[1] - 1,
+        rollout.response_ids,
+        mask=rollout.response_mask if mask is None else mask,
+        temperature=temperature,
+        entropy=entropy,
+        path=path,
+    )
+
+
+def response_kl(model, ref_model, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    """The exact KL(π(·|s_t) ‖ π_ref(·|s_t)) over the whole vocabulary at each response position,
+    (B, T), 0 after the stop: from both models' hidden states (no (B, T, V) tensor) where their heads
+    allow it (:func:`proximal.models.output.models_token_kl`). No gradient."""
+    P = rollout.prompt_ids.shape[1]
+    input_ids = rollout.input_ids
+    return models_token_kl(
+        model,
+        ref_model,
+        input_ids,
+        rollout.attention_mask,
+        P - 1,
+        input_ids.shape[1] - 1,
+        mask=rollout.response_mask,
+        temperature=temperature,
+    )

@@ -19,6 +19,10 @@ from proximal.data.sources import columns_problems, source_problem
 from proximal.logging import missing_extras
 from proximal.models.kernels import CHOICES as CPU_MATMUL
 
+#: ``train.logprobs`` (proximal.models.output.LOGPROBS_PATHS; spelled here so that reading a config
+#: does not import transformers).
+LOGPROBS = ("fused", "logits")
+
 #: ``train.precision``, in PyTorch Lightning's names.
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 #: ``optim.schedule``: the learning-rate shape after warm-up (``transformers.get_scheduler``).
@@ -179,6 +183,16 @@ class TrainSection:
         "pass instead of keeping them (less memory, about a third more "
         "compute), for the models being trained.",
     )
+    logprobs: str = option(
+        "fused",
+        "How log-probabilities, entropies and token KLs are computed (every loss and scoring "
+        "pass): 'fused' from the hidden states and the output layer's weight a chunk of tokens at "
+        "a time, recomputed in backward, so no (batch x length x vocabulary) logits tensor or its "
+        "gradient is ever held; 'logits' through the model's full logits. The same values up to "
+        "float32 round-off. A model whose output layer the fused path cannot read (docs/logprobs.md "
+        "lists the cases) falls back to 'logits', and the run says why in one line. Unused by rm.",
+        choices=LOGPROBS,
+    )
     cpu_matmul: str = option(
         "auto",
         "How float32 matrix products run on a CPU: 'onednn' through oneDNN, 'blas' through "
@@ -203,6 +217,8 @@ class TrainSection:
         e = []
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             e.append(f"{name}.device = {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.logprobs not in LOGPROBS:
+            e.append(f"{name}.logprobs = {self.logprobs!r} is not one of {', '.join(LOGPROBS)}")
         if self.cpu_matmul not in CPU_MATMUL:
             e.append(
                 f"{name}.cpu_matmul = {self.cpu_matmul!r} is not one of {', '.join(CPU_MATMUL)}"
