@@ -1,9 +1,11 @@
-"""proximal against TRL on identical work, alternately in one invocation (issue 12).
+"""proximal against TRL on identical work, alternately in one invocation (issues 12 and 22).
 
-    python benchmarks/compare_trl.py                          # every work, 3 rounds, 10 steps a run
+    python benchmarks/compare_trl.py                          # every work, 3 rounds, each work's steps
     python benchmarks/compare_trl.py --works tiny,wide --rounds 5
     python benchmarks/compare_trl.py --more-rounds tiny=7,tiny-bf16=7,grpo=7   # the short works more often
+    python benchmarks/compare_trl.py --works ppo-vocab,grpo-vocab   # issue 22: V = 151,936 (Qwen2)
     python benchmarks/compare_trl.py --smoke --works mini     # CI: 1 step, proximal only, no anchor install
+    python benchmarks/compare_trl.py --smoke --with-trl --works ppo-vocab,grpo-vocab   # both sides, 1 step
 
 Run it with proximal's Python (``.venv/bin/python``); it imports this tree's ``proximal``. In order it
 (1) writes the benchmark models and prompts under ``--workdir`` (once; reused while their recipe is
@@ -32,7 +34,7 @@ sys.path.insert(0, str(BENCH.parent))  # this tree's proximal, whatever the venv
 
 from harness import anchors, report  # noqa: E402
 from harness.measure import BUSY_NOTE, machine  # noqa: E402
-from harness.proximal_side import has_command  # noqa: E402
+from harness.proximal_side import has_command, has_train_field  # noqa: E402
 from harness.sides import run_proximal, run_trl  # noqa: E402
 from harness.works import DEFAULT_WORKS, WORKS, with_precision, write_models, write_prompts  # noqa: E402
 
@@ -86,6 +88,27 @@ NOTES = """
   (benchmarks/grpo_reward.py).
 - Data order: both sides shuffle the same prompt set with their own generators, so a step sees other
   prompts on each side; with every prompt P tokens and every response R, the arithmetic is the same.
+
+## The real-vocabulary works (issue 22: ppo-vocab, grpo-vocab)
+
+- **Model**: Qwen2 (`Qwen2ForCausalLM` / `Qwen2ForSequenceClassification`, transformers' own classes on
+  both sides) with Qwen2's vocabulary size, V = 151,936, on a small body — hidden 128, 2 layers, 4 query
+  heads over 2 key/value heads, intermediate 512, tied embeddings as in Qwen2-0.5B — so the
+  vocabulary-sized work (the head's products, log-softmax, their gradients) is most of a step.
+- **Tokenizer**: built locally, nothing downloaded: the 4 specials, one id per prompt character, then
+  `<tN>` entries up to 151,936, all in one byte-level BPE table with no merges (transformers loads it as
+  `Qwen2Tokenizer` on both sides); prompts round-trip to the same ids as on the small works.
+- **Batch**: as the wide work: 32 prompts of 32 tokens, responses of exactly 64 (PPO: 32 sequences a
+  step; GRPO: 8 prompts × 4 completions). Every other setting as on the PPO and GRPO works above.
+- **Steps**: 5 a run (the median of steps 2–5), since TRL's steps take tens of seconds here.
+- **What each side computes log-probabilities with**: proximal the path its config chooses
+  (`train.logprobs`: `fused`, the default since issue 22, computes them from the hidden states chunk by
+  chunk and never holds a (B, T, V) tensor; `logits` is the path before it); every run's record says
+  which (`logprobs` in results.json). TRL 1.12's PPOTrainer takes the logits of every position of
+  prompt + response in its epochs and keeps the generation's logits for π_old; TRL 1.16's GRPOTrainer
+  takes the logits of the completion positions (`logits_to_keep`) and a row-by-row log-softmax.
+- **Targets** (ratios proximal / TRL in one invocation): peak RSS ≤ 0.3 (PPO) and ≤ 0.4 (GRPO), step
+  time ≤ 0.35 (PPO) and ≤ 0.5 (GRPO).
 """
 
 
@@ -137,7 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "every work that has a k-th round",
     )
     ap.add_argument(
-        "--steps", type=int, default=10, help="training steps a run (default 10: medians of 2–10)"
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps a run (default: each work's own, 10 — medians of steps 2–10 — and 5 for "
+        "the vocab works, whose TRL steps take tens of seconds)",
     )
     ap.add_argument(
         "--threads",
@@ -148,7 +175,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="CI mode: 1 step, 1 round, proximal only, no anchor install; not a measurement",
+        help="CI mode: 1 step (or --steps), 1 round, proximal only, no anchor install; not a "
+        "measurement",
+    )
+    ap.add_argument(
+        "--with-trl",
+        action="store_true",
+        help="with --smoke: run the anchors too (installing them if needed), to see both sides run "
+        "end to end",
+    )
+    ap.add_argument(
+        "--logprobs",
+        choices=("fused", "logits"),
+        default=None,
+        help="proximal's train.logprobs in every run (default: proximal's own default; the field "
+        "exists from issue 22 on)",
     )
     ap.add_argument(
         "--bf16-precision",
@@ -181,10 +222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [w for w in a.works if w not in WORKS]
     if unknown:
         ap.error(f"unknown work(s) {', '.join(unknown)}; choose from {', '.join(WORKS)}")
+    if a.with_trl and not a.smoke:
+        ap.error("--with-trl goes with --smoke (a measurement always runs both sides)")
     if a.smoke:
-        a.steps, a.rounds, a.more_rounds = 1, 1, ""
-    if a.rounds < 1 or a.steps < 1 or a.threads < 1:
+        a.steps, a.rounds, a.more_rounds = a.steps or 1, 1, ""
+    if a.rounds < 1 or (a.steps is not None and a.steps < 1) or a.threads < 1:
         ap.error("--rounds, --steps and --threads must be ≥ 1")
+    a.steps_of = {w: a.steps or WORKS[w].steps for w in a.works}
     a.rounds_of = {w: a.rounds for w in a.works}
     for item in filter(None, (x.strip() for x in a.more_rounds.split(","))):
         name, _, n = item.partition("=")
@@ -217,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[warn] --rounds {a.rounds}: issue 12 asks for at least 3 alternations")
 
     works = [with_precision(WORKS[w], a.bf16_precision) for w in a.works]
+    if a.logprobs and not has_train_field("logprobs"):
+        log(
+            f"[error] --logprobs {a.logprobs}: this tree's proximal has no train.logprobs field "
+            "(issue 22's fused path has not landed)"
+        )
+        return 2
     skipped: dict[str, str] = {}
     if any(w.method == "grpo" for w in works) and not has_command("grpo"):
         for w in works:
@@ -240,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. The anchors' environments.
     pythons, anchor_versions = {}, {}
-    if not a.smoke:
+    if not a.smoke or a.with_trl:
         for name in sorted({"trl-ppo" if w.method == "ppo" else "trl-grpo" for w in works}):
             pythons[name] = anchors.ensure(anchors.ANCHORS[name], log=log)
             anchor_versions[name] = anchors.versions(pythons[name])
@@ -250,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {w.name: w for w in works}
     for k, name in schedule([w.name for w in works], a.rounds_of):
         w = by_name[name]
-        sides = ["proximal"] if a.smoke else ["proximal", "trl"]
+        sides = ["proximal"] if a.smoke and not a.with_trl else ["proximal", "trl"]
         for side in sides:
             scratch = a.workdir / "runs" / f"{w.name}-r{k}-{side}"
             scratch.mkdir(parents=True, exist_ok=True)
@@ -258,11 +308,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_proximal(
                     w,
                     assets[w.name],
-                    steps=a.steps,
+                    steps=a.steps_of[w.name],
                     threads=a.threads,
                     scratch=scratch,
                     timeout_s=a.timeout,
                     keep_run=a.keep_runs,
+                    logprobs=a.logprobs,
                 )
             else:
                 py = pythons["trl-ppo" if w.method == "ppo" else "trl-grpo"]
@@ -270,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     w,
                     assets[w.name],
                     py,
-                    steps=a.steps,
+                    steps=a.steps_of[w.name],
                     threads=a.threads,
                     scratch=scratch,
                     timeout_s=a.timeout,
@@ -288,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                 if r.get("error")
                 else (
                     f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB"
+                    + (
+                        f", MFU {100 * r['median_mfu']:.2g} %"
+                        if r.get("median_mfu") is not None
+                        else ""
+                    )
                 )
             )
-            log(f"[run] round {k} {w.name:10s} {side:8s} {status}{warn}")
+            path = f" [logprobs: {r['logprobs']}]" if r.get("logprobs") else ""
+            log(f"[run] round {k} {w.name:10s} {side:8s} {status}{path}{warn}")
 
     # 4. Report.
     summary = report.summarize(runs, [w.name for w in works])
@@ -304,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": a.rounds,
             "rounds_of": a.rounds_of,
             "steps": a.steps,
+            "steps_of": a.steps_of,
             "threads": a.threads,
             "smoke": a.smoke,
+            "with_trl": a.with_trl,
+            "logprobs": a.logprobs,
             "bf16_precision": a.bf16_precision,
             "machine": machine(),
             "proximal": _versions_here(),
@@ -321,7 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     for w, s in summary.items():
         log(
             f"  {w:10s} step ratio {_s(s['ratio_median_step_s'])}  process ratio {_s(s['ratio_wall_s'])}  "
-            f"RSS ratio {_s(s['ratio_peak_rss_mib'])}   (proximal {_s(s['proximal_median_step_s'])} s/step, "
+            f"RSS ratio {_s(s['ratio_peak_rss_mib'])}   (proximal {_s(s['proximal_median_step_s'])} s/step"
+            + (
+                f" at MFU {100 * s['proximal_median_mfu']:.2g} %"
+                if s.get("proximal_median_mfu")
+                else ""
+            )
+            + ", "
             f"TRL {_s(s['anchor_median_step_s'])} s/step)"
         )
     failed = sum(s["failed_runs"] for s in summary.values())

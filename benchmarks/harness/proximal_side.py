@@ -23,67 +23,118 @@ ROOT = Path(__file__).resolve().parents[2]
 GRPO_REWARD = "grpo_reward:distinct_chars"
 
 
-def ppo_config(work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path) -> dict:
+def ppo_config(
+    work: Work,
+    *,
+    model: dict,
+    prompts: dict,
+    steps: int,
+    out_dir: Path,
+    logprobs: str | None = None,
+) -> dict:
+    """``proximal ppo``; ``logprobs`` sets ``train.logprobs`` (fused | logits; None: the default)."""
     B = work.batch
-    return {
-        "model": {
-            "path": model["policy"],
-            "reward_model": model["reward"],
-            "critic": "reward_model",
+    return with_logprobs(
+        {
+            "model": {
+                "path": model["policy"],
+                "reward_model": model["reward"],
+                "critic": "reward_model",
+            },
+            "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
+            "rollout": {
+                "batch_size": B,
+                "max_new_tokens": work.response_len,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+            },
+            "ppo": {"epochs": 4, "mini_batch_size": B, "micro_batch_size": B},
+            "optim": {"lr": 1.0e-5, "critic_lr": 1.0e-5},
+            "train": {
+                "steps": steps,
+                "save_every": 0,
+                "seed": 0,
+                "device": "cpu",
+                "precision": work.precision,
+            },
+            "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
         },
-        "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
-        "rollout": {
-            "batch_size": B,
-            "max_new_tokens": work.response_len,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": 0,
-        },
-        "ppo": {"epochs": 4, "mini_batch_size": B, "micro_batch_size": B},
-        "optim": {"lr": 1.0e-5, "critic_lr": 1.0e-5},
-        "train": {
-            "steps": steps,
-            "save_every": 0,
-            "seed": 0,
-            "device": "cpu",
-            "precision": work.precision,
-        },
-        "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
-    }
+        logprobs,
+    )
 
 
 def grpo_config(
-    work: Work, *, model: dict, prompts: dict, steps: int, out_dir: Path, beta: float, loss: str
+    work: Work,
+    *,
+    model: dict,
+    prompts: dict,
+    steps: int,
+    out_dir: Path,
+    beta: float,
+    loss: str,
+    logprobs: str | None = None,
 ) -> dict:
     """``proximal grpo``: rollout.batch_size prompts a step, rollout.group_size completions each, one
     pass (grpo.iterations), grpo.loss in grpo|dr_grpo|dapo, β = grpo.beta; the whole batch in one
     micro-batch, as TRL's per_device_train_batch_size = the batch does."""
-    return {
-        "model": {"path": model["policy"], "reward_functions": [GRPO_REWARD]},
-        "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
-        "rollout": {
-            "batch_size": work.batch // work.group_size,
-            "group_size": work.group_size,
-            "max_new_tokens": work.response_len,
-            "temperature": 1.0,
+    return with_logprobs(
+        {
+            "model": {"path": model["policy"], "reward_functions": [GRPO_REWARD]},
+            "data": {"prompts": prompts["jsonl"], "max_prompt_length": work.prompt_len},
+            "rollout": {
+                "batch_size": work.batch // work.group_size,
+                "group_size": work.group_size,
+                "max_new_tokens": work.response_len,
+                "temperature": 1.0,
+            },
+            "grpo": {
+                "iterations": 1,
+                "loss": loss,
+                "beta": beta,
+                "clip_eps": 0.2,
+                "micro_batch_size": work.batch,
+            },
+            "optim": {"lr": 1.0e-5},
+            "train": {
+                "steps": steps,
+                "save_every": 0,
+                "seed": 0,
+                "device": "cpu",
+                "precision": work.precision,
+            },
+            "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
         },
-        "grpo": {
-            "iterations": 1,
-            "loss": loss,
-            "beta": beta,
-            "clip_eps": 0.2,
-            "micro_batch_size": work.batch,
-        },
-        "optim": {"lr": 1.0e-5},
-        "train": {
-            "steps": steps,
-            "save_every": 0,
-            "seed": 0,
-            "device": "cpu",
-            "precision": work.precision,
-        },
-        "output": {"dir": str(out_dir), "progress": False, "overwrite": True},
-    }
+        logprobs,
+    )
+
+
+def with_logprobs(cfg: dict, logprobs: str | None) -> dict:
+    """``cfg`` with ``train.logprobs`` set (issue 22: ``fused`` computes log-probabilities from hidden
+    states, ``logits`` through the (B, T, V) logits), or as it is for None (proximal's default)."""
+    if logprobs is not None:
+        cfg["train"]["logprobs"] = logprobs
+    return cfg
+
+
+def has_train_field(name: str) -> bool:
+    """Whether this tree's proximal has ``train.<name>`` (``logprobs`` arrives with issue 22)."""
+    code = (
+        "import sys, dataclasses; from proximal.train.sections import TrainSection; "
+        f"sys.exit(0 if {name!r} in {{f.name for f in dataclasses.fields(TrainSection)}} else 1)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env).returncode == 0
+
+
+def logprobs_used(run_dir: Path) -> str | None:
+    """``train.logprobs`` as the run saved it in ``config.yaml`` (every field, defaults included), or
+    None where this proximal has no such field."""
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except OSError:
+        return None
+    return (cfg.get("train") or {}).get("logprobs")
 
 
 def has_command(name: str) -> bool:
@@ -113,6 +164,7 @@ def read_steps(run_dir: Path) -> dict:
     1's from the loop's start): the whole loop, logging and sample writing included — the same span as
     TRL's ``on_step_end`` to ``on_step_end``. ``step_s`` is proximal's own ``time/step_s`` (step start
     to metrics, no logging). The last checkpoint is written after step N's log line, so neither holds it.
+    ``mfu`` is each step's ``perf/mfu`` (model FLOPs over the machine's peak; docs/performance.md).
     """
     rows = [
         json.loads(line)
@@ -126,6 +178,7 @@ def read_steps(run_dir: Path) -> dict:
     eos = [float(r.get("response/eos_frac", float("nan"))) for r in rows]
     return {
         "step_s": [float(r["time/step_s"]) for r in rows],
+        "mfu": [float(r["perf/mfu"]) if r.get("perf/mfu") is not None else None for r in rows],
         "period_s": period,
         "wall_s": wall,
         "response_length_mean": lengths,

@@ -6,8 +6,19 @@ import json
 import statistics
 from pathlib import Path
 
-#: Issue 12's targets for the step-time ratio proximal / TRL (peak RSS ratio ≤ 1.0 on each).
-TARGETS = {"tiny": 0.5, "wide": 0.6, "tiny-bf16": 0.35, "wide-bf16": 0.3, "grpo": 0.5}
+#: Targets for the step-time ratio proximal / TRL: issue 12's works, and issue 22's at V = 151,936.
+TARGETS = {
+    "tiny": 0.5,
+    "wide": 0.6,
+    "tiny-bf16": 0.35,
+    "wide-bf16": 0.3,
+    "grpo": 0.5,
+    "ppo-vocab": 0.35,
+    "grpo-vocab": 0.5,
+}
+#: Targets for the peak-RSS ratio proximal / TRL: 1.0 on issue 12's works, issue 22's below.
+RSS_TARGETS = {"ppo-vocab": 0.3, "grpo-vocab": 0.4}
+RSS_TARGET_DEFAULT = 1.0
 METRICS = (("median_step_s", "s/step"), ("wall_s", "process s"), ("peak_rss_mib", "peak RSS MiB"))
 BUSY_WARN = 0.25  # busy CPUs of other processes before a run above which its numbers are suspect
 
@@ -47,6 +58,8 @@ def summarize(runs: list[dict], works: list[str]) -> dict:
             ]
             s[f"ratio_{key}"] = statistics.median(ratios) if ratios else None
             s[f"ratio_{key}_all"] = ratios
+        mfu = [p["median_mfu"] for p, _ in pairs if _ok(p) and p.get("median_mfu") is not None]
+        s["proximal_median_mfu"] = statistics.median(mfu) if mfu else None
         s["failed_runs"] = sum(1 for pair in pairs for r in pair if r is not None and not _ok(r))
         busy = [r.get("cpu_busy_before", 0.0) for pair in pairs for r in pair if r is not None]
         s["max_cpu_busy_before"] = max(busy) if busy else None
@@ -60,6 +73,31 @@ def _f(x, nd=3) -> str:
     if isinstance(x, float):
         return f"{x:.{nd}g}" if abs(x) < 1000 else f"{x:.0f}"
     return str(x)
+
+
+def _steps(meta: dict) -> str:
+    """ "10 steps a run", or "10 steps a run (ppo-vocab, grpo-vocab: 5)" where works differ."""
+    steps_of = meta.get("steps_of") or {}
+    counts = sorted(set(steps_of.values()))
+    if meta.get("steps") or len(counts) <= 1:
+        n = meta.get("steps") or (counts[0] if counts else "?")
+        return f"{n} steps a run"
+    common = max(counts, key=lambda n: sum(1 for v in steps_of.values() if v == n))
+    extra = "; ".join(
+        f"{', '.join(w for w, v in steps_of.items() if v == n)}: {n}" for n in counts if n != common
+    )
+    return f"{common} steps a run ({extra})"
+
+
+def _with_mfu(step_s, mfu) -> str:
+    """A step time, with proximal's MFU beside it when there is one: "1.23 (MFU 0.41 %)"."""
+    return _f(step_s) + (
+        f" (MFU {100 * mfu:.2g} %)" if mfu is not None and step_s is not None else ""
+    )
+
+
+def _met(ratio, target) -> str:
+    return "—" if ratio is None or target is None else ("yes" if ratio <= target else "no")
 
 
 def _rounds(meta: dict) -> str:
@@ -81,7 +119,7 @@ def write(results_md: Path, data: dict, notes: str) -> None:
     lines = [
         "# proximal against TRL, head to head",
         "",
-        f"Measured {meta['date']} with `{meta['command']}` ({_rounds(meta)}, {meta['steps']} steps a run, "
+        f"Measured {meta['date']} with `{meta['command']}` ({_rounds(meta)}, {_steps(meta)}, "
         f"{meta['threads']} torch threads a process; every run a fresh process; proximal and the anchor alternate "
         "A B A B within each work).",
         "",
@@ -114,22 +152,26 @@ def write(results_md: Path, data: dict, notes: str) -> None:
         "",
         "Each side's median over the rounds; a ratio is proximal / TRL, the median of the per-round ratios "
         "(each round's two runs are back to back). s/step = median step time of steps 2–N; process s = the "
-        "whole process, spawn to exit; peak RSS = the process's peak resident set.",
+        "whole process, spawn to exit; peak RSS = the process's peak resident set. Beside proximal's "
+        "s/step, its MFU: the median of steps 2–N of `perf/mfu`, model FLOPs per second over the "
+        "machine's peak (docs/performance.md).",
         "",
         "| work | rounds | s/step proximal | s/step TRL | ratio | per-round ratios | target | met | "
-        "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio "
+        "| RSS target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, s in summary.items():
         ratio = s["ratio_median_step_s"]
-        met = "—" if w not in TARGETS or ratio is None else ("yes" if ratio <= TARGETS[w] else "no")
+        met = _met(ratio, TARGETS.get(w))
+        rss_target = RSS_TARGETS.get(w, RSS_TARGET_DEFAULT)
         lines.append(
             "| "
             + " | ".join(
                 [
                     w,
                     str(s["rounds"]),
-                    _f(s["proximal_median_step_s"]),
+                    _with_mfu(s["proximal_median_step_s"], s.get("proximal_median_mfu")),
                     _f(s["anchor_median_step_s"]),
                     _f(ratio, 3),
                     " ".join(f"{x:.3f}" for x in s["ratio_median_step_s_all"]) or "—",
@@ -141,19 +183,21 @@ def write(results_md: Path, data: dict, notes: str) -> None:
                     _f(s["proximal_peak_rss_mib"], 4),
                     _f(s["anchor_peak_rss_mib"], 4),
                     _f(s["ratio_peak_rss_mib"], 2),
+                    f"≤ {rss_target}",
+                    _met(s["ratio_peak_rss_mib"], rss_target),
                 ]
             )
             + " |"
         )
     for w, why in meta.get("skipped", {}).items():
-        lines.append(f"| {w} | skipped: {why} |" + " |" * 12)
+        lines.append(f"| {w} | skipped: {why} |" + " |" * 14)
     lines += [
         "",
         "## Every run",
         "",
         "| work | round | side | s/step (2–N) | process s | peak RSS MiB | busy CPUs before | load avg before | "
-        "note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "log-probs | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         note = r.get("error", "")[:160].replace("|", "/")
@@ -164,11 +208,12 @@ def write(results_md: Path, data: dict, notes: str) -> None:
                     r["work"],
                     str(r["round"]),
                     r["side"],
-                    _f(r.get("median_step_s")),
+                    _with_mfu(r.get("median_step_s"), r.get("median_mfu")),
                     _f(r.get("wall_s")),
                     _f(r.get("peak_rss_mib"), 4),
                     _f(r.get("cpu_busy_before"), 2),
                     " ".join(f"{x:.2f}" for x in r.get("loadavg_before", [])),
+                    r.get("logprobs") or ("—" if r["side"] == "proximal" else "logits"),
                     note,
                 ]
             )

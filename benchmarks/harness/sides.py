@@ -69,12 +69,20 @@ def run_proximal(
     scratch: Path,
     timeout_s: float,
     keep_run: bool = False,
+    logprobs: str | None = None,
 ) -> dict:
+    """``proximal <method>`` on ``work``; ``logprobs`` sets ``train.logprobs`` (None: the default).
+    The record holds the path the run used, as its saved config says (``logprobs``)."""
     method = work.method
     run_dir = scratch / "run"
     if method == "ppo":
         cfg = proximal_side.ppo_config(
-            work, model=assets["model"], prompts=assets["prompts"], steps=steps, out_dir=run_dir
+            work,
+            model=assets["model"],
+            prompts=assets["prompts"],
+            steps=steps,
+            out_dir=run_dir,
+            logprobs=logprobs,
         )
     else:
         cfg = proximal_side.grpo_config(
@@ -85,6 +93,7 @@ def run_proximal(
             out_dir=run_dir,
             beta=GRPO_BETA,
             loss=GRPO_LOSS,
+            logprobs=logprobs,
         )
     path = proximal_side.write_config(cfg, scratch / "config.yaml")
     before = _before()
@@ -95,7 +104,12 @@ def run_proximal(
         timeout_s=timeout_s,
         cwd=str(ROOT),
     )
-    extra = {**before, "log": str(scratch / "log.txt"), "threads": threads}
+    extra = {
+        **before,
+        "log": str(scratch / "log.txt"),
+        "threads": threads,
+        "logprobs": proximal_side.logprobs_used(run_dir),
+    }
     periods: list[float] = []
     if (run_dir / "metrics.jsonl").is_file():
         steps_ = proximal_side.read_steps(run_dir)
@@ -104,6 +118,8 @@ def run_proximal(
         extra.update(
             step_s=steps_["step_s"],
             median_own_step_s=median_from_step2(steps_["step_s"]),
+            mfu=steps_["mfu"],
+            median_mfu=median_from_step2([x for x in steps_["mfu"] if x is not None]),
             response_length_mean=steps_["response_length_mean"],
             eos_frac=steps_["eos_frac"],
         )

@@ -1,8 +1,9 @@
-"""The benchmark works (issue 12) and the models and prompts they run on, written to disk here.
+"""The benchmark works (issues 12 and 22) and the models and prompts they run on, written to disk here.
 
-Every work names a Llama shape, a prompt length P, a batch B and a response length R. Both sides
-read the same two checkpoints: one causal LM (policy and reference) and one one-label
-``AutoModelForSequenceClassification`` (reward model and critic / value model).
+Every work names a model shape (Llama, or Qwen2 for the real-vocabulary works), a prompt length P, a
+batch B and a response length R. Both sides read the same two checkpoints: one causal LM (policy and
+reference) and one one-label ``AutoModelForSequenceClassification`` (reward model and critic / value
+model).
 
 **Exactly R tokens per response, on both sides.** proximal always stops a row at the tokenizer's EOS
 (``proximal/rollout/sampling.py``: ``eos = [tokenizer.eos_token_id] + stop_token_ids``) and has no
@@ -31,7 +32,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Work:
-    """One benchmark work: a Llama shape, the batch and the lengths."""
+    """One benchmark work: a model shape, the batch and the lengths."""
 
     name: str
     vocab: int
@@ -47,6 +48,9 @@ class Work:
     method: str = "ppo"  # ppo | grpo
     group_size: int = 1  # GRPO: completions per prompt
     seed: int = 0
+    arch: str = "llama"  # llama | qwen2 (a transformers model type with Llama's block layout)
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None = heads
+    steps: int = 10  # training steps a run when compare_trl.py's --steps is not given
 
     @property
     def bf16(self) -> bool:
@@ -54,9 +58,10 @@ class Work:
 
     def model_key(self) -> str:
         """The fields that decide the checkpoints: works that share them share the files."""
+        kv = f"-kv{self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
         return (
-            f"llama-v{self.vocab}-h{self.hidden}-l{self.layers}-a{self.heads}-i{self.intermediate}"
-            f"-{'tied' if self.tied else 'untied'}-s{self.seed}"
+            f"{self.arch}-v{self.vocab}-h{self.hidden}-l{self.layers}-a{self.heads}{kv}"
+            f"-i{self.intermediate}-{'tied' if self.tied else 'untied'}-s{self.seed}"
         )
 
 
@@ -102,16 +107,45 @@ MINI = Work(
     response_len=8,
 )
 
+# Issue 22: a real vocabulary. Qwen2's 151,936 ids (Qwen2/2.5 at every size) on a small Qwen2 body —
+# hidden 128, 2 layers, 4 query heads over 2 key/value heads, tied embeddings as Qwen2-0.5B's — so the
+# vocabulary-sized tensors (the head's products, the logits and their gradients) are what a step is
+# about, on 2 cores in seconds. The shape of the wide work's batch: 32 prompts of 32 tokens, responses
+# of 64. A step takes tens of seconds on TRL's side, so a run is 5 steps (the median of steps 2-5).
+QWEN_VOCAB = 151_936
+PPO_VOCAB = Work(
+    "ppo-vocab",
+    vocab=QWEN_VOCAB,
+    hidden=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=512,
+    tied=True,
+    prompt_len=32,
+    batch=32,
+    response_len=64,
+    arch="qwen2",
+    steps=5,
+)
+# GRPO on the same model and the same sequences a step: 8 prompts x 4 completions = 32 of 32 + 64 tokens.
+GRPO_VOCAB = replace(PPO_VOCAB, name="grpo-vocab", method="grpo", group_size=4)
+# A minuscule qwen2 work for quick checks of the qwen2 path (tokenizer with the vocabulary in its BPE table).
+MINI_QWEN = replace(MINI, name="mini-qwen2", arch="qwen2", vocab=4096, heads=2, kv_heads=1)
+
 WORKS: dict[str, Work] = {
     "tiny": TINY,
     "wide": WIDE,
     "tiny-bf16": replace(TINY, name="tiny-bf16", precision="bf16-mixed"),
     "wide-bf16": replace(WIDE, name="wide-bf16", precision="bf16-mixed"),
     "grpo": GRPO_TINY,
+    "ppo-vocab": PPO_VOCAB,
+    "grpo-vocab": GRPO_VOCAB,
     "mini": MINI,
     "mini-grpo": replace(MINI, name="mini-grpo", method="grpo", group_size=2),
+    "mini-qwen2": MINI_QWEN,
 }
-DEFAULT_WORKS = ("tiny", "wide", "tiny-bf16", "wide-bf16", "grpo")
+DEFAULT_WORKS = ("tiny", "wide", "tiny-bf16", "wide-bf16", "grpo", "ppo-vocab", "grpo-vocab")
 
 #: Context of every benchmark model (prompt + response must fit; the scaling sweep goes to 16 + 256).
 MAX_POSITIONS = 1024
@@ -130,10 +164,19 @@ def with_precision(work: Work, precision: str) -> Work:
     return replace(work, precision=precision) if work.bf16 else work
 
 
-def build_tokenizer(vocab: int):
+def build_tokenizer(vocab: int, arch: str = "llama"):
     """A byte-level fast tokenizer of exactly ``vocab`` ids: the 4 specials, one id per character of
-    :data:`ALPHABET`, then added tokens ``<t0>``, ``<t1>``, … Prompts use the characters only, so text
-    and ids round-trip exactly; the model may sample any non-special id."""
+    :data:`ALPHABET`, then ``<t0>``, ``<t1>``, … Prompts use the characters only, so text and ids
+    round-trip exactly; the model may sample any non-special id.
+
+    For Llama works the ``<tN>`` are added tokens (as the issue-12 works were measured). For Qwen2 they
+    are entries of the BPE table itself, reachable by no merge — the form of a real Qwen2 vocabulary
+    (151,643 BPE entries): transformers rebuilds a ``qwen2`` checkpoint's tokenizer as
+    ``Qwen2Tokenizer`` from its vocabulary and merges, and 150,000 added tokens would also make every
+    load build a matcher over them.
+    """
+    if arch == "qwen2":
+        return _bpe_tokenizer(vocab)
     from proximal.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer(ALPHABET, specials=SPECIALS)
@@ -149,16 +192,51 @@ def build_tokenizer(vocab: int):
     return tok
 
 
-def llama_config(work: Work, tok, *, num_labels: int | None = None):
-    from transformers import LlamaConfig
+def _bpe_tokenizer(vocab: int):
+    """:func:`build_tokenizer` for Qwen2: the characters and ``<tN>`` all in a no-merge BPE table."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from proximal.models.tiny import _bytes_to_unicode
+
+    symbol = _bytes_to_unicode()
+    table = {t: i for i, t in enumerate(SPECIALS)}
+    for c in ALPHABET:
+        table[symbol[ord(c)]] = len(table)
+    if vocab < len(table):
+        raise ValueError(
+            f"vocab {vocab} is smaller than the {len(table)} ids of the character alphabet"
+        )
+    for i in range(vocab - len(table)):
+        table[f"<t{i}>"] = len(table)
+    tok = Tokenizer(models.BPE(vocab=table, merges=[], unk_token=SPECIALS[3]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    pad, eos, bos, unk = SPECIALS
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=pad, eos_token=eos, bos_token=bos, unk_token=unk
+    )
+    if len(fast) != vocab:
+        raise AssertionError(f"tokenizer has {len(fast)} ids, wanted {vocab}")
+    return fast
+
+
+def model_config(work: Work, tok, *, num_labels: int | None = None):
+    """The transformers config of ``work``'s model: Llama's, or Qwen2's (the same block layout, with
+    biases on the query/key/value projections) for ``arch: qwen2``."""
+    from transformers import LlamaConfig, Qwen2Config
 
     kw = {} if num_labels is None else {"num_labels": num_labels}
-    return LlamaConfig(
+    if work.arch not in ("llama", "qwen2"):
+        raise ValueError(f"{work.name}: unknown arch {work.arch!r} (llama or qwen2)")
+    cls = Qwen2Config if work.arch == "qwen2" else LlamaConfig
+    return cls(
         vocab_size=work.vocab,
         hidden_size=work.hidden,
         num_hidden_layers=work.layers,
         num_attention_heads=work.heads,
-        num_key_value_heads=work.heads,
+        num_key_value_heads=work.kv_heads or work.heads,
         intermediate_size=work.intermediate,
         tie_word_embeddings=work.tied,
         max_position_embeddings=MAX_POSITIONS,
@@ -170,7 +248,9 @@ def llama_config(work: Work, tok, *, num_labels: int | None = None):
 
 
 def forbid_tokens(model, token_ids: list[int], *, big: float = 1000.0) -> float:
-    """Make ``token_ids`` unreachable for sampling from this Llama causal LM (see the module docstring);
+    """Make ``token_ids`` unreachable for sampling from this Llama or Qwen2 causal LM (see the module
+    docstring; both write the residual stream only through ``o_proj`` and ``down_proj`` and read it
+    only through their RMS norms, whose weights are zeroed at dimension k);
     returns the smallest logit gap (allowed minus forbidden) on a probe batch, in nats."""
     import torch
 
@@ -222,10 +302,10 @@ def write_models(work: Work, root: Path) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tok = build_tokenizer(work.vocab)
+    tok = build_tokenizer(work.vocab, work.arch)
     specials = [tok.convert_tokens_to_ids(s) for s in SPECIALS]
     torch.manual_seed(work.seed)
-    policy = AutoModelForCausalLM.from_config(llama_config(work, tok))
+    policy = AutoModelForCausalLM.from_config(model_config(work, tok))
     gap = forbid_tokens(policy, specials)
     if gap < 200:
         raise AssertionError(
@@ -236,7 +316,7 @@ def write_models(work: Work, root: Path) -> dict:
     policy.save_pretrained(out / "policy")
     tok.save_pretrained(out / "policy")
     torch.manual_seed(work.seed + 1)
-    rm = AutoModelForSequenceClassification.from_config(llama_config(work, tok, num_labels=1))
+    rm = AutoModelForSequenceClassification.from_config(model_config(work, tok, num_labels=1))
     rm.save_pretrained(out / "reward")
     tok.save_pretrained(out / "reward")
     m = {
