@@ -160,3 +160,43 @@ def test_torchrun_forwards_sigterm_and_every_worker_saves(base, tmp_path):
     assert f"proximal sft: SIGTERM received: stopped after step {stopped} of 400" in err
     assert "[rank 1] proximal sft" not in err  # rank 0 speaks for both
     print(f"torchrun's exit status after forwarding SIGTERM: {proc.returncode}")
+
+
+def _full_disk_on_rank_1(argv: list[str]):
+    """``proximal <argv>`` in a forked rank; rank 1's RNG file of step 3's checkpoint meets ENOSPC."""
+    import errno
+
+    import torch
+
+    from proximal import dist
+    from proximal.cli import main
+
+    if dist.rank() == 1:
+        save = torch.save
+
+        def full(obj, f, *a, **k):
+            if "step_000003.tmp/rng" in str(f):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+            return save(obj, f, *a, **k)
+
+        torch.save = full
+    return main(argv)
+
+
+def test_a_full_disk_on_one_rank_fails_the_save_on_both(base, tmp_path, capfd):
+    """Rank 1 alone cannot write its file: both learn it after that phase of the save, both exit 1
+    at once (no rank waits in the next collective), and step 2's checkpoint stays latest."""
+    run = tmp_path / "run"
+    argv = fixed_argv("sft", base, write_rows("sft", tmp_path / "d.jsonl", 16), run, save_every=1)
+    t0 = time.monotonic()
+    assert run_ranks(2, _full_disk_on_rank_1, argv, collective_timeout_s=120) == [1, 1]
+    assert time.monotonic() - t0 < 60  # not a collective timeout
+    err = capfd.readouterr().err
+    assert err.count("no space left on device") == 1, err  # rank 0 speaks for both
+    assert f"(writing {run}/checkpoints/.step_000003.tmp/rng/rank_00001.pt)" in err
+    assert "step_000002 is intact and still latest" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000001",
+        "step_000002",
+    ]
