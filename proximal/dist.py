@@ -24,6 +24,8 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -74,11 +76,79 @@ def init(device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    own = {}
+    if restartable():
+        own = {"store": attempt_store(timeout_s), "rank": launched_rank()}
+        own["world_size"] = launched_world_size()
     dist.init_process_group(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        **own,
     )
+
+
+def restartable() -> bool:
+    """Whether torchrun may start this job's processes again in the same store: ``--max-restarts``
+    above 0 with the store its agent shares between attempts (the default of the c10d rendezvous
+    and ``--standalone``; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a new one)."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    )
+
+
+def attempt_store(timeout_s: float) -> dist.Store:
+    """The agent's store under a prefix that only this attempt's processes use.
+
+    torchrun's agent keeps one store for every attempt of a job (torch 2.13), and the process group
+    publishes each rank's address in it under fixed keys: after a restart, a rank that reads rank 0's
+    address before the new rank 0 has written it connects to the dead one and fails ("Gloo
+    connectFullMesh failed ... Connection refused"; NCCL alike, pytorch/pytorch#135712 and #167288),
+    which took one restart in four here. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: each
+    agent counts its own restarts. So the processes agree on a fresh prefix by a handshake that no key
+    of a dead attempt can complete: rank 0 publishes a random prefix; every other rank publishes a
+    random token and waits until it finds its token acknowledged under the published prefix — which
+    only the live rank 0 can have written, since the token is new — then marks itself ready there;
+    rank 0 acknowledges whatever tokens it reads until every rank is ready. Stale prefixes and tokens
+    are simply read again. RuntimeError "timed out" after ``timeout_s`` (a peer that never came)."""
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    me, world = launched_rank(), launched_world_size()
+    deadline = time.monotonic() + timeout_s
+    if me == 0:
+        prefix = f"proximal/attempt/{uuid.uuid4().hex}"
+        base.set("proximal/prefix", prefix)
+        waiting = set(range(1, world))
+    else:
+        token = uuid.uuid4().hex
+        base.set(f"proximal/hello/{me}", token)
+    while True:
+        if me == 0:
+            for peer in sorted(waiting):
+                if base.check([f"{prefix}/ready/{peer}"]):
+                    waiting.discard(peer)
+                elif base.check([f"proximal/hello/{peer}"]):
+                    base.set(f"{prefix}/ack/{peer}", base.get(f"proximal/hello/{peer}"))
+            if not waiting:
+                break
+        else:
+            prefix = base.get("proximal/prefix").decode()  # waits for the first rank 0 ever
+            ack = f"{prefix}/ack/{me}"
+            if base.check([ack]) and base.get(ack).decode() == token:
+                base.set(f"{prefix}/ready/{me}", "1")
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank {me}: timed out after {timeout_s:g} s agreeing on this attempt's store with "
+                "the other processes of the job"
+            )
+        time.sleep(0.05)
+    return dist.PrefixStore(prefix, base)
 
 
 def shutdown_and_exit(code: int) -> None:

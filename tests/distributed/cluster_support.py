@@ -5,8 +5,8 @@ The reward function is the test-only hook that makes "a worker killed mid-step" 
 step: ``PROXIMAL_TEST_KILL`` = ``"RANK:STEP"`` makes the process of that global rank send itself
 SIGKILL when it scores its STEP-th rollout (PPO scores each rollout once per step, so the STEP-th
 call is step STEP) — but only in torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` = 0), so
-the restarted group runs through. Without the variable it is ``ppo_support.frac_a``, so the
-uninterrupted reference run uses the same config.
+the restarted group runs through; ``PROXIMAL_TEST_KILL_MARK`` names a file it writes first. Without
+the variable it is ``ppo_support.frac_a``, so the uninterrupted reference run uses the same config.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ppo_support import frac_a
 
 HERE = Path(__file__).resolve().parent
 KILL_VAR = "PROXIMAL_TEST_KILL"
+MARK_VAR = "PROXIMAL_TEST_KILL_MARK"  # a file written just before the kill
 
 _calls = 0
 
@@ -33,6 +34,8 @@ def frac_a_or_die(prompts: list[str], completions: list[str]) -> list[float]:
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         rank, step = (int(x) for x in spec.split(":"))
         if int(os.environ.get("RANK", "0")) == rank and _calls == step:
+            if os.environ.get(MARK_VAR):  # proof for the test that the kill happened, and when
+                Path(os.environ[MARK_VAR]).write_text(f"rank {rank} killed at step {step}\n")
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: rollout sampled, nothing logged yet
     return frac_a(prompts, completions)
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_support import free_port, torchrun, torchrun_env
+from cluster_support import KILL_VAR, MARK_VAR, free_port, torchrun, torchrun_env
 from multiproc import run_ranks
 from ppo_support import load_safetensors_dir, read_jsonl, tiny_config, without_timing, write_yaml
 
@@ -119,4 +119,27 @@ def test_two_nodes_on_one_host_reproduce_the_two_process_run(assets, tmp_path, r
     assert sum(text.count("proximal ppo: done") for _, text in done) == 1  # rank 0, on one node
     shards = list((run_dir / EXPORT).parent.joinpath("state").glob("*.distcp"))
     assert len(shards) == 2  # one per node's process, in the one shared run directory
+    _assert_same_run(_result(run_dir), reference)
+
+
+def test_elastic_restart_resumes_by_itself_after_a_rank_is_killed(assets, tmp_path, reference):
+    """``torchrun --max-restarts 1 ... --resume auto``: rank 1 kills itself (SIGKILL) in the middle
+    of step 3 of the first attempt; torchrun stops rank 0 and starts the group again with the same
+    command line, which finds step 2's checkpoint and finishes the run as if nothing had happened."""
+    run_dir = tmp_path / "run"
+    config = write_yaml(tmp_path / "ppo.yaml", _config(assets, run_dir))
+    launch = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
+    done = subprocess.run(
+        launch + ["ppo", "--config", str(config), "--resume", "auto"],
+        cwd=tmp_path,
+        env=torchrun_env(**{KILL_VAR: "1:3", MARK_VAR: str(tmp_path / "killed")}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-4000:]
+    assert (tmp_path / "killed").read_text() == "rank 1 killed at step 3\n"
+    assert text.count("--resume auto: continuing from step_000002") == 1, text[-4000:]  # rank 0
+    assert not list((run_dir / "checkpoints").glob(".step_*"))  # nothing half-written is left
     _assert_same_run(_result(run_dir), reference)
