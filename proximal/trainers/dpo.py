@@ -12,8 +12,9 @@ run of either exactly.
 The file reads top to bottom: what differs between the two methods (:class:`Objective`), :func:`train`
 shared by both (the data, the models, the reference log-probabilities, the step's metrics and
 held-out metrics), its per-micro-batch step. The configs are :mod:`proximal.trainers.dpo_config`;
-the losses are :func:`proximal.core.dpo_loss` and :func:`proximal.core.simpo_loss` over
-:func:`proximal.core.sequence_logprobs`; the loop and the run's life (checkpoints, resume, logs,
+the losses are :func:`proximal.core.dpo_loss` and :func:`proximal.core.simpo_loss` over sequence
+log-probabilities (:func:`side_logprobs`, from the hidden states on the default fused path:
+docs/logprobs.md); the loop and the run's life (checkpoints, resume, logs,
 several processes, precision) are the shared layer's (:func:`proximal.train.fixed.fit`, as for
 ``proximal sft`` and ``rm``).
 
@@ -31,19 +32,14 @@ from pathlib import Path
 import torch
 
 from proximal.config import check_valid
-from proximal.core import (
-    dpo_loss,
-    logprobs_from_logits,
-    sequence_logprobs,
-    simpo_loss,
-    token_kl,
-)
+from proximal.core import dpo_loss, masked_mean, masked_sum, simpo_loss
 from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_pairs, per_sequence
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.logging import read_metrics
-from proximal.models.heads import check_packing, lm_logits
+from proximal.models.heads import check_packing
 from proximal.models.loading import check_fits, load_tokenizer
+from proximal.models.output import TokenScores, token_kl, token_logprobs
 from proximal.models.policy import build_policy, load_reference
 from proximal.train.batches import evaluate, evaluate_rows
 from proximal.train.command import config_command
@@ -185,6 +181,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
                             dev,
                             average=obj.average,
                             packed=t.packing,
+                            path=t.logprobs,
                         ),
                         2,
                         dev,
@@ -205,6 +202,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             reference=None if table is not None else reference,
             kl_reference=kl_model,
             packed=t.packing,
+            path=t.logprobs,
         )
 
     def metrics(s: dict, n: int, seconds: float) -> dict:
@@ -270,17 +268,22 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     )
 
 
-def response_logits(model, batch: dict) -> torch.Tensor:
-    """Logits predicting tokens 1..L−1 of a right-padded batch, (2B, L−1, V), or of packed rows
-    (R, L−1, V): ``[:, t]`` scores ``input_ids[:, t + 1]``."""
+def token_scores(model, batch: dict, *, keep: bool = False, path: str = "fused") -> TokenScores:
+    """log π of tokens 1..L−1 of a right-padded batch, (2B, L−1), or of packed rows (R, L−1):
+    ``[:, t]`` is that of ``input_ids[:, t + 1]``, 0 outside the responses; ``keep``: with what the
+    held-out KL needs (:func:`proximal.models.output.token_logprobs`; ``path``: ``train.logprobs``)."""
     ids = batch["input_ids"]
-    return lm_logits(
+    return token_logprobs(
         model,
         ids,
         batch.get("attention_mask"),
         0,
         ids.shape[1] - 1,
+        ids[:, 1:],
+        mask=batch["response_mask"][:, 1:],
         position_ids=batch.get("position_ids"),
+        keep=keep,
+        path=path,
     )
 
 
@@ -291,24 +294,33 @@ def collate(pairs, pad_id: int, device, packed: bool) -> dict[str, torch.Tensor]
     return {k: v.to(device) for k, v in b.items()}
 
 
-def side_logprobs(logits: torch.Tensor, b: dict, average: bool) -> torch.Tensor:
-    """(2B,) log π(y | x) of every side, chosen first, summed or averaged over its response tokens:
-    per row of a padded batch, per sequence of a packed one (per-token values summed by segment)."""
-    labels, mask = b["input_ids"][:, 1:], b["response_mask"][:, 1:]
+def side_logprobs(logprobs: torch.Tensor, b: dict, average: bool) -> torch.Tensor:
+    """(2B,) log π(y | x) of every side, chosen first, from the per-token ``logprobs`` of
+    :func:`token_scores`, summed or averaged over its response tokens (DPO's sum, SimPO's mean:
+    :func:`proximal.core.sequence_logprobs`): per row of a padded batch, per sequence of a packed
+    one (summed by segment)."""
+    mask = b["response_mask"][:, 1:]
     if "segment_ids" not in b:
-        return sequence_logprobs(logits, labels, mask, average)
+        return masked_mean(logprobs, mask, dim=1) if average else masked_sum(logprobs, mask, dim=1)
     seg, n = b["segment_ids"][:, 1:], b["last"].numel()  # the segment of the predicted token
-    total = per_sequence(logprobs_from_logits(logits, labels, mask=mask), seg, n)
+    total = per_sequence(logprobs, seg, n)
     return total / per_sequence(mask.to(total.dtype), seg, n) if average else total
 
 
 @torch.no_grad()
 def reference_logprobs(
-    model, pairs, pad_id: int, device, *, average: bool, packed: bool = False
+    model,
+    pairs,
+    pad_id: int,
+    device,
+    *,
+    average: bool,
+    packed: bool = False,
+    path: str = "fused",
 ) -> torch.Tensor:
     """(B, 2): log π(y_w | x) and log π(y_l | x) of each pair under ``model``, summed or averaged."""
     b = collate(pairs, pad_id, device, packed)
-    logps = side_logprobs(response_logits(model, b), b, average)
+    logps = side_logprobs(token_scores(model, b, path=path).logprobs, b, average)
     return logps.view(2, len(pairs)).T
 
 
@@ -324,6 +336,7 @@ def pair_step(
     reference=None,
     kl_reference=None,
     packed: bool = False,
+    path: str = "fused",
 ) -> dict[str, torch.Tensor]:
     """One micro-batch of pairs, chosen and rejected sides in one forward pass of the policy.
 
@@ -334,12 +347,14 @@ def pair_step(
     policy, evaluation only) adds the exact KL(π_θ ‖ π_start) over each response's tokens. Every
     reference is entered only after the policy's forward pass: with LoRA it is the policy itself with its
     adapters off. ``packed``: every side goes through the model in one packed row, its log-likelihood
-    summed over its own tokens (:func:`side_logprobs`). Returns sums for logging.
+    summed over its own tokens (:func:`side_logprobs`). ``path``: ``train.logprobs``, for every
+    log-probability and the KL (:func:`proximal.models.output.token_logprobs`). Returns sums for
+    logging.
     """
     b = collate(pairs, pad_id, device, packed)
     mask, B = b["response_mask"][:, 1:], len(pairs)
-    logits = response_logits(policy, b)
-    logps = side_logprobs(logits, b, objective.average)  # (2B,): chosen, then rejected
+    scores = token_scores(policy, b, keep=kl_reference is not None, path=path)
+    logps = side_logprobs(scores.logprobs, b, objective.average)  # (2B,): chosen, then rejected
     ref = None
     if ref_logps is not None:
         ref = ref_logps.to(device=device, dtype=logps.dtype).T.reshape(
@@ -347,7 +362,8 @@ def pair_step(
         )  # (2B,) in the same order
     elif objective.needs_reference:
         with torch.no_grad(), reference.active() as r:
-            ref = side_logprobs(response_logits(r, b), b, objective.average).to(logps.dtype)
+            ref_lp = token_scores(r, b, path=path).logprobs
+            ref = side_logprobs(ref_lp, b, objective.average).to(logps.dtype)
     norm = normalizer if normalizer is not None else float(B)
     loss, stats = objective.loss(
         logps[:B], logps[B:], *((ref[:B], ref[B:]) if ref is not None else (None, None)), norm
@@ -362,7 +378,18 @@ def pair_step(
     }
     if kl_reference is not None:
         with torch.no_grad(), kl_reference.active() as r:
-            kl = token_kl(logits.detach(), response_logits(r, b), mask=mask)  # (2B, L−1)
+            ids = b["input_ids"]
+            kl = token_kl(  # (2B, L−1), π_θ's side kept from its pass above
+                scores.kept,
+                r,
+                ids,
+                b.get("attention_mask"),
+                0,
+                ids.shape[1] - 1,
+                mask=mask,
+                position_ids=b.get("position_ids"),
+                path=path,
+            )
         out.update({"kl_sum": kl.sum(), "kl_tokens": mask.sum(), "responses": torch.tensor(2 * B)})
     return out
 

@@ -36,7 +36,6 @@ from proximal.core import (
     aggregation_units,
     grpo_advantages,
     grpo_policy_loss,
-    logprobs_from_logits,
     masked_sum,
 )
 from proximal.data.chat import set_chat_template
@@ -46,7 +45,7 @@ from proximal.models.policy import build_policy
 from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
-from proximal.rollout.sampling import response_logits
+from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
@@ -155,6 +154,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 temperature=r.temperature,
                 micro_batch_size=g.micro_batch_size,
                 old_logprobs=not one_step_per_batch,
+                logprobs_path=t.logprobs,
             )
         )
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
@@ -192,6 +192,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 max_length=r.max_new_tokens,
                 max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
+                logprobs_path=t.logprobs,
             )
         engine.after_update()
         t_train = time.perf_counter() - t1
@@ -304,6 +305,7 @@ def grpo_update(
     max_length: int,
     max_grad_norm: float,
     shuffle_seed: int,
+    logprobs_path: str = "fused",
 ) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
     (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
@@ -317,6 +319,7 @@ def grpo_update(
     the accumulated gradient is exactly that of the mini-batch's loss whatever the micro-batch size
     and the number of processes (the bug TRL fixed in huggingface/trl#3938). With
     ``mini_batch_size`` = the batch (the default) that is the whole generation batch.
+    ``logprobs_path``: ``train.logprobs`` (:func:`proximal.models.output.token_logprobs`).
 
     Returns ``{"stats": {...}, "tokens": int}``: statistics averaged over the optimiser steps, and the
     tokens this update passed through the actor (all ranks).
@@ -341,10 +344,15 @@ def grpo_update(
             def micro_step(idx: torch.Tensor) -> dict:
                 m = exp.select(idx)
                 mask = m.mask
-                logits = response_logits(actor.module, m.rollout)  # (b, T, V)
-                logprobs, token_ent = logprobs_from_logits(
-                    logits, m.rollout.response_ids, temperature, mask=mask, with_entropy=True
-                )  # logged, not trained on
+                scores = response_logprobs(
+                    actor.module,
+                    m.rollout,
+                    temperature,
+                    mask=mask,
+                    entropy="logged",  # not trained on
+                    path=logprobs_path,
+                )
+                logprobs, token_ent = scores.logprobs, scores.entropy
                 old = (
                     m.logprobs if m.logprobs is not None else logprobs.detach()
                 )  # one step: π_old = π_θ

@@ -28,14 +28,12 @@ from proximal import dist
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
-    entropy_from_logits,
     explained_variance,
     gae,
-    logprobs_from_logits,
     make_kl_controller,
     masked_aggregate,
+    nll_from_logprobs,
     ppo_policy_loss,
-    ptx_loss,
     shape_rewards,
     value_loss,
     whiten,
@@ -45,14 +43,14 @@ from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
-from proximal.models.heads import lm_logits
 from proximal.models.loading import ModelLoadError, load_tokenizer
+from proximal.models.output import TokenScores, token_logprobs
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
 from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
-from proximal.rollout.sampling import response_logits
+from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
@@ -183,7 +181,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # epoch's actor forward sees exactly this batch (one process, one mini-batch, one micro-batch), that
         # pass runs now, with gradients, and its detached log-probabilities are log π_old.
         first = (
-            first_pass(rollout, actor, r.temperature)
+            first_pass(rollout, actor, r.temperature, entropy_coef=p.entropy_coef, path=t.logprobs)
             if reuses_first_pass(
                 p.reuse_first_pass,
                 batch_size=r.batch_size,
@@ -202,6 +200,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             temperature=r.temperature,
             micro_batch_size=p.micro_batch_size,
             old_logprobs=first is None,
+            logprobs_path=t.logprobs,
         )
         if first is not None:
             exp = exp.replace(logprobs=first.old_logprobs)
@@ -247,6 +246,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 ptx=ptx,
                 tokenizer=tokenizer,
                 first=first,
+                logprobs_path=t.logprobs,
             )
         engine.after_update()
         t_train = time.perf_counter() - t1
@@ -332,19 +332,20 @@ class PTXData:
 
 @dataclass
 class FirstPass:
-    """The first epoch's actor forward over the whole batch, run before the experience: ``logits``
-    (B, T, V) carry their graph into the first optimiser step; their detached log-probabilities are
-    log π_old (0 after each row's end)."""
+    """The first epoch's actor forward over the whole batch, run before the experience: its
+    log-probabilities (and entropies), ``scores``, carry their graph into the first optimiser step;
+    detached, the log-probabilities are log π_old (0 after each row's end)."""
 
-    logits: torch.Tensor | None
+    scores: TokenScores | None
     old_logprobs: torch.Tensor
 
-    def take_logits(self) -> torch.Tensor:
-        """The logits, handed over once: after the first epoch neither the update nor the training loop
-        holds the (B, T, V) block (on the wide-vocab work 262 MB, alive through the later epochs and
-        into the next step otherwise)."""
-        logits, self.logits = self.logits, None
-        return logits
+    def take(self) -> TokenScores:
+        """The scores, handed over once: after the first epoch neither the update nor the training
+        loop holds their graph — the hidden states and, on the logits path, the (B, T, V) logits (on
+        the wide-vocab work 262 MB, alive through the later epochs and into the next step
+        otherwise)."""
+        scores, self.scores = self.scores, None
+        return scores
 
 
 def reuses_first_pass(
@@ -361,19 +362,26 @@ def reuses_first_pass(
     )
 
 
-def first_pass(rollout, actor, temperature: float) -> FirstPass:
-    """π_θ's response logits with gradients, and log π_old: their detached log-probabilities, computed
-    exactly as :func:`proximal.rollout.experience.compute_experience` computes them.
+def first_pass(
+    rollout, actor, temperature: float, *, entropy_coef: float, path: str = "fused"
+) -> FirstPass:
+    """π_θ's response log-probabilities with gradients — and the entropies the first update reads,
+    trained on when ``entropy_coef`` > 0 — and log π_old: the log-probabilities detached, computed
+    exactly as :func:`proximal.rollout.experience.compute_experience` computes them (``path``:
+    ``train.logprobs``).
 
     Only the actor's pass is shared: V_old needs a critic forward anyway, and sharing that one too would
     keep both models' activations alive together until the first backward (measured on the tiny
     benchmark work: 230 MB more peak memory for 0.04 s a step)."""
-    logits = response_logits(actor, rollout)
-    with torch.no_grad():
-        old_logprobs = logprobs_from_logits(
-            logits.detach(), rollout.response_ids, temperature, mask=rollout.response_mask
-        )
-    return FirstPass(logits, old_logprobs)
+    scores = response_logprobs(
+        actor, rollout, temperature, entropy=_entropy_mode(entropy_coef), path=path
+    )
+    return FirstPass(scores, scores.logprobs.detach())
+
+
+def _entropy_mode(entropy_coef: float) -> str:
+    """The bonus c2·S is trained on when c2 > 0; otherwise S is only logged (no gradient)."""
+    return "trained" if entropy_coef > 0 else "logged"
 
 
 def ppo_update(
@@ -397,6 +405,7 @@ def ppo_update(
     ptx: PTXData | None = None,
     tokenizer=None,
     first: FirstPass | None = None,
+    logprobs_path: str = "fused",
 ) -> dict:
     """``epochs`` passes over shuffled mini-batches of ``mini_batch_size`` rows of the **whole** batch
     ``exp`` (every rank holds it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th
@@ -417,6 +426,9 @@ def ppo_update(
     rollout order — a mini-batch's loss does not depend on the order of its rows — and its actor
     forward is ``first``'s; the shuffle generator still draws that epoch's order, so every later epoch
     sees the rows in the same order as without it.
+
+    ``logprobs_path``: ``train.logprobs`` for the actor's and PTX's log-probabilities
+    (:func:`proximal.models.output.token_logprobs`).
 
     Returns ``{"stats": {...}, "tokens": int}``: mean losses and statistics over the optimiser steps,
     and the tokens this update passed through the models (all ranks).
@@ -440,7 +452,7 @@ def ppo_update(
             norm = units / W
             if first is not None and epoch == 0:
                 # one mini-batch of one micro-batch: the rollout itself
-                micro, given = [exp], [first.take_logits()]
+                micro, given = [exp], [first.take()]
             else:
                 own = mini[rank * per_rank : (rank + 1) * per_rank]
                 micro, given = [exp.select(idx) for idx in own.split(micro_batch_size)], None
@@ -459,11 +471,12 @@ def ppo_update(
                 norm=norm,
                 temperature=temperature,
                 max_length=max_length,
-                given_logits=given,
+                given=given,
+                path=logprobs_path,
             )
-            given = None  # the first pass's (B, T, V) logits are not held through the critic's pass
+            given = None  # the first pass's graph is not held through the critic's pass
             if ptx is not None:
-                loss = ptx_step(actor.module, tokenizer, ptx)
+                loss = ptx_step(actor.module, tokenizer, ptx, path=logprobs_path)
                 (ptx.coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
             row["grad_norm/actor"] = clip_and_step(
@@ -515,36 +528,31 @@ def actor_pass(
     norm: float,
     temperature: float,
     max_length: int,
-    given_logits: list[torch.Tensor] | None = None,
+    given: list[TokenScores] | None = None,
+    path: str = "fused",
 ) -> dict[str, float]:
     """Back-propagate the actor's loss −(L^CLIP + c2·S) over this rank's micro-batches of a
     mini-batch; its global stats (token means over the mini-batch's valid tokens; losses summed over
-    ranks ÷ W; the largest ratio). ``given_logits``: each micro-batch's response logits, already
-    computed with gradients (:class:`FirstPass`)."""
+    ranks ÷ W; the largest ratio). ``given``: each micro-batch's log-probabilities and entropies,
+    already computed with gradients (:class:`FirstPass`); ``path``: ``train.logprobs``."""
     device = micro[0].rollout.response_ids.device
 
     def step(part: list) -> dict:
-        [(m, logits)] = part
+        [(m, scores)] = part
         mask, n = m.mask, m.mask.sum().double()
-        if logits is None:
-            logits = response_logits(actor, m.rollout)  # (b, T, V)
-        if entropy_coef > 0:  # the bonus is trained on: its own differentiable pass
-            logprobs = logprobs_from_logits(logits, m.rollout.response_ids, temperature, mask=mask)
-            entropy = entropy_from_logits(
-                logits,
-                mask,
+        if scores is None:  # log π_θ and S in one pass (the entropy trained on only when c2 > 0)
+            scores = response_logprobs(
+                actor,
+                m.rollout,
                 temperature,
-                aggregation=aggregation,
-                max_length=max_length,
-                normalizer=norm,
+                mask=mask,
+                entropy=_entropy_mode(entropy_coef),
+                path=path,
             )
-        else:  # logged only: from the log-probabilities' own pass over the logits
-            logprobs, token_ent = logprobs_from_logits(
-                logits, m.rollout.response_ids, temperature, mask=mask, with_entropy=True
-            )
-            entropy = masked_aggregate(
-                token_ent, mask, aggregation, max_length=max_length, normalizer=norm
-            )
+        logprobs = scores.logprobs
+        entropy = masked_aggregate(
+            scores.entropy, mask, aggregation, max_length=max_length, normalizer=norm
+        )
         pg_loss, pg = ppo_policy_loss(
             logprobs,
             m.logprobs,
@@ -566,10 +574,10 @@ def actor_pass(
             "ratio_max": pg["ratio_max"],  # −inf for a micro-batch without a valid token
         }
 
-    # Each of accumulate's rows is a micro-batch already (cut by index in ppo_update), with its logits
+    # Each of accumulate's rows is a micro-batch already (cut by index in ppo_update), with its scores
     # when the first pass gave them: it takes them one at a time.
-    logits = given_logits if given_logits is not None else [None] * len(micro)
-    s = accumulate(list(zip(micro, logits)), 1, step, device, maxima=("ratio_max",))
+    given = given if given is not None else [None] * len(micro)
+    s = accumulate(list(zip(micro, given)), 1, step, device, maxima=("ratio_max",))
     W = dist.world_size()
     return {
         "policy/clipfrac": s["clipfrac"] / s["n_tokens"],
@@ -619,9 +627,9 @@ def critic_pass(
     }
 
 
-def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
+def ptx_step(actor, tokenizer, ptx: PTXData, *, path: str = "fused") -> torch.Tensor:
     """This rank's share of −L^PTX on the next global batch of pretraining texts (normalised by the
-    whole batch's token count, like the PPO losses)."""
+    whole batch's token count, like the PPO losses); ``path``: ``train.logprobs``."""
     batch = ptx.sampler.next_global_batch()
     rows = [
         tokenizer(ptx.texts[i], add_special_tokens=True).input_ids[: ptx.max_length] for i in batch
@@ -629,8 +637,12 @@ def ptx_step(actor, tokenizer, ptx: PTXData) -> torch.Tensor:
     total = sum(max(len(x) - 1, 0) for x in rows)  # predicted tokens, all ranks
     mine = ptx.sampler.local_part(rows)
     ids, att = pad_right(mine, tokenizer.pad_token_id, next(actor.parameters()).device)
-    logits = lm_logits(actor, ids, att, 0, ids.shape[1] - 1)
-    return ptx_loss(logits, ids[:, 1:], att[:, 1:].bool(), normalizer=total / dist.world_size())
+    mask = att[:, 1:].bool()
+    logprobs = token_logprobs(
+        actor, ids, att, 0, ids.shape[1] - 1, ids[:, 1:], mask=mask, path=path
+    ).logprobs  # position i predicts token i + 1
+    # −L^PTX = ptx_loss's mean NLL, from the log-probabilities (core.losses.nll_from_logprobs)
+    return nll_from_logprobs(logprobs, mask, normalizer=total / dist.world_size())
 
 
 # ----------------------------------------------------------------------------------------------

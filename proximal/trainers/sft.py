@@ -7,7 +7,8 @@ logs the held-out loss, and writes a Hugging Face checkpoint into ``output.dir``
 
 The file reads top to bottom: :func:`train` (the data, the model, the step's normaliser, metrics
 and held-out loss), its per-micro-batch step. The config is :mod:`proximal.trainers.sft_config`; the
-loss is :func:`proximal.core.sft_loss`; the loop and the run's life (checkpoints, resume, logs,
+loss is :func:`proximal.core.sft_loss`'s mean NLL, from log-probabilities computed from the hidden
+states on the default fused path (docs/logprobs.md); the loop and the run's life (checkpoints, resume, logs,
 several processes) are the shared layer's (:func:`proximal.train.fixed.fit`).
 """
 
@@ -18,13 +19,14 @@ from pathlib import Path
 import torch
 
 from proximal.config import check_valid
-from proximal.core import sft_loss
+from proximal.core import nll_from_logprobs
 from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_sft
 from proximal.data.sft import collate_sft, load_sft_examples
 from proximal.logging import read_metrics
-from proximal.models.heads import check_packing, lm_logits
+from proximal.models.heads import check_packing
 from proximal.models.loading import check_fits, load_causal_lm, load_tokenizer
+from proximal.models.output import token_logprobs
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import with_lora
 from proximal.train.batches import evaluate
@@ -96,7 +98,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
 
     def micro_step(idx: list[int], normalizer: float) -> dict:
         rows = [data.train[i] for i in idx]
-        return nll_step(model, rows, pad, run.device, normalizer, packed=t.packing)
+        return nll_step(model, rows, pad, run.device, normalizer, packed=t.packing, path=t.logprobs)
 
     def metrics(s: dict, n_tokens: int, _seconds: float) -> dict:
         return {"train/loss": s["loss_sum"] / n_tokens, "train/tokens": n_tokens}
@@ -107,7 +109,12 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
             len(data.eval),
             t.micro_batch_size,
             lambda idx: nll_step(
-                model, [data.eval[i] for i in idx], pad, run.device, packed=t.packing
+                model,
+                [data.eval[i] for i in idx],
+                pad,
+                run.device,
+                packed=t.packing,
+                path=t.logprobs,
             ),
             run.device,
         )
@@ -139,25 +146,37 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
 
 
 def nll_step(
-    model, rows, pad_id: int, device, normalizer: float | None = None, *, packed: bool = False
+    model,
+    rows,
+    pad_id: int,
+    device,
+    normalizer: float | None = None,
+    *,
+    packed: bool = False,
+    path: str = "fused",
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's response-token NLL. With ``normalizer`` (the whole batch's token count ÷ the
     ranks) its share of the batch loss is back-propagated; without (evaluation) nothing is. Returns
     the NLL sum and the token count, for logging. ``packed``: the rows go through the model as one
-    packed row (:func:`proximal.data.packing.collate_packed_sft`), the same tokens and loss."""
+    packed row (:func:`proximal.data.packing.collate_packed_sft`), the same tokens and loss.
+    ``path``: ``train.logprobs`` (:func:`proximal.models.output.token_logprobs`)."""
     collate = collate_packed_sft if packed else collate_sft
     b = {k: v.to(device) for k, v in collate(rows, pad_id).items()}
     mask = b["response_mask"][:, 1:]
     norm = normalizer if normalizer is not None else float(mask.sum())
-    logits = lm_logits(
+    logprobs = token_logprobs(
         model,
         b["input_ids"],
         b.get("attention_mask"),
         0,
         b["input_ids"].shape[1] - 1,
+        b["input_ids"][:, 1:],
+        mask=mask,
         position_ids=b.get("position_ids"),
-    )  # predict 1 … L−1
-    loss = sft_loss(logits, b["input_ids"][:, 1:], mask, normalizer=norm)
+        path=path,
+    ).logprobs  # position i predicts token i + 1, for 1 … L−1
+    # sft_loss's mean response-token NLL, from the log-probabilities (core.losses.nll_from_logprobs)
+    loss = nll_from_logprobs(logprobs, mask, normalizer=norm)
     if normalizer is not None:
         loss.backward()
     return {"loss_sum": loss.detach() * norm, "tokens": mask.sum()}

@@ -58,9 +58,9 @@ def _count_forwards(monkeypatch):
 
         monkeypatch.setattr(module, name, counted)
 
-    wrap(ppo, "response_logits", "update_actor")
+    wrap(ppo, "response_logprobs", "update_actor")
     wrap(ppo, "critic_values", "update_critic")
-    wrap(experience, "response_logits", "experience_logits")  # π_old and π_ref
+    wrap(experience, "response_logprobs", "experience_logits")  # π_old and π_ref
     wrap(experience, "critic_values", "experience_critic")
     return counts
 
