@@ -1,9 +1,11 @@
 """What a cluster does to a run, through real ``torchrun`` launches (marker ``cluster``: tens of
 seconds each, run by ``make test-cluster``, left out of ``make test``).
 
-- Two "nodes" on one host — two torchrun launches, one process each, joined by one c10d rendezvous
-  (``--nnodes 2 --node-rank 0/1 --rdzv-backend c10d --rdzv-endpoint localhost:PORT``) — compute the
-  single-node two-process run: the same metrics and the same final weights.
+- Two "nodes" on one host — two torchrun launches, one process each, joined by one rendezvous
+  (c10d: ``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint localhost:PORT --rdzv-id ID``; static:
+  ``--nnodes 2 --node-rank 0/1 --master-addr localhost --master-port PORT``) — compute the
+  single-node two-process run: the same metrics and the same final weights. (``--node-rank`` is
+  for the static form only: with c10d torchrun ignores it, with a warning.)
 - Elastic restart: ``torchrun --max-restarts 1 ... --resume auto`` with rank 1 killed (SIGKILL) in the
   middle of step 3; torchrun restarts the group, which resumes from step 2's checkpoint by itself
   and ends with the uninterrupted run's metrics and weights.
@@ -94,17 +96,27 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
     return out
 
 
-def test_two_nodes_on_one_host_reproduce_the_two_process_run(assets, tmp_path, reference):
+def _node_flags(form: str, node: int, port: int) -> list[str]:
+    """The rendezvous flags of one "node" as docs/operations.md shows them (PORT: a free port)."""
+    if form == "c10d":  # the same line on every node; ranks are assigned as the nodes join
+        return [
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
+        ]  # fmt: skip
+    return [  # static: a fixed address and each node's own --node-rank
+        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+        "--master-addr", "localhost", "--master-port", str(port),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["c10d", "static"])
+def test_two_nodes_on_one_host_reproduce_the_two_process_run(assets, tmp_path, reference, form):
     run_dir = tmp_path / "run"
     config = write_yaml(tmp_path / "ppo.yaml", _config(assets, run_dir))
-    endpoint = f"localhost:{free_port()}"
+    port = free_port()
     procs = [
         subprocess.Popen(
-            torchrun(
-                "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-            )
-            + ["ppo", "--config", str(config)],
+            torchrun(*_node_flags(form, node, port)) + ["ppo", "--config", str(config)],
             cwd=tmp_path,
             env=torchrun_env(),
             stdout=subprocess.PIPE,
@@ -112,7 +124,7 @@ def test_two_nodes_on_one_host_reproduce_the_two_process_run(assets, tmp_path, r
             text=True,
         )
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     done = _finish(procs, timeout=300)
     for node, (code, text) in enumerate(done):
         assert code == 0, f"node {node}:\n{text[-3000:]}"
