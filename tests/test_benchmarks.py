@@ -151,3 +151,24 @@ def test_compare_trl_smoke_mode_writes_its_results(tmp_path):
     ]  # exactly R tokens, no early stop
     assert "| mini |" in out.read_text()
     assert "[anchors]" not in r.stdout  # nothing installed
+
+
+def test_proximal_mfu_is_read_and_reported_beside_its_step_time(tmp_path):
+    rows = [
+        {"step": 1, "time/step_s": 5.0, "time/wall_s": 5.0, "perf/mfu": 0.001},
+        {"step": 2, "time/step_s": 1.0, "time/wall_s": 6.0, "perf/mfu": 0.004},
+        {"step": 3, "time/step_s": 1.0, "time/wall_s": 7.0, "perf/mfu": 0.006},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_steps(tmp_path)["mfu"] == [0.001, 0.004, 0.006]
+
+    def run(side, k, mfu=None):
+        r = {"work": "tiny", "side": side, "round": k, "rc": 0}
+        r |= {"median_step_s": 1.0, "wall_s": 1.0, "peak_rss_mib": 1.0}
+        return r | ({"median_mfu": mfu} if mfu is not None else {})
+
+    runs = [run("proximal", 1, 0.005), run("trl", 1), run("proximal", 2, 0.007)]
+    runs += [run("trl", 2), run("proximal", 3, 0.002), run("trl", 3)]
+    assert report.summarize(runs, ["tiny"])["tiny"]["proximal_median_mfu"] == 0.005
+    assert report._with_mfu(1.25, 0.0041) == "1.25 (MFU 0.41 %)"
+    assert report._with_mfu(1.25, None) == "1.25"

@@ -40,6 +40,7 @@ from proximal import dist
 from proximal.data.packing import plan_micro_batches, split_to
 from proximal.data.sampler import Sampler
 from proximal.data.sft import LoadReport
+from proximal.models.flops import Tokens, forward_flops, train_flops
 from proximal.train.batches import Sums, accumulate, plan_steps
 from proximal.train.checkpoint import export_final
 from proximal.train.optim import at_step, clip_and_step
@@ -118,9 +119,11 @@ def fit(
     held_out: Callable[[], dict],
     postfix: dict[str, tuple[str, ...]],
     units: Callable[[list[int]], float] = len,
-    lengths: Callable[[int], list[int]] | None = None,
+    lengths: Callable[[int], list[int]],
     first: dict | None = None,
     models: dict | None = None,
+    forward_only: tuple[str, ...] = (),
+    scored: Callable[[int], int] | None = None,
 ) -> Path:
     """Train ``model`` on ``data`` for ``data.total`` steps (from the checkpoint's step when ``run``
     resumes one); export it into the run directory and return that.
@@ -136,14 +139,23 @@ def fit(
       back-propagated; returns sums, among them ``loss_sum``;
     - ``units(global batch indices)``: what the loss is a mean over (pairs: ``len``; tokens);
     - ``lengths(index)``: the sequence lengths of row ``index`` of ``data.train`` (one for SFT, two
-      for a pair), to cut micro-batches by ``train.micro_batch_tokens`` (needed only with it);
+      for a pair), real tokens: to count each step's FLOPs and to cut micro-batches by
+      ``train.micro_batch_tokens``;
     - ``metrics(sums, units, seconds)``: the step's own ``train/`` metrics, from the global sums, the
       batch's units and the step's seconds; grad norm, rate, epoch and wall time are added here;
     - ``held_out()``: the held-out metrics, at step 0, every ``train.eval_every`` steps and after
       the last (only when ``data.eval`` has rows);
     - ``postfix``: the progress bar's entries, each the first of its metric names in the row;
     - ``first``: the method's own step-0 entries, after the data counts and the step count;
-    - ``models``: what ``models.json`` records (default: ``{name: model}``).
+    - ``models``: what ``models.json`` records (default: ``{name: model}``);
+    - ``forward_only``: the names, among ``models``, of those that run a forward pass without
+      gradients over every step's sequences (DPO's resident reference);
+    - ``scored(index)``: how many positions of row ``index`` the language-model head scores (the
+      tokens whose log-probabilities the loss reads; None: no language-model head, a reward model).
+
+    Each step's ``perf/`` metrics count ``model``'s training pass and those forward passes over the
+    batch's sequences (``lengths``, ``scored``), against the peak the run measured
+    (docs/performance.md).
     """
     sampler = Sampler(
         len(data.train),
@@ -163,6 +175,7 @@ def fit(
         progress=output.progress,
         tensorboard=output.tensorboard,
         wandb_project=output.wandb_project,
+        precision=train.precision,
     )
     run.record_models(**(models if models is not None else {name: model}))
 
@@ -197,8 +210,15 @@ def fit(
         lr = scheduler.get_last_lr()[0]  # the rate this step runs at
         with at_step(step):
             grad_norm = clip_and_step(model, optimizer, scheduler, max_grad_norm, what=name)
+        seconds = time.perf_counter() - t0
+        seqs = [length for i in batch for length in lengths(i)]  # the global batch's sequences
+        tokens = Tokens.of(seqs, head=sum(map(scored, batch)) if scored is not None else 0)
+        flops = train_flops(run.shapes[name], tokens) + sum(
+            forward_flops(run.shapes[m], tokens) for m in forward_only
+        )
         row = {
-            **metrics(s, n, time.perf_counter() - t0),
+            **metrics(s, n, seconds),
+            **run.utilisation(seconds, flops=flops, tokens=tokens.body),
             "train/grad_norm": grad_norm,
             "train/lr": lr,
             "train/epoch": step / sampler.steps_per_epoch,

@@ -6,12 +6,13 @@ A trainer calls, in order::
     run = open_run(...)                      # before any model loads: cheap checks first
     ... build models, optimisers, samplers ...
     start, counters = run.restore(trained, stateful)   # from the checkpoint, when resuming
-    run.begin(cfg, start=start, total=total, counters=counters, progress=...)
-                                             # the run directory is now ours: config.yaml, logs, bar
-    run.record_models(engine=engine, actor=actor, ...)   # models.json
+    run.begin(cfg, start=start, total=total, counters=counters, progress=..., precision=...)
+                                             # the run directory is now ours: config.yaml, logs, bar,
+                                             # the device's peak FLOP/s (perf.json)
+    run.record_models(engine=engine, actor=actor, ...)   # models.json, the models' FLOP shapes
     for step in range(start + 1, total + 1):
         ...
-        run.log(step, metrics)
+        run.log(step, {**metrics, **run.utilisation(seconds, flops=..., tokens=...)})
         stop = run.stop_requested()          # SIGTERM / SIGUSR1 / SIGINT on any rank (signals.py)
         if stop or due(step, total, save_every):
             run.save(step, trained=..., stateful=..., counters=..., exports=..., keep=...)
@@ -45,6 +46,7 @@ from proximal import dist
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models import kernels
+from proximal.models.flops import ModelShape, model_shape
 from proximal.rollout.engine import HFEngine
 from proximal.train import signals
 from proximal.train.checkpoint import (
@@ -58,6 +60,7 @@ from proximal.train.checkpoint import (
 )
 from proximal.train.host import busy_cpu_note
 from proximal.train.optim import resync_schedule, seed_everything
+from proximal.train.perf import measure_peak, step_metrics
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -144,6 +147,10 @@ class Run:
     logger: MetricsLogger | None = None
     bar: object = None
     wall0: float = field(default_factory=time.perf_counter)
+    #: The run's peak FLOP/s as ``perf.json`` records it (:func:`proximal.train.perf.measure_peak`),
+    #: measured in :meth:`begin`; and each recorded model's FLOP shape, by :meth:`record_models`.
+    peak: dict | None = None
+    shapes: dict[str, ModelShape | None] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -194,9 +201,12 @@ class Run:
         tensorboard: bool = False,
         wandb_project: str | None = None,
         unit: str = "step",
+        precision: str = "32-true",
     ) -> None:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
-        config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar."""
+        config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar;
+        then measure the device's peak FLOP/s for products in ``precision``'s dtype
+        (``train.precision``; ``perf.json``), before the clock of ``time/wall_s`` starts."""
         self.check_finished(total)  # --resume auto of a finished run: nothing is written
         self.total = total
         if (
@@ -242,6 +252,7 @@ class Run:
                     total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True
                 )
         dist.barrier()
+        self.peak = measure_peak(self.device, precision, self.dir)
         self.wall0 = time.perf_counter() - float(counters.get("wall_s", 0.0))
 
     def wall_s(self) -> float:
@@ -255,8 +266,13 @@ class Run:
         Each model on the CPU also gets ``"cpu_matmul": {"backend", "why"}`` (this process's float32
         products, ``train.cpu_matmul``), and the model ``engine`` decodes (an online method's policy)
         ``"decode": {"path": "lean" | "generate", "reason"}`` (:meth:`HFEngine.decode_path`), which
-        rank 0 also prints. Both sit inside a model's entry, so the file's keys stay the models' names."""
+        rank 0 also prints. Both sit inside a model's entry, so the file's keys stay the models' names.
+        Each model's FLOP shape (:func:`proximal.models.flops.model_shape`) is kept in ``shapes``,
+        under the same names, for the steps' ``perf/`` metrics (:meth:`utilisation`)."""
         info = resident_models(**models)
+        self.shapes = {
+            name: model_shape(m) if m is not None else None for name, m in models.items()
+        }
         for name, module in models.items():
             if name not in info:
                 continue
@@ -273,6 +289,14 @@ class Run:
             if engine is not None:
                 self.say(f"decode: {engine.describe_decode()}")
         return info
+
+    def utilisation(self, seconds: float, *, flops: float, tokens: int) -> dict[str, float]:
+        """A step's ``perf/tokens_per_s``, ``perf/flops_per_s`` and ``perf/mfu`` from its model
+        ``flops`` (:mod:`proximal.models.flops`, every process's), its trained ``tokens`` and its wall
+        time ``seconds``, against the peak :meth:`begin` measured (docs/performance.md)."""
+        return step_metrics(
+            flops=flops, tokens=tokens, seconds=seconds, peak=self.peak["total_peak_flops_per_s"]
+        )
 
     def say(self, line: str) -> None:
         """Print ``proximal <command>: <line>`` (the caller decides which ranks speak), above the

@@ -265,6 +265,8 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
         first=first,
         models={"policy": policy, "reference": reference.model if reference is not None else None},
+        forward_only=("reference",) if reference is not None and not precompute else (),
+        scored=lambda i: response_tokens(data.train[i]),
     )
 
 
@@ -285,6 +287,11 @@ def token_scores(model, batch: dict, *, keep: bool = False, path: str = "fused")
         keep=keep,
         path=path,
     )
+
+
+def response_tokens(pair) -> int:
+    """The tokens of both responses of a pair, each with its EOS: the positions a step scores."""
+    return len(pair.chosen_ids) + len(pair.rejected_ids) - 2 * pair.prompt_len
 
 
 def collate(pairs, pad_id: int, device, packed: bool) -> dict[str, torch.Tensor]:

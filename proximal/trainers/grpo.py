@@ -41,6 +41,7 @@ from proximal.core import (
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
+from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
 from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
@@ -50,6 +51,7 @@ from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
+from proximal.train.perf import online_step_flops
 from proximal.train.run import due, open_run
 from proximal.trainers.grpo_config import ADVANTAGES, LOSSES, GRPOConfig
 
@@ -114,6 +116,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         progress=cfg.output.progress,
         tensorboard=cfg.output.tensorboard,
         wandb_project=cfg.output.wandb_project,
+        precision=t.precision,
     )
     run.record_models(
         engine=engine,
@@ -199,7 +202,18 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 7. Log, sample rows, checkpoint. Means over the rows with a finite score go through the
         # distributed helpers, from each rank's own rows; the std and what the filters decided are
-        # read from the gathered batch, which every rank holds whole.
+        # read from the gathered batch, which every rank holds whole. The step's model FLOPs: the
+        # actor's decode; π_old (when computed), π_ref (β > 0) and r_ψ forward; the actor's training.
+        step_s = time.perf_counter() - t0
+        flops = online_step_flops(
+            run.shapes,
+            prompt_mask=got.rollout.prompt_mask,
+            response_mask=got.rollout.response_mask,
+            policy="actor",
+            forward=("reference", "reward_model") + (() if one_step_per_batch else ("actor",)),
+            trained={"actor": update["trained"]},
+            device=run.device,
+        )
         w, lengths = got.valid.float(), got.rollout.response_mask.sum(1).float()
         metrics = {
             "score/mean": dist.global_mean(got.scores, w),
@@ -218,7 +232,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             "data/prompts_skipped_empty": prompts.skipped_empty,
             "speed/gen_tokens_per_s": dist.global_sum(lengths.sum()) / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            "time/step_s": time.perf_counter() - t0,
+            **run.utilisation(step_s, flops=flops, tokens=update["tokens"]),
+            "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
         }
         run.log(
@@ -321,8 +336,9 @@ def grpo_update(
     ``mini_batch_size`` = the batch (the default) that is the whole generation batch.
     ``logprobs_path``: ``train.logprobs`` (:func:`proximal.models.output.token_logprobs`).
 
-    Returns ``{"stats": {...}, "tokens": int}``: statistics averaged over the optimiser steps, and the
-    tokens this update passed through the actor (all ranks).
+    Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``: statistics averaged over the
+    optimiser steps, and the tokens this update passed through the actor (all ranks): their count,
+    and with their lengths and scored positions for the FLOP count.
     """
     W, rank = dist.world_size(), dist.rank()
     B = len(exp)
@@ -330,7 +346,7 @@ def grpo_update(
     gen = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
-    tokens = 0
+    tokens, trained = 0, Tokens()
     for _iteration in range(iterations):
         order = torch.randperm(B, generator=gen).to(device)
         for start in range(0, B, mini_batch_size):
@@ -376,6 +392,8 @@ def grpo_update(
                     "n_tokens": n_tok,
                     "entropy_sum": entropy,
                     "seen_tokens": m.rollout.attention_mask.sum(),
+                    "seen_squares": m.rollout.attention_mask.sum(1).square().sum(),
+                    "scored_tokens": mask.sum(),
                     **{name: st[k] * n_tok for name, k in _TOKEN_STATS},
                     **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
                     **{name: st[k] for name, k in _MAX_STATS + _MIN_STATS},
@@ -396,6 +414,9 @@ def grpo_update(
             row.update({name: sums[name] for name, _ in _MAX_STATS + _MIN_STATS})
             row["policy/clipfrac"] = row["policy/clipfrac_low"] + row["policy/clipfrac_high"]
             tokens += int(sums["seen_tokens"])
+            trained += Tokens(
+                int(sums["seen_tokens"]), int(sums["seen_squares"]), int(sums["scored_tokens"])
+            )
             row["lr/actor"] = actor.scheduler.get_last_lr()[0]  # the rate this step runs at
             row["grad_norm/actor"] = clip_and_step(
                 actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
@@ -410,7 +431,7 @@ def grpo_update(
     if beta == 0:
         del stats["kl/ref_k3"]  # no reference was loaded: there is nothing to report
     stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))
-    return {"stats": stats, "tokens": tokens}
+    return {"stats": stats, "tokens": tokens, "trained": trained}
 
 
 # ----------------------------------------------------------------------------------------------

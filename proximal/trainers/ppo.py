@@ -43,6 +43,7 @@ from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
 from proximal.logging import write_samples
+from proximal.models.flops import Tokens
 from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.output import TokenScores, token_logprobs
 from proximal.models.parallel import load_dtype, prepare_trained
@@ -55,6 +56,7 @@ from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train.batches import accumulate
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
+from proximal.train.perf import global_tokens, online_step_flops
 from proximal.train.run import due, open_run
 from proximal.trainers.ppo_config import PPOConfig
 
@@ -149,6 +151,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         progress=cfg.output.progress,
         tensorboard=cfg.output.tensorboard,
         wandb_project=cfg.output.wandb_project,
+        precision=t.precision,
     )
     run.record_models(
         engine=engine,
@@ -256,7 +259,18 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         beta_used = kl_ctl.beta
         kl_ctl.update(seq_kl, n_steps=int(dist.global_sum(int(valid.sum()))))
 
-        # 8. Log, sample rows, checkpoint.
+        # 8. Log, sample rows, checkpoint. The step's model FLOPs: the actor's decode; π_old (unless the
+        # first pass gave it), π_ref, V_old and r_ψ forward; the actor's and the critic's training passes.
+        step_s = time.perf_counter() - t0
+        flops = online_step_flops(
+            run.shapes,
+            prompt_mask=rollout.prompt_mask,
+            response_mask=rollout.response_mask,
+            policy="actor",
+            forward=("reference", "critic", "reward_model") + (("actor",) if first is None else ()),
+            trained={"actor": update["trained"] + update["ptx"], "critic": update["trained"]},
+            device=run.device,
+        )
         w, lengths = valid.float(), rollout.response_mask.sum(1).float()
         gen_tokens = dist.global_sum(lengths.sum())
         metrics = {
@@ -277,7 +291,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "data/prompts_skipped_empty": prompts.skipped_empty,
             "speed/gen_tokens_per_s": gen_tokens / max(got.generate_s, 1e-9),
             "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            "time/step_s": time.perf_counter() - t0,
+            **run.utilisation(step_s, flops=flops, tokens=update["tokens"] + update["ptx"].body),
+            "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
         }
         run.log(
@@ -430,8 +445,9 @@ def ppo_update(
     ``logprobs_path``: ``train.logprobs`` for the actor's and PTX's log-probabilities
     (:func:`proximal.models.output.token_logprobs`).
 
-    Returns ``{"stats": {...}, "tokens": int}``: mean losses and statistics over the optimiser steps,
-    and the tokens this update passed through the models (all ranks).
+    Returns ``{"stats": {...}, "tokens": int, "trained": Tokens, "ptx": Tokens}``: mean losses and
+    statistics over the optimiser steps, and the tokens this update passed through the models (all
+    ranks): their count, those of the rollout's rows for the FLOP count, and PTX's.
     """
     W, rank = dist.world_size(), dist.rank()
     B, mb = len(exp), min(mini_batch_size, len(exp))
@@ -439,7 +455,7 @@ def ppo_update(
     g = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
-    tokens = 0
+    tokens, trained, ptx_tokens = 0, Tokens(), Tokens()
     stopped, epochs_run = False, 0
     for epoch in range(epochs):
         epochs_run += 1
@@ -476,7 +492,8 @@ def ppo_update(
             )
             given = None  # the first pass's graph is not held through the critic's pass
             if ptx is not None:
-                loss = ptx_step(actor.module, tokenizer, ptx, path=logprobs_path)
+                loss, seen = ptx_step(actor.module, tokenizer, ptx, path=logprobs_path)
+                ptx_tokens += seen
                 (ptx.coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
             row["grad_norm/actor"] = clip_and_step(
@@ -498,6 +515,8 @@ def ppo_update(
                 critic.module, critic.optimizer, critic.scheduler, max_grad_norm, what="critic"
             )
             tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
+            for m in micro:
+                trained += Tokens.from_masks(m.rollout.attention_mask, m.mask)
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
             if target_kl is not None and row["policy/approx_kl"] > target_kl:
@@ -515,7 +534,12 @@ def ppo_update(
     stats["policy/early_stopped"] = float(stopped)
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs
-    return {"stats": stats, "tokens": int(dist.global_sum(tokens))}
+    return {
+        "stats": stats,
+        "tokens": int(dist.global_sum(tokens)),
+        "trained": global_tokens(trained, device),
+        "ptx": ptx_tokens,
+    }
 
 
 def actor_pass(
@@ -627,9 +651,10 @@ def critic_pass(
     }
 
 
-def ptx_step(actor, tokenizer, ptx: PTXData, *, path: str = "fused") -> torch.Tensor:
+def ptx_step(actor, tokenizer, ptx: PTXData, *, path: str = "fused") -> tuple[torch.Tensor, Tokens]:
     """This rank's share of −L^PTX on the next global batch of pretraining texts (normalised by the
-    whole batch's token count, like the PPO losses); ``path``: ``train.logprobs``."""
+    whole batch's token count, like the PPO losses); ``path``: ``train.logprobs``. With it, the
+    whole batch's tokens (every rank's), for the step's FLOP count."""
     batch = ptx.sampler.next_global_batch()
     rows = [
         tokenizer(ptx.texts[i], add_special_tokens=True).input_ids[: ptx.max_length] for i in batch
@@ -642,7 +667,8 @@ def ptx_step(actor, tokenizer, ptx: PTXData, *, path: str = "fused") -> torch.Te
         actor, ids, att, 0, ids.shape[1] - 1, ids[:, 1:], mask=mask, path=path
     ).logprobs  # position i predicts token i + 1
     # −L^PTX = ptx_loss's mean NLL, from the log-probabilities (core.losses.nll_from_logprobs)
-    return nll_from_logprobs(logprobs, mask, normalizer=total / dist.world_size())
+    loss = nll_from_logprobs(logprobs, mask, normalizer=total / dist.world_size())
+    return loss, Tokens.of([len(x) for x in rows], head=total)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -139,6 +139,7 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
         micro_step=micro_step,
         units=tokens,
         lengths=lambda i: [len(data.train[i].input_ids)],
+        scored=lambda i: data.train[i].n_targets,
         metrics=metrics,
         held_out=held_out,
         postfix={"loss": ("eval/loss", "train/loss")},

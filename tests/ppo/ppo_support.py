@@ -22,7 +22,7 @@ def prompt_texts(n: int = 24) -> list[str]:
 
 
 # Keys whose values depend on the clock, never on the computation: left out of exact comparisons.
-TIMING_PREFIXES = ("time/", "speed/", "memory/")
+TIMING_PREFIXES = ("time/", "speed/", "perf/", "memory/")
 
 # Every per-step metric issue 3 (item 8) asks for, under the names trainers/ppo.py logs them.
 REQUIRED_METRICS = (
@@ -42,6 +42,9 @@ REQUIRED_METRICS = (
     "response/eos_frac",  # EOS fraction
     "speed/gen_tokens_per_s",  # generation tokens/s
     "speed/train_tokens_per_s",  # training tokens/s
+    "perf/tokens_per_s",
+    "perf/flops_per_s",
+    "perf/mfu",  # utilisation (issue 22): model FLOPs against the device's peak
     "time/wall_s",  # wall seconds
 )
 

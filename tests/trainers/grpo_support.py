@@ -23,6 +23,9 @@ REQUIRED_METRICS = (
     "grad_norm/actor",  # entropy, gradient norm
     "speed/gen_tokens_per_s",
     "speed/train_tokens_per_s",  # tokens/s
+    "perf/tokens_per_s",
+    "perf/flops_per_s",
+    "perf/mfu",  # utilisation: model FLOPs against the device's peak
     "loss/total",
     "loss/policy",
     "loss/kl",

@@ -77,7 +77,10 @@ def _argv(command, base, tmp_path, name, steps):
 
 
 def _without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
+        for r in rows
+    ]
 
 
 @pytest.mark.parametrize("command", ["sft", "rm"])

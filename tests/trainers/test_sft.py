@@ -182,7 +182,7 @@ def test_output_dir_is_never_clobbered_by_accident(base, tmp_path):
 
     def metrics():
         return [
-            {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
+            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
             for r in read_metrics(out / "metrics.jsonl")
         ]
 

@@ -157,7 +157,10 @@ def test_the_merged_export_is_a_plain_model_and_dpo_starts_from_it(
 
 
 def _without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
+        for r in rows
+    ]
 
 
 def test_a_lora_run_resumes_exactly(assets, tmp_path, monkeypatch, capsys):
