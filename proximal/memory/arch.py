@@ -58,6 +58,7 @@ class Architecture:
     gated_mlp: bool = True
     rms_norm: bool = True
     source: str = ""
+    checkpoint_class: str = ""  # config.json's first "architectures" entry, e.g. LlamaForCausalLM
 
     @property
     def q_dim(self) -> int:
@@ -308,6 +309,7 @@ def architecture_from_config(cfg: dict, source: str = "config") -> Architecture:
         gated_mlp=gated,
         rms_norm=rms,
         source=source,
+        checkpoint_class=str((cfg.get("architectures") or [""])[0]),
     )
 
 

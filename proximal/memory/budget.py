@@ -54,6 +54,8 @@ ONLINE = ("ppo", "grpo", "rloo")
 #:            (proximal.core.logprobs);
 #: ``full``   a generic trainer: logits at every position and a float32 log-softmax kept for backward.
 LOGPROBS = ("fused", "logits", "full")
+#: The attention kernel: ``sdpa`` (flash / memory-efficient, no s x s matrix kept) or ``eager``.
+ATTENTION = ("sdpa", "eager")
 
 #: proximal.core.fused.DEFAULT_CHUNK_ELEMENTS: logits elements one fused chunk holds (tokens = this // V).
 FUSED_CHUNK_ELEMENTS = 2**23
@@ -165,6 +167,9 @@ class Setup:
     gpu_memory: int = 80 * GiB
     forward_cache: bool = True  # training/scoring forwards keep a KV cache (transformers' default)
     logprobs: str = "full"
+    attention: str = (
+        "sdpa"  # "eager" keeps each head's s x s probabilities (proximal on a CPU in bf16)
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -177,6 +182,8 @@ class Setup:
             raise ValueError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.logprobs not in LOGPROBS:
             raise ValueError(f"logprobs {self.logprobs!r} is not one of {', '.join(LOGPROBS)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
         for name in (
             "batch",
             "prompt_len",
@@ -232,6 +239,13 @@ class Setup:
     def frozen_shards(self) -> int:
         """How many GPUs share one copy of a frozen model: W, or 1 with frozen_sharding replicate."""
         return self.shards if self.frozen_sharding == "shard" else 1
+
+    @property
+    def float32_residual(self) -> bool:
+        """bf16-mixed on one device runs under ``torch.autocast``, whose products are bfloat16 while the
+        residual stream stays float32 (the float32 master embedding feeds it, and every norm keeps
+        it so); FSDP2's mixed precision casts the whole unit instead, and the stream is bfloat16."""
+        return self.precision == "bf16-mixed" and self.shards == 1
 
     @property
     def offload(self) -> bool:
@@ -362,7 +376,8 @@ def _head_bytes(
                 and kept for backward; at most one chunk of c = min(2²³ // V, m·n) tokens at a time:
                 in forward c·V·(FUSED_FORWARD_BYTES + 4 with the entropy), in backward
                 c·V·FUSED_BACKWARD_BYTES, the gradient of the hidden states m·n·h and the head's
-                float32 V·h gradient accumulator (+ a bfloat16 V·h product under bf16).
+                float32 V·h gradient accumulator (+ a bfloat16 V·h product under bf16, + its
+                bfloat16 copy when the weight is bfloat16: bf16-true, or FSDP2's gathered unit).
     """
     by = precision_bytes(setup)
     V, h = arch.vocab_size, arch.hidden_size
@@ -379,8 +394,32 @@ def _head_bytes(
     forward = c * (FUSED_FORWARD_BYTES[mm] + (4 if entropy else 0))
     if not grad:
         return hidden, forward
-    backward = c * FUSED_BACKWARD_BYTES[mm] + hidden + V * h * (4 + (2 if mm == 2 else 0))
+    # ∂L/∂W: a float32 accumulator, the bfloat16 product of each chunk, and its copy into the
+    # weight's dtype when that is not float32 (bf16-true, or FSDP2's bfloat16 gathered unit)
+    bf16_weight = setup.precision == "bf16-true" or (
+        setup.precision == "bf16-mixed" and setup.shards > 1
+    )
+    head_grad = V * h * (4 + (2 if mm == 2 else 0) + (2 if bf16_weight else 0))
+    backward = c * FUSED_BACKWARD_BYTES[mm] + hidden + head_grad
     return hidden, max(forward, backward)
+
+
+def _layer_extra(arch: Architecture, setup: Setup, s: int) -> tuple[int, int]:
+    """Bytes per token per layer above ``activation_bytes_per_token_layer``, and above the final norm's:
+
+    - a float32 residual stream (:attr:`Setup.float32_residual`): each norm's input, normalised x
+      and output are float32 and the next product saves a bfloat16 copy of the output — 14h bytes
+      per norm where the bfloat16 count gives 8h (RMSNorm; 10h against 4h for a LayerNorm): + 6h per
+      norm;
+    - eager attention: each head's s probabilities per token, float32 from the softmax and, in 16-bit,
+      their copy in the compute dtype that the product with V saves: + heads · s · (4 + b).
+    """
+    b = precision_bytes(setup).compute
+    norm = 6 * arch.hidden_size if setup.float32_residual else 0
+    eager = 0
+    if setup.attention == "eager":
+        eager = arch.num_heads * s * (4 + (b if b != 4 else 0))
+    return 2 * norm + eager, norm
 
 
 def training_activation_bytes(
@@ -418,8 +457,9 @@ def training_activation_bytes(
     b = by.compute
     m = setup.micro_batch if rows is None else rows
     s = setup.seq_len
-    a = arch.activation_bytes_per_token_layer(b)
-    final = m * s * arch.final_norm_bytes_per_token(b)
+    layer_extra, norm_extra = _layer_extra(arch, setup, s)
+    a = arch.activation_bytes_per_token_layer(b) + layer_extra
+    final = m * s * (arch.final_norm_bytes_per_token(b) + norm_extra)
     if head == "lm":
         kept, extra = _head_bytes(
             arch, setup, m, s, setup.scored_positions, grad=True, entropy=entropy
@@ -427,7 +467,8 @@ def training_activation_bytes(
     else:
         kept, extra = m * s * LOGIT_BYTES, 0
     if setup.activation_checkpointing:
-        stored = m * s * arch.num_layers * arch.hidden_size * b + final
+        stream = 4 if setup.float32_residual else b  # each block's input: the residual stream
+        stored = m * s * arch.num_layers * arch.hidden_size * stream + final
         out = (stored + kept, max(extra, m * s * a - kept))
     else:
         cache = m * s * arch.kv_bytes_per_token(b) if setup.forward_cache else 0
@@ -451,6 +492,10 @@ def forward_only_bytes(
     m = setup.micro_batch if rows is None else rows
     s = setup.seq_len
     working = m * s * arch.forward_working_bytes_per_token(b)
+    if setup.float32_residual:  # the residual and the normed input in float32
+        working += m * s * 2 * arch.hidden_size * (4 - b)
+    if setup.attention == "eager":  # one layer's scores, float32 probabilities and their copy
+        working = max(working, m * s * arch.num_heads * s * (2 * b + 4))
     end = m * s * arch.hidden_size * b
     if head == "lm":
         kept, extra = _head_bytes(
@@ -558,6 +603,12 @@ def plan(setup: Setup) -> Plan:
     rows: dict[str, Row] = {}
     actor = rows[actor_role] = trained_row(actor_role, setup.actor, actor_head, True)
     a_arch = setup.actor.arch
+    if setup.method == "rm" and a_arch and a_arch.checkpoint_class.endswith("ForCausalLM"):
+        # A reward model started from a causal LM: transformers (5.x) loads the checkpoint's output
+        # head as an unexpected key and keeps that tensor alive, though the scorer never uses it.
+        unused = (a_arch.lm_params - a_arch.backbone_params()) * by.weight
+        actor.parameters += _div(unused, W)
+        actor.note = "+ the causal LM's unused output head, kept by transformers after loading"
     critic = None
     if setup.method == "ppo":
         critic = rows["critic"] = trained_row("critic", setup.critic, "score", setup.critic_lora)

@@ -74,8 +74,10 @@ def read_yaml(path: str | Path) -> tuple[dict, str]:
     return data, str(file)
 
 
-def method_of(data: dict) -> str | None:
-    """The method a config's sections name (module docstring), or None when they name none."""
+def method_of(data: dict, complete: bool = False) -> str | None:
+    """The method a config's sections name (module docstring), or None when they name none.
+    ``complete``: the file holds every section of its command (a run directory's config.yaml), so
+    a config with none of the other methods' marks is reward-model training's."""
     if "ppo" in data or "kl" in data:
         return "ppo"
     if "grpo" in data:
@@ -86,7 +88,7 @@ def method_of(data: dict) -> str | None:
             return method
     if "loss_on" in (data.get("data") or {}):
         return "sft"
-    return None
+    return "rm" if complete and "train" in data and "data" in data else None
 
 
 def _defaults(method: str) -> dict:
@@ -111,7 +113,7 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
     """The :class:`RunPlan` of the run at ``path``; ``method`` as ``--method`` gives it (it must agree
     with the sections the file has, when it has any)."""
     data, file = read_yaml(path)
-    found = method_of(data)
+    found = method_of(data, complete=Path(path).expanduser().is_dir())
     if method is None:
         if found is None:
             raise RunReadError(
@@ -151,6 +153,10 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
     ):
         if f[key] not in choices:
             raise RunReadError(f"{file}: {name} = {f[key]!r} is not one of {', '.join(choices)}")
+    # proximal.models.parallel.choose_attention: on a CPU computing in bfloat16, eager attention.
+    device = get("train.device", str, None)
+    if device == "cpu" and f["precision"] != "32-true":
+        f["attention"] = "eager"
     f["lora_rank"] = get("model.lora_r", int, 0)
     targets = values.get("model.lora_target_modules") or ["all-linear"]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
