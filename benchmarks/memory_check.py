@@ -377,6 +377,10 @@ def worker(spec: dict, method: str) -> dict:
         response_len=T,
         micro_batch=mb,
         activation_checkpointing=bool(spec.get("checkpointing")),
+        # the step above: logits at every position and a float32 log-softmax kept for backward, and
+        # transformers' forward KV cache (plain model() calls) — the planner's generic trainer
+        logprobs="full",
+        forward_cache=True,
     )
     p = memory.plan(setup)
     out.update(

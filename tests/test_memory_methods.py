@@ -125,6 +125,25 @@ def test_a_reward_model_from_a_causal_lm_holds_its_unused_head(arch):
     assert from_lm.parameters == 4 * N_SCORE + 4 * 100 * 64 and "unused output head" in from_lm.note
 
 
+def test_only_a_scorer_loaded_from_a_causal_lm_holds_its_head(tmp_path, model_dir):
+    """--run with model.critic: policy loads the critic from the policy's causal-LM checkpoint (its
+    head kept); the flags' default reward model and critic only share the actor's shape."""
+    import json as json_
+
+    cfg = json_.loads((model_dir / "config.json").read_text())
+    causal = tmp_path / "causal"
+    causal.mkdir()
+    (causal / "config.json").write_text(json_.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    d = run_dir(tmp_path, "ppo", causal, **{"model.critic": "policy"})
+    setup, _ = plan_run(str(d))
+    p = plan(setup)
+    assert p.rows["critic"].parameters == 4 * N_SCORE + 4 * 100 * 64
+    assert p.rows["reward"].parameters == 4 * N_SCORE  # frozen: loaded as the scorer it must be
+    flags = memory.command.build_parser().parse_args(["--config", str(causal)])
+    setup, _ = memory.command.setup_from_args(flags, memory.command.build_parser())
+    assert plan(setup).rows["critic"].parameters == 2 * N_SCORE  # --dtype bfloat16, no extra head
+
+
 def test_lora_shares_the_reference_and_trains_only_adapters(arch):
     adapters = (
         33_792  # rank 8 on every linear layer of the 3 blocks (tests/test_memory.py, by hand)

@@ -578,6 +578,12 @@ def plan(setup: Setup) -> Plan:
             note = f"LoRA r={r}: {_count(trainable)} trainable"
         else:
             trainable, weights, note = spec.n_params, spec.n_params * by.weight, ""
+        if head == "score" and spec.arch and spec.arch.checkpoint_class.endswith("ForCausalLM"):
+            # A scorer started from a causal LM (rm's model.path, ppo's model.critic: policy):
+            # transformers (5.x) loads the checkpoint's output head as an unexpected key and keeps
+            # that tensor alive, though the scorer never uses it.
+            weights += spec.arch.lm_head_params() * by.weight
+            note = (note + "; " if note else "") + "+ the causal LM's unused output head"
         return Row(
             role,
             spec.n_params,
@@ -603,12 +609,6 @@ def plan(setup: Setup) -> Plan:
     rows: dict[str, Row] = {}
     actor = rows[actor_role] = trained_row(actor_role, setup.actor, actor_head, True)
     a_arch = setup.actor.arch
-    if setup.method == "rm" and a_arch and a_arch.checkpoint_class.endswith("ForCausalLM"):
-        # A reward model started from a causal LM: transformers (5.x) loads the checkpoint's output
-        # head as an unexpected key and keeps that tensor alive, though the scorer never uses it.
-        unused = (a_arch.lm_params - a_arch.backbone_params()) * by.weight
-        actor.parameters += _div(unused, W)
-        actor.note = "+ the causal LM's unused output head, kept by transformers after loading"
     critic = None
     if setup.method == "ppo":
         critic = rows["critic"] = trained_row("critic", setup.critic, "score", setup.critic_lora)

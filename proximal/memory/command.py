@@ -306,6 +306,9 @@ def setup_from_args(
     else:
         actor_arch = None
     actor = ModelSpec.of(actor_arch, head) if actor_arch else ModelSpec(args.params)
+    # A scorer that only shares the actor's shape (the flags' default reward model) was never loaded
+    # from its causal-LM checkpoint: no unused head of that checkpoint comes with it.
+    as_scorer = replace(actor_arch, checkpoint_class="") if actor_arch else None
 
     def scorer(flag: str, path: str | None, params: int | None) -> ModelSpec | None:
         if path:
@@ -322,7 +325,7 @@ def setup_from_args(
                     _arch(f"{run.file}: model.reward_model", run.reward_path, parser), "score"
                 )
         else:  # the reward model has the actor's backbone with a scalar head instead of the LM head
-            reward = ModelSpec.of(actor_arch, "score") if actor_arch else ModelSpec(actor.n_params)
+            reward = ModelSpec.of(as_scorer, "score") if actor_arch else ModelSpec(actor.n_params)
     critic = None
     if method == "ppo":
         critic = scorer("--critic-config", args.critic_config, args.critic_params)

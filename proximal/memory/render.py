@@ -193,6 +193,13 @@ def to_json(
         }
 
     setup = asdict(p.setup)
+    for role in (
+        "actor",
+        "critic",
+        "reward",
+    ):  # each linear layer's shape is the count's, not the plan's
+        if (setup.get(role) or {}).get("arch"):
+            setup[role]["arch"].pop("linears", None)
     return {
         "method": p.setup.method,
         "setup": setup,
