@@ -90,8 +90,11 @@ def test_growth_state_bytes_are_the_hand_count():
     # actor 4 x 1000 (weights, grads, AdamW m and v), reference 1000, reward 700, critic 4 x 700; float32
     assert ppo["total"] == 4 * (4 * 1000 + 1000 + 700 + 4 * 700)
     assert ppo["gradients"] == 4 * (1000 + 700)
+    # one trained model is updated at a time: the held state has the larger one's gradients only
+    assert ppo["held"] == ppo["total"] - 4 * 700
     grpo = vocab_growth.state_bytes("grpo", model, "32-true")
     assert grpo["total"] == 4 * (4 * 1000 + 1000) and grpo["gradients"] == 4000
+    assert grpo["held"] == grpo["total"]
     mixed = vocab_growth.state_bytes("grpo", model, "bf16-mixed")  # frozen reference in bfloat16
     assert mixed["total"] == 4 * 4 * 1000 + 2 * 1000
     w = vocab_growth.work_at("ppo", 64_000)
@@ -107,17 +110,20 @@ def test_growth_criteria_read_the_numbers_the_right_way_round():
             "method": "ppo",
             "logprobs": "fused",
             "V": v,
-            "above_state_bytes": above,
+            "above_held_state_bytes": above,
+            "above_state_bytes": above - v,  # the critic's gradients, V-sized, counted too
             "step_s": step,
         }
 
     ok = vocab_growth.summarize([pt(32_000, 100, 2.0), pt(64_000, 105, 3.0), pt(128_000, 109, 5.0)])
     s = ok["ppo/fused"]
-    assert s["above_state_spread"] == pytest.approx(0.09) and s["memory_met"]
+    assert s["above_held_state_spread"] == pytest.approx(0.09) and s["memory_met"]
+    assert "above_state_spread" not in s  # negative figures: no spread is given
     assert s["step_growth"] == {32_000: 1.0, 64_000: 1.5, 128_000: 2.5}
     assert s["head_growth"] == {32_000: 1.0, 64_000: 2.0, 128_000: 4.0} and s["time_met"]
     assert s["fit"]["b_s_per_token"] == pytest.approx(3.0 / 96_000, rel=0.05)
     bad = vocab_growth.summarize([pt(32_000, 100, 1.0), pt(64_000, 120, 2.5)])["ppo/fused"]
+    assert bad["above_held_state_spread"] == pytest.approx(0.2)
     assert not bad["memory_met"] and not bad["time_met"]  # 20 % spread; 2.5x the time for 2x V
 
 
@@ -142,6 +148,40 @@ def test_compare_trl_takes_each_works_steps_and_smoke_with_trl():
     assert a.steps_of == {"grpo-vocab": 1} and a.with_trl
     with pytest.raises(SystemExit):
         compare_trl.parse_args(["--with-trl"])  # only with --smoke
+
+
+def test_growth_derives_a_points_figures_from_its_runs():
+    import vocab_growth
+
+    pt = {
+        "method": "grpo",
+        "logprobs": "fused",
+        "V": 1000,
+        "params": {"params_policy": 100, "params_reward": 90},
+        "precision": "32-true",
+        "memory_run": {
+            "allocator_peak_bytes": 5000,
+            # the actor's weights and AdamW moments, the reference's weights, 7 bytes of prompts
+            "step_start_live_bytes": 4 * (3 * 100 + 100) + 7,
+            "largest_allocations": [4 * 32 * 64 * 1000, 8],
+        },
+        "timing_runs": [
+            {"median_step_s": 3.0, "peak_rss_mib": 10.0},
+            {"median_step_s": 1.0, "peak_rss_mib": 30.0},
+            {"median_step_s": 2.0, "peak_rss_mib": 20.0},
+            {
+                "error": "exit 1",
+                "median_step_s": 0.1,
+                "peak_rss_mib": 1.0,
+            },  # a failed run: left out
+        ],
+    }
+    vocab_growth.derive(pt)
+    assert pt["state_bytes"]["total"] == 4 * (4 * 100 + 100)
+    assert pt["above_held_state_bytes"] == 5000 - 2000 and pt["above_state_bytes"] == 3000
+    assert pt["step_start_minus_state_bytes"] == 7
+    assert pt["largest_allocation_vs_BRV"] == 1.0  # one (B, R, V) float32 tensor: B 32, R 64
+    assert pt["step_s"] == 2.0 and pt["peak_rss_mib"] == 20.0
 
 
 def test_replace_keeps_arch_fields():

@@ -137,6 +137,21 @@ def logprobs_used(run_dir: Path) -> str | None:
     return (cfg.get("train") or {}).get("logprobs")
 
 
+def version() -> str:
+    """This tree's commit, ``+dirty`` when ``proximal/`` has uncommitted changes (what was measured)."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run(
+            git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            git + ["status", "--porcelain", "--", "proximal"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "?"
+    return (commit or "?") + ("+dirty" if dirty else "")
+
+
 def has_command(name: str) -> bool:
     """Whether this tree's proximal has ``proximal <name>`` (GRPO may not exist yet)."""
     code = (
