@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-cluster lint format compare install clean
+.PHONY: demo test test-cluster test-learning lint format compare install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +27,16 @@ compare: $(STAMP)
 	$(VENV)/bin/proximal compare --output.dir compare_out $(COMPARE_ARGS)
 
 # Every test but those marked `cluster` (multi-process pre-emption, torchrun elastic restarts and
-# multi-node rendezvous: tens of seconds each), which `make test-cluster` runs.
+# multi-node rendezvous: tens of seconds each), which `make test-cluster` runs, and those marked
+# `learning` (learning over several seeds: minutes each), which `make test-learning` runs.
 test: $(STAMP)
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not cluster and not learning" $(PYTEST_ARGS)
 
 test-cluster: $(STAMP)
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
+
+test-learning: $(STAMP)
+	$(PY) -m pytest -m learning -s $(PYTEST_ARGS)
 
 # ruff's lint and format check (CI runs it before the tests); `make format` rewrites in place.
 LINTED := proximal tests benchmarks
