@@ -100,7 +100,7 @@ NOTES = """
   `Qwen2Tokenizer` on both sides); prompts round-trip to the same ids as on the small works.
 - **Batch**: as the wide work: 32 prompts of 32 tokens, responses of exactly 64 (PPO: 32 sequences a
   step; GRPO: 8 prompts × 4 completions). Every other setting as on the PPO and GRPO works above.
-- **Steps**: 5 a run (the median of steps 2–5), since TRL's steps take tens of seconds here.
+- **Steps**: 3 a run (the median of steps 2–3), since a TRL PPO step takes about a minute here.
 - **What each side computes log-probabilities with**: proximal the path its config chooses
   (`train.logprobs`: `fused`, the default since issue 22, computes them from the hidden states chunk by
   chunk and never holds a (B, T, V) tensor; `logits` is the path before it); every run's record says
@@ -163,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps",
         type=int,
         default=None,
-        help="training steps a run (default: each work's own, 10 — medians of steps 2–10 — and 5 for "
+        help="training steps a run (default: each work's own, 10 — medians of steps 2–10 — and 3 for "
         "the vocab works, whose TRL steps take tens of seconds)",
     )
     ap.add_argument(

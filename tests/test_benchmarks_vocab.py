@@ -35,7 +35,7 @@ from harness.works import (  # noqa: E402
 def test_vocab_works_are_qwen2_at_its_vocabulary_with_64_token_responses():
     for w in (PPO_VOCAB, GRPO_VOCAB):
         assert (w.arch, w.vocab, w.tied, w.kv_heads) == ("qwen2", 151_936, True, 2)
-        assert w.response_len >= 64 and w.batch == 32 and w.steps == 5
+        assert w.response_len >= 64 and w.batch == 32 and w.steps == 3
     assert GRPO_VOCAB.batch // GRPO_VOCAB.group_size == 8  # 8 prompts x 4 completions
     assert report.TARGETS["ppo-vocab"] == 0.35 and report.TARGETS["grpo-vocab"] == 0.5
     assert report.RSS_TARGETS == {"ppo-vocab": 0.3, "grpo-vocab": 0.4}
@@ -130,8 +130,8 @@ def test_growth_criteria_read_the_numbers_the_right_way_round():
 def test_report_names_each_works_steps():
     assert report._steps({"steps": 10, "steps_of": {"tiny": 10}}) == "10 steps a run"
     assert (
-        report._steps({"steps": None, "steps_of": {"tiny": 10, "wide": 10, "ppo-vocab": 5}})
-        == "10 steps a run (ppo-vocab: 5)"
+        report._steps({"steps": None, "steps_of": {"tiny": 10, "wide": 10, "ppo-vocab": 3}})
+        == "10 steps a run (ppo-vocab: 3)"
     )
     assert report._met(0.31, 0.3) == "no" and report._met(0.3, 0.3) == "yes"
     assert report._met(None, 0.3) == "—"
@@ -141,9 +141,9 @@ def test_compare_trl_takes_each_works_steps_and_smoke_with_trl():
     import compare_trl
 
     a = compare_trl.parse_args(["--works", "tiny,ppo-vocab"])
-    assert a.steps_of == {"tiny": 10, "ppo-vocab": 5}
-    a = compare_trl.parse_args(["--works", "tiny,ppo-vocab", "--steps", "3"])
-    assert a.steps_of == {"tiny": 3, "ppo-vocab": 3}
+    assert a.steps_of == {"tiny": 10, "ppo-vocab": 3}
+    a = compare_trl.parse_args(["--works", "tiny,ppo-vocab", "--steps", "4"])
+    assert a.steps_of == {"tiny": 4, "ppo-vocab": 4}
     a = compare_trl.parse_args(["--smoke", "--with-trl", "--works", "grpo-vocab"])
     assert a.steps_of == {"grpo-vocab": 1} and a.with_trl
     with pytest.raises(SystemExit):

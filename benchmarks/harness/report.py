@@ -76,7 +76,7 @@ def _f(x, nd=3) -> str:
 
 
 def _steps(meta: dict) -> str:
-    """ "10 steps a run", or "10 steps a run (ppo-vocab, grpo-vocab: 5)" where works differ."""
+    """ "10 steps a run", or "10 steps a run (ppo-vocab, grpo-vocab: 3)" where works differ."""
     steps_of = meta.get("steps_of") or {}
     counts = sorted(set(steps_of.values()))
     if meta.get("steps") or len(counts) <= 1:

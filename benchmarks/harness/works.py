@@ -111,7 +111,8 @@ MINI = Work(
 # hidden 128, 2 layers, 4 query heads over 2 key/value heads, tied embeddings as Qwen2-0.5B's — so the
 # vocabulary-sized tensors (the head's products, the logits and their gradients) are what a step is
 # about, on 2 cores in seconds. The shape of the wide work's batch: 32 prompts of 32 tokens, responses
-# of 64. A step takes tens of seconds on TRL's side, so a run is 5 steps (the median of steps 2-5).
+# of 64. A TRL step takes about a minute here, so a run is 3 steps (the median of steps 2-3): the
+# 3-round invocation of both works stays near 15 minutes on 2 cores.
 QWEN_VOCAB = 151_936
 PPO_VOCAB = Work(
     "ppo-vocab",
@@ -126,7 +127,7 @@ PPO_VOCAB = Work(
     batch=32,
     response_len=64,
     arch="qwen2",
-    steps=5,
+    steps=3,
 )
 # GRPO on the same model and the same sequences a step: 8 prompts x 4 completions = 32 of 32 + 64 tokens.
 GRPO_VOCAB = replace(PPO_VOCAB, name="grpo-vocab", method="grpo", group_size=4)
