@@ -8,6 +8,7 @@ downloaded. Models are built lazily (a test that needs GPT-2 builds GPT-2).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,11 @@ for sub in (
         sys.path.insert(0, str(HERE / sub))
 
 from ppo_support import ALPHABET, prompt_texts  # noqa: E402
+
+# Every run measures its peak FLOP/s for perf/mfu: a one-second matrix-product probe per process on a
+# CPU. The suite starts hundreds of runs, so they take a given figure instead (inherited by the
+# subprocesses); tests/train/test_perf.py clears it to test the probe itself.
+os.environ.setdefault("PROXIMAL_PEAK_FLOPS", "1e11")
 
 # A second tokenizer for a reward model: other special-token strings, the alphabet reversed (so every
 # id differs from the policy's) and a few characters the policy never writes.

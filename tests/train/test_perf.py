@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from proximal.config import ConfigError
 from proximal.models.flops import ModelShape, Tokens
 from proximal.train import perf
 
@@ -142,3 +143,26 @@ def test_online_step_flops_by_hand():
             forward=("critic",),
             trained={},
         )
+
+
+@pytest.fixture(autouse=True)
+def _no_given_peak(monkeypatch):
+    """The suite's conftest gives every run a peak; these tests are about finding one."""
+    monkeypatch.delenv(perf.PEAK_ENV, raising=False)
+
+
+def test_a_given_peak_is_used_and_recorded_not_probed(tmp_path, monkeypatch):
+    monkeypatch.setenv(perf.PEAK_ENV, "2.5e12")
+    monkeypatch.setattr(perf, "probe", lambda *a, **kw: pytest.fail("probed despite a given peak"))
+    record = perf.measure_peak(torch.device("cpu"), "32-true", tmp_path)
+    assert (record["method"], record["peak_flops_per_s"]) == ("given", 2.5e12)
+    assert (
+        json.loads((tmp_path / "perf.json").read_text())["source"] == "PROXIMAL_PEAK_FLOPS=2.5e12"
+    )
+
+
+@pytest.mark.parametrize("text", ["fast", "0", "-1e12", "inf", "nan"])
+def test_a_given_peak_that_is_not_a_positive_number_is_refused(tmp_path, monkeypatch, text):
+    monkeypatch.setenv(perf.PEAK_ENV, text)
+    with pytest.raises(ConfigError, match="PROXIMAL_PEAK_FLOPS"):
+        perf.measure_peak(torch.device("cpu"), "32-true", tmp_path)
