@@ -13,6 +13,7 @@ loading (unknown keys, wrong types, failed ``validate()`` checks) are reported t
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
@@ -31,9 +32,12 @@ def option(
     *,
     choices: tuple | None = None,
     default_factory: Any = dataclasses.MISSING,
+    python: str | None = None,
 ) -> Any:
-    """A documented config field. ``choices`` restricts the allowed values and is checked on load."""
-    metadata = {"help": help, "choices": choices}
+    """A documented config field. ``choices`` restricts the allowed values and is checked on load.
+    ``python``: a field that names a checkpoint or data file also takes, from Python, the thing itself
+    (:data:`PYTHON_KINDS`: ``"model"`` or ``"data"``; see :class:`PythonObject`)."""
+    metadata = {"help": help, "choices": choices, "python": python}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -56,6 +60,7 @@ def reworded(base: type, name: str, help: str) -> Any:
         help,
         choices=f.metadata.get("choices"),
         default_factory=f.default_factory,
+        python=f.metadata.get("python"),
     )
 
 
@@ -64,6 +69,120 @@ def section_problems(cfg: Any) -> list[str]:
     the start of each config's ``validate()``, which then adds the checks across sections."""
     parts = (getattr(cfg, f.name) for f in dataclasses.fields(cfg))
     return [problem for part in parts if hasattr(part, "problems") for problem in part.problems()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Objects given from Python (docs/python.md)
+# ----------------------------------------------------------------------------------------------
+
+#: What a field declared with ``option(python=KIND)`` takes from Python besides a path.
+PYTHON_KINDS = {
+    "model": "a loaded model (a transformers PreTrainedModel) or a (model, tokenizer) pair",
+    "data": "rows: a list of dicts, a datasets.Dataset or DatasetDict, or a pandas DataFrame",
+}
+#: How config.yaml and every message write a value given from Python.
+PLACEHOLDER = "<python object: "
+
+
+class PythonObject:
+    """A model or data set given from Python where a config file names a path (``option(python=)``).
+
+    ``value`` is the object as given; ``field`` its dotted config name. It prints as a placeholder,
+    ``<python object: Qwen2ForCausalLM>``, in messages and in the run's ``config.yaml``, which
+    cannot hold the object; a config file holding such a placeholder is refused with a message
+    saying how to continue the run (:func:`python_objects`). The loaders
+    (:func:`proximal.models.loading.load_causal_lm`, :func:`proximal.data.sources.read_rows`, ...)
+    take it where they take a path and use a copy of the object, never the object itself.
+    """
+
+    __slots__ = ("value", "field", "kind")
+
+    def __init__(self, value: Any, field: str, kind: str):
+        self.value, self.field, self.kind = value, field, kind
+
+    def __str__(self) -> str:
+        return f"{PLACEHOLDER}{python_name(self.value)}>"
+
+    __repr__ = __str__
+
+    def __deepcopy__(self, memo: dict) -> PythonObject:
+        return self  # a config copied (dataclasses.asdict) must not copy a model
+
+
+def python_name(value: Any) -> str:
+    """A short description of a Python object: ``Qwen2ForCausalLM``, ``list of 64 rows``, ``function
+    my_rewards.correct``."""
+    if isinstance(value, PythonObject):
+        return python_name(value.value)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and _is_model(value[0]):
+        return f"{type(value[0]).__name__} with its tokenizer"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)} rows"
+    if isinstance(value, dict) and hasattr(value, "column_names"):  # a datasets.DatasetDict
+        return f"{type(value).__name__} ({', '.join(map(str, value))})"
+    if hasattr(value, "column_names") or hasattr(value, "iloc"):  # a Dataset, a DataFrame
+        size = f" of {len(value)} rows" if hasattr(value, "__len__") else ""
+        return f"{type(value).__name__}{size}"
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"function {getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return type(value).__name__
+
+
+def _is_model(value: Any) -> bool:
+    """A transformers model, by what it has (no import of torch or transformers here)."""
+    return hasattr(value, "config") and hasattr(value, "save_pretrained") and callable(value)
+
+
+def _is_tokenizer(value: Any) -> bool:
+    return hasattr(value, "get_vocab") and hasattr(value, "decode")
+
+
+def _python_kind_problem(kind: str, value: Any) -> str | None:
+    """Why ``value`` cannot stand where a ``kind`` path is expected (None: it can)."""
+    if kind == "model":
+        if _is_model(value):
+            return None
+        if isinstance(value, (list, tuple)) and len(value) == 2:
+            if _is_model(value[0]) and _is_tokenizer(value[1]):
+                return None
+    elif kind == "data":
+        if isinstance(value, (list, tuple)) or hasattr(value, "column_names"):
+            return None
+        if hasattr(value, "iloc") and hasattr(value, "to_dict"):
+            return None
+    return f"expected a path or, from Python, {PYTHON_KINDS[kind]}; got {python_name(value)}"
+
+
+def python_objects(cfg: Any, prefix: str = "") -> list[str]:
+    """Make a config built in Python (or loaded with ``base=``) ready to validate, in place: a value
+    given where a field names a path — a model, rows — is wrapped in a :class:`PythonObject` (once);
+    a ``pathlib.Path`` becomes its string. Returns the problems: an object a field cannot take, and
+    a placeholder of an object that a config file (a run's ``config.yaml``) stands in for."""
+    problems = []
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, where = getattr(cfg, f.name), prefix + f.name
+        if _is_section(hints[f.name]):
+            problems += python_objects(value, where + ".")
+            continue
+        if isinstance(value, os.PathLike):
+            setattr(cfg, f.name, value := os.fspath(value))
+        kind = f.metadata.get("python")
+        if kind and value is not None and not isinstance(value, (str, PythonObject)):
+            problem = _python_kind_problem(kind, value)
+            if problem:
+                problems.append(f"{where}: {problem}")
+            else:
+                setattr(cfg, f.name, PythonObject(value, where, kind))
+        texts = value if isinstance(value, list) else [value]
+        problems += [
+            f"{where} = {text!r}: the run was given a Python object here, which a config file "
+            "cannot hold; continue it from Python with the same objects (docs/python.md), or save "
+            "the object (save_pretrained, a data file) and give its path"
+            for text in texts
+            if isinstance(text, str) and text.startswith(PLACEHOLDER)
+        ]
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +251,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 raise ValueError
             return float(value)
         if inner is str:
-            if isinstance(value, (dict, list)):
+            if isinstance(value, os.PathLike):
+                return os.fspath(value)
+            if not isinstance(value, (str, int, float)):  # YAML's scalars; never str() of an object
                 raise ValueError
             return str(value)
         if origin in (list, tuple):
@@ -159,8 +280,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if inner is Any:
             return value
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {value!r} is not a valid {_type_name(tp)}") from None
+        raise ConfigError(f"{where}: {_shown(value)} is not a valid {_type_name(tp)}") from None
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value in a message: its repr, or a placeholder for an object (a model's repr is pages long)."""
+    if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict)):
+        return repr(value)
+    return f"{PLACEHOLDER}{python_name(value)}>"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,6 +309,9 @@ def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[s
             errors.append(f"{where}: unknown key (known here: {known})")
             continue
         tp = hints[key]
+        if fields[key].metadata.get("python") and not isinstance(value, (str, type(None))):
+            setattr(cfg, key, value)  # a model or rows from Python: python_objects checks it
+            continue
         if _is_section(tp):
             if not isinstance(value, dict):
                 errors.append(f"{where}: expected a section (mapping), got {value!r}")
@@ -265,7 +396,9 @@ def load_config(
         _apply(cfg, data, "", errors, renamed)
     if overrides:
         _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
-    if hasattr(cfg, "validate"):  # fields that failed to load kept their (valid) defaults
+    problems = python_objects(cfg)
+    errors.extend(problems)
+    if hasattr(cfg, "validate") and not problems:  # fields that failed to load kept their defaults
         errors.extend(cfg.validate())
     raise_if_invalid(errors)
     return cfg
@@ -279,12 +412,29 @@ def raise_if_invalid(errors: list[str]) -> None:
 
 def check_valid(cfg: Any) -> None:
     """``cfg.validate()``'s problems as one ConfigError: what a trainer called with a config built in
-    code (not through :func:`load_config`) checks first."""
-    raise_if_invalid(cfg.validate())
+    code (not through :func:`load_config`) checks first. Objects given from Python are wrapped
+    first (:func:`python_objects`)."""
+    raise_if_invalid(python_objects(cfg) or cfg.validate())
 
 
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain YAML values, section by section; an object given from Python (a model,
+    rows, a reward function) as its placeholder, ``<python object: ...>``."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_dict(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return str(value) if isinstance(value, PythonObject) else f"{PLACEHOLDER}{python_name(value)}>"
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
