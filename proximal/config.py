@@ -115,7 +115,9 @@ def python_name(value: Any) -> str:
     if isinstance(value, PythonObject):
         return python_name(value.value)
     if isinstance(value, (list, tuple)) and len(value) == 2 and _is_model(value[0]):
-        return f"{type(value[0]).__name__} with its tokenizer"
+        if _is_tokenizer(value[1]):
+            return f"{type(value[0]).__name__} with its tokenizer"
+        return f"({type(value[0]).__name__}, {type(value[1]).__name__})"
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of {len(value)} rows"
     if isinstance(value, dict) and hasattr(value, "column_names"):  # a datasets.DatasetDict

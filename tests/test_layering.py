@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "proximal"
 #: parts of lower layers only; two parts of one layer are independent of each other.
 LAYERS: dict[str, int] = {
     # the foundation: pure math, the config machinery, the process group, the run's logs
-    "proximal": 0,  # the package's own __init__: the version
+    "proximal": 0,  # the package's own __init__: the version; the API's names, imported lazily
     "core": 0,
     "config": 0,
     "dist": 0,
@@ -37,8 +37,9 @@ LAYERS: dict[str, int] = {
     # evaluations a trainer may run (so they never import a trainer)
     "evaluation": 4,
     "trainers": 5,
-    # the methods as the comparison and the demo see them
+    # the methods as the comparison and the demo see them; the training commands as Python functions
     "methods": 6,
+    "api": 6,
     # the applications
     "report": 7,
     "compare_report": 7,

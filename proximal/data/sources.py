@@ -10,6 +10,10 @@ for a cached data set.
 JSONL and JSON lists are read with the standard library; the other formats need the optional
 ``datasets`` package (``pip install 'proximal-rlhf[datasets]'``). A data set name is looked up in the
 local cache only: this module never downloads (the hub is switched off while it loads).
+
+From Python, rows may also be given in the config itself (a :class:`proximal.config.PythonObject`):
+a list of dicts, a ``datasets.Dataset`` or ``DatasetDict`` or a pandas ``DataFrame``; each row is
+then named by the field it was given in, ``data.train_file[row N]`` (N from 0).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from proximal.config import PythonObject
 from proximal.data.jsonl import DataError, read_jsonl
 
 #: File suffixes read by :func:`read_rows`, and what reads them.
@@ -40,13 +45,17 @@ _NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def read_rows(
-    path: str | Path, *, split: str | None = None, columns: Mapping[str, str] | None = None
+    path: str | Path | PythonObject,
+    *,
+    split: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, record)`` for every row of a data file, directory or cached data set.
 
     Args:
         path: a file (the format is chosen by its suffix; a ``.json`` file by its first character),
-            a ``save_to_disk`` directory, or a data set name found in the local Hugging Face cache.
+            a ``save_to_disk`` directory, or a data set name found in the local Hugging Face cache;
+            or rows given from Python (module docstring).
         split: the split of a ``DatasetDict`` (a directory or a cached name); None = ``"train"``. A
             single file is one split, ``"train"``.
         columns: canonical field → column name (``{"prompt": "question"}``), applied to every row:
@@ -56,22 +65,32 @@ def read_rows(
     format, a missing split, a column mapping naming a column the data lacks, or a malformed row.
     """
     columns = dict(columns or {})
-    rows = _rows(Path(path), str(path), split)
+    if isinstance(path, PythonObject):
+        rows = _python_rows(path.value, path.field, split)
+    else:
+        rows = _rows(Path(path), str(path), split)
     for where, record in rows:
         yield where, _renamed(record, columns, where) if columns else record
 
 
 def is_data_source(path: str | Path) -> bool:
     """Whether :func:`read_rows` would read ``path`` as data (rather than, say, a plain text file):
-    a known suffix, a directory, or a name that is not an existing file."""
+    a known suffix, a directory, or a name that is not an existing file; rows given from Python."""
+    if isinstance(path, PythonObject):
+        return True
     p = Path(path)
     return p.suffix.lower() in SUFFIXES or p.is_dir() or not p.exists()
 
 
 def source_problem(path: str, field: str) -> str | None:
     """A config problem for a data path that is neither an existing file/directory nor a name in the
-    local Hugging Face cache; None when it can be read (its rows are checked when it is)."""
-    if Path(path).exists() or (_looks_like_name(path) and _cached(path)):
+    local Hugging Face cache; None when it can be read (its rows are checked when it is), as rows
+    given from Python can."""
+    if (
+        isinstance(path, PythonObject)
+        or Path(path).exists()
+        or (_looks_like_name(path) and _cached(path))
+    ):
         return None
     where = f" (looked in {datasets_cache()})" if _looks_like_name(path) else ""
     return f"{field}: {path!r} does not exist{where}"
@@ -110,6 +129,31 @@ def _rows(p: Path, name: str, split: str | None) -> Iterator[tuple[str, dict]]:
     if suffix == ".json":
         return _json_list(p)
     return _table(p, TABLE_SUFFIXES[suffix])
+
+
+def _python_rows(value: Any, name: str, split: str | None) -> Iterator[tuple[str, dict]]:
+    """Rows given from Python: a list (or tuple) of dicts, a datasets ``Dataset`` or ``DatasetDict``,
+    a pandas ``DataFrame``; ``name`` is the config field they were given in."""
+    if isinstance(value, dict):  # a DatasetDict
+        want = split or "train"
+        if want not in value:
+            raise DataError(
+                f"{name}: no split {want!r} (splits: {', '.join(map(str, value))}); set data.split"
+            )
+        value, name = value[want], f"{name}[{want}]"
+    elif split not in (None, "train"):
+        raise DataError(
+            f"{name}: no split {split!r} (rows given from Python are one split, 'train')"
+        )
+    if hasattr(value, "iloc") and hasattr(value, "to_dict"):  # a pandas DataFrame
+        value = value.to_dict("records")
+    for i, record in enumerate(value):
+        if not isinstance(record, Mapping):
+            raise DataError(
+                f"{name}[row {i}]: expected a dict of the row's fields, got "
+                f"{type(record).__name__} {record!r:.60}"
+            )
+        yield f"{name}[row {i}]", dict(record)
 
 
 def _one_split(p: Path, split: str | None) -> None:

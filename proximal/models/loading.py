@@ -1,7 +1,10 @@
 """Loading Hugging Face checkpoints for the four PPO models (Ouyang et al. 2022) and for SFT / reward training.
 
 Every loader takes a local directory or a hub id and goes through ``from_pretrained``; nothing here
-downloads unless the user points at a hub id on a machine that has the network.
+downloads unless the user points at a hub id on a machine that has the network. From Python a
+loader also takes a model given in the config itself (a :class:`proximal.config.PythonObject`: a
+``PreTrainedModel``, or ``(model, tokenizer)``) and returns a copy of it, as ``from_pretrained``
+returns fresh weights: the run trains and freezes its own copies, never the caller's object.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
+
+from proximal.config import PythonObject
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,17 +46,54 @@ def _check_path(path: str, role: str) -> None:
         raise ModelLoadError(f"{role}: path {path!r} does not exist")
 
 
+def _given(source) -> tuple[object, object | None] | None:
+    """``(model, tokenizer or None)`` of a model given from Python; None for a path."""
+    if not isinstance(source, PythonObject):
+        return None
+    value = source.value
+    return (value[0], value[1]) if isinstance(value, (tuple, list)) else (value, None)
+
+
+def _copy_of(source: PythonObject, model, role: str, dtype: str):
+    """A copy of a model given from Python, in ``dtype``, every weight trainable (as
+    ``from_pretrained`` gives it): the run's own, so training it leaves the caller's untouched."""
+    if hasattr(model, "peft_config"):
+        raise ModelLoadError(
+            f"{role}: {source} has LoRA adapters (peft); give model.merge_and_unload(), or save it "
+            "with save_pretrained and give the directory"
+        )
+    model = copy.deepcopy(model).to(resolve_dtype(dtype))
+    model.requires_grad_(True)
+    if not getattr(model.config, "architectures", None):  # built with from_config
+        model.config.architectures = [type(model).__name__]
+    return model
+
+
 def load_tokenizer(path: str, *, role: str = "tokenizer", padding_side: str = "left"):
     """The tokenizer saved with a checkpoint, with a pad token guaranteed.
 
     A tokenizer without a pad token (common for base LMs) gets its EOS token as pad; this is safe
     here because every loss is masked by ``response_mask``/``attention_mask``, never by token id.
+    A model given from Python: a copy of the tokenizer given with it, or the one saved where the
+    model was loaded from (its ``name_or_path``).
     """
-    _check_path(path, role)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types; name the role and path in one message
-        raise ModelLoadError(f"{role}: cannot load a tokenizer from {path!r}: {e}") from e
+    given = _given(path)
+    if given is not None and given[1] is not None:
+        tok = copy.deepcopy(given[1])
+    else:
+        if given is not None:
+            name = getattr(given[0], "name_or_path", "") or ""
+            if not name:
+                raise ModelLoadError(
+                    f"{role}: {path} comes without a tokenizer, and it was not loaded from a "
+                    "checkpoint that holds one; give (model, tokenizer)"
+                )
+            path = name
+        _check_path(path, role)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # transformers raises many types: name the role and path once
+            raise ModelLoadError(f"{role}: cannot load a tokenizer from {path!r}: {e}") from e
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ModelLoadError(
@@ -63,7 +105,10 @@ def load_tokenizer(path: str, *, role: str = "tokenizer", padding_side: str = "l
 
 
 def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
-    """An ``AutoModelForCausalLM`` from ``path``."""
+    """An ``AutoModelForCausalLM`` from ``path`` (from Python: a copy of the model given)."""
+    given = _given(path)
+    if given is not None:
+        return _checked_language_model(_copy_of(path, given[0], role, dtype), path, role)
     _check_path(path, role)
     try:
         if (Path(path) / "adapter_config.json").is_file():
@@ -74,6 +119,10 @@ def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
         raise
     except Exception as e:
         raise ModelLoadError(f"{role}: cannot load a causal LM from {path!r}: {e}") from e
+    return _checked_language_model(model, path, role)
+
+
+def _checked_language_model(model, path, role: str):
     architectures = getattr(model.config, "architectures", None) or []
     if architectures and all(a.endswith(_NOT_LANGUAGE_MODELS) for a in architectures):
         # transformers would load the backbone and initialise a fresh output layer, silently
@@ -159,7 +208,17 @@ def load_sequence_scorer(
     With ``new_head=True`` (a critic initialised from a policy checkpoint) the one-label head is
     created fresh and zero-initialised, so the initial value estimate is 0 everywhere.
     """
-    _check_path(path, role)
+    given = _given(path)
+    if given is not None and not type(given[0]).__name__.endswith("ForSequenceClassification"):
+        if not new_head:
+            raise ModelLoadError(
+                f"{role}: {path} is not a reward model; a reward model is an "
+                "AutoModelForSequenceClassification with one label, such as the output of "
+                "`proximal rm`"
+            )
+        return scorer_from_causal_lm(load_causal_lm(path, role=role, dtype=dtype), pad_token_id)
+    if given is None:
+        _check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
     task = adapter_task(path)
     if task not in (
@@ -174,7 +233,9 @@ def load_sequence_scorer(
             )
         return scorer_from_causal_lm(load_causal_lm(path, role=role, dtype=dtype), pad_token_id)
     try:
-        if task == "SEQ_CLS":
+        if given is not None:
+            model = _copy_of(path, given[0], role, dtype)
+        elif task == "SEQ_CLS":
             model = _merged_scorer_adapters(path, dtype)
         else:
             with warnings.catch_warnings(), _quiet_load_report(new_head):
@@ -217,7 +278,9 @@ def load_sequence_scorer(
 
 def adapter_task(path: str) -> str | None:
     """The peft ``task_type`` of a LoRA adapters-only export at ``path`` ('CAUSAL_LM', 'SEQ_CLS'), or
-    None when ``path`` is not one (a plain checkpoint, a hub id)."""
+    None when ``path`` is not one (a plain checkpoint, a hub id, a model given from Python)."""
+    if isinstance(path, PythonObject):
+        return None
     config = Path(path) / "adapter_config.json"
     if not config.is_file():
         return None

@@ -13,6 +13,7 @@ import warnings
 import torch
 from transformers import AutoConfig
 
+from proximal.config import PythonObject
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import (
     ModelLoadError,
@@ -50,7 +51,11 @@ def load_reward_model(path: str, dtype: str, tokenizer, lora: dict | None = None
 
 
 def _is_classifier(path: str) -> bool:
-    """Whether the checkpoint at ``path`` is a ``...ForSequenceClassification`` (its config.json)."""
+    """Whether the checkpoint at ``path`` (or the model given from Python) is a
+    ``...ForSequenceClassification`` (its config.json)."""
+    if isinstance(path, PythonObject):
+        model = path.value[0] if isinstance(path.value, (tuple, list)) else path.value
+        return type(model).__name__.endswith("ForSequenceClassification")
     try:
         architectures = AutoConfig.from_pretrained(path).architectures or []
     except Exception as e:

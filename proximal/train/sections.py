@@ -64,6 +64,7 @@ class ModelSection:
         "",
         "The model this command trains, as it starts: a local Hugging Face checkpoint "
         "directory or a hub id. Its tokenizer is loaded from the same place. Required.",
+        python="model",
     )
 
     def problems(self, name: str = "model") -> list[str]:
@@ -403,6 +404,7 @@ class OnlineModelSection(PolicyModelSection):
         "Frozen reward model r_ψ: an AutoModelForSequenceClassification with one "
         "label (proximal rm writes one). May use a different tokenizer from the "
         "policy.",
+        python="model",
     )
     reward_model_weight: float = option(
         1.0, "Weight of the reward model's score in the total score."
@@ -469,6 +471,7 @@ class PromptDataSection:
     prompts: str = option(
         "",
         "Prompts, {'prompt': str} or {'messages': [...]} rows: " + DATA_SOURCES + ". Required.",
+        python="data",
     )
     max_prompt_length: int = option(256, "Longest prompt in tokens.")
     on_long_prompt: str = option(
@@ -586,11 +589,13 @@ class PreferenceDataSection:
         'Preference pairs, {"prompt": str, "chosen": str, "rejected": str} rows with an optional '
         'numeric "margin" (the prompt may be implicit, a prefix both responses share), or chat '
         "messages (docs/rm.md): " + DATA_SOURCES + ". Required.",
+        python="data",
     )
     eval_file: str | None = option(
         None,
         "Held-out pairs in the same format, from any of the same sources, for held-out metrics; "
         "null = no held-out evaluation.",
+        python="data",
     )
     max_length: int = option(
         512,

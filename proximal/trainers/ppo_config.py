@@ -30,6 +30,7 @@ class PPOModel(OnlineModelSection):
         "reward_model",
         "Critic V_φ initialisation: 'reward_model' (InstructGPT's choice), "
         "'policy' (the policy with a fresh zero head), or a checkpoint path.",
+        python="model",
     )
     critic_lora: bool = option(
         False, "Train the critic with LoRA too (its scalar head stays fully trainable)."
@@ -53,6 +54,7 @@ class PPOData(PromptDataSection):
         "Pretraining texts for the PTX loss: {'text'} rows, {'messages'} conversations (the "
         "chat template's whole text, every token trained) or plain text, one per line. Needed "
         "when ppo.ptx_coef > 0.",
+        python="data",
     )
     ptx_batch_size: int = option(4, "PTX texts per mini-batch, over all processes together.")
     ptx_max_length: int = option(256, "PTX texts are cut to this many tokens.")
@@ -161,7 +163,7 @@ class PPOConfig:
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")
-        if d.ptx_file and not Path(d.ptx_file).exists():
+        if isinstance(d.ptx_file, str) and d.ptx_file and not Path(d.ptx_file).exists():
             e.append(f"data.ptx_file: {d.ptx_file!r} does not exist")
         for name, v in (
             ("ppo.epochs", p.epochs),
