@@ -4,13 +4,16 @@ Prompts are rows ``{"prompt": str}`` or ``{"messages": [...]}`` (the latter rend
 tokenizer's chat template) in any format :func:`proximal.data.sources.read_rows` reads: JSONL, JSON,
 Parquet, CSV, Arrow, a ``save_to_disk`` directory or a data set name in the local Hugging Face cache.
 Prompts longer than the limit are truncated on the left (keeping the end, where the question usually
-is) or skipped and counted, as configured.
+is) or skipped and counted, as configured. A row's other fields (``answer``, ``tests``, …: its
+*columns*, after ``data.columns`` renamed them) are kept beside its prompt for the reward functions,
+which receive them as keyword arguments (:mod:`proximal.rollout.scoring`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proximal.data.chat import (
     apply_template,
@@ -26,7 +29,9 @@ from proximal.data.sources import is_data_source, read_rows
 
 @dataclass
 class PromptSet:
-    """Rendered prompts with their token ids (unpadded) and, where given, their message lists."""
+    """Rendered prompts with their token ids (unpadded), where given their message lists, and each
+    row's columns: its fields other than the prompt (``prompt`` or ``messages``) itself, values as
+    read (a CSV cell is a string)."""
 
     texts: list[str]
     token_ids: list[list[int]]
@@ -35,9 +40,18 @@ class PromptSet:
     truncated: int = 0
     skipped_empty: int = 0
 
+    columns: list[dict[str, Any]] = field(default_factory=list)  # one per prompt (or none at all)
     def __len__(self) -> int:
         return len(self.texts)
 
+
+    def column_names(self) -> list[str]:
+        """Every column some row has, in the order they first appear."""
+        return list(dict.fromkeys(k for row in self.columns for k in row))
+
+    def columns_of(self, idx: list[int]) -> list[dict[str, Any]] | None:
+        """The columns of prompts ``idx`` (repeats included: a group's prompt once per response)."""
+        return [self.columns[i] for i in idx] if self.columns else None
 
 def load_prompts(
     path: str,
@@ -55,7 +69,7 @@ def load_prompts(
     model "answer" pure padding: an error naming its file:line, or with ``on_empty='skip'`` dropped
     and counted.
     """
-    texts, ids, messages = [], [], []
+    texts, ids, messages, row_columns = [], [], [], []
     skipped = truncated = empty = 0
     for where, record in read_rows(path, split=split, columns=columns):
         text = render_prompt(record, tokenizer, where)
@@ -82,6 +96,8 @@ def load_prompts(
         context = prompt_context(record, where)
         messages.append(context if isinstance(context, list) else None)
     if not texts:
+        prompt_key = "prompt" if "prompt" in record else "messages"
+        row_columns.append({k: v for k, v in record.items() if k != prompt_key})
         why = []
         if skipped:
             why.append(
@@ -92,7 +108,13 @@ def load_prompts(
             why.append(f"{empty} {'was' if empty == 1 else 'were'} empty and skipped")
         raise DataError(f"{path}: no prompts" + (f" ({'; '.join(why)})" if why else ""))
     return PromptSet(
-        texts, ids, messages, skipped_too_long=skipped, truncated=truncated, skipped_empty=empty
+        texts,
+        ids,
+        messages,
+        skipped_too_long=skipped,
+        truncated=truncated,
+        skipped_empty=empty,
+        columns=row_columns,
     )
 
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from proximal import dist
+from proximal.config import ConfigError
 from proximal.data.chat import set_chat_template
 from proximal.data.collate import pad_left
 from proximal.data.prompts import load_prompts
 from proximal.models.loading import load_tokenizer
 from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import Rollout, sample
-from proximal.rollout.scoring import Scorer, load_reward_function
+from proximal.rollout.scoring import Scorer, load_reward_functions, reward_argument_problems
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Collected:
 
 
 def load_inputs(
-    reward_functions: list[str],
+    reward_functions: list,
     prompts_path: str,
     policy_path: str,
     *,
@@ -50,10 +51,12 @@ def load_inputs(
     columns: dict[str, str] | None = None,
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
-    either is reported first: each ``module:function`` reward function imported
-    (:func:`~proximal.rollout.scoring.load_reward_function`), and the prompts rendered and tokenised
-    with the policy's tokenizer (:func:`~proximal.data.prompts.load_prompts`)."""
-    functions = {spec: load_reward_function(spec) for spec in reward_functions}
+    either is reported first: each ``module:function`` reward function imported, a callable taken as
+    it is (:func:`~proximal.rollout.scoring.load_reward_functions`: ``{name: function}``), the
+    prompts rendered and tokenised with the policy's tokenizer
+    (:func:`~proximal.data.prompts.load_prompts`), and every argument a function requires found
+    among the prompts' columns (ConfigError naming the function, the argument and the file)."""
+    functions = load_reward_functions(reward_functions)
     tokenizer = load_tokenizer(policy_path, role="policy tokenizer (model.path)")
     set_chat_template(tokenizer, chat_template)  # the policy tokenizer gets it too (build_models)
     prompt_set = load_prompts(
@@ -65,6 +68,9 @@ def load_inputs(
         split=split,
         columns=columns,
     )
+    problems = reward_argument_problems(functions, prompt_set.column_names(), str(prompts_path))
+    if problems:
+        raise ConfigError(problems[0])
     return functions, prompt_set
 
 
@@ -103,6 +109,7 @@ def collect(
         [prompt_set.token_ids[i] for i in idx], tokenizer.pad_token_id, device
     )
     texts, messages = [prompt_set.texts[i] for i in idx], [prompt_set.messages[i] for i in idx]
+    columns = prompt_set.columns_of(idx)  # this rank's rows' columns, for the reward functions
     rollout = sample(
         engine,
         tokenizer,
@@ -117,7 +124,7 @@ def collect(
         stop_strings=stop_strings,
     )
     generate_s = time.perf_counter() - t0
-    scores, components = scorer(rollout, texts, messages, step=step)
+    scores, components = scorer(rollout, texts, messages, columns=columns, step=step)
     if missing_eos_penalty is not None:
         scores = torch.where(rollout.ended, scores, scores + missing_eos_penalty)
     valid = finite_rows(scores, texts, step=step, policy=nonfinite, device=device)

@@ -410,8 +410,11 @@ class OnlineModelSection(PolicyModelSection):
         1.0, "Weight of the reward model's score in the total score."
     )
     reward_functions: list[str] = option(
-        help="Rule-based rewards 'module:function(prompts, completions) -> scores' "
-        "(verifiers), added to the total score.",
+        help="Rule-based rewards 'module:function' (verifiers; from Python, callables too), "
+        "added to the total score: called as TRL's GRPOTrainer calls them, f(prompts, "
+        "completions, **kwargs) with each prompt row's other columns (answer=...), "
+        "completion_ids and step as keywords, returning one score per completion; async def "
+        "functions are awaited concurrently. See docs/ppo.md#reward-functions.",
         default_factory=list,
     )
     reward_function_weights: list[float] = option(
@@ -436,15 +439,24 @@ class OnlineModelSection(PolicyModelSection):
                 f"{len(self.reward_functions)} {name}.reward_functions"
             )
         for i, spec in enumerate(self.reward_functions):
-            if ":" not in spec:
+            if not callable(getattr(spec, "value", spec)) and not (
+                isinstance(spec, str) and ":" in spec
+            ):
                 e.append(f"{name}.reward_functions[{i}] = {spec!r}: expected 'module:function'")
         return e
 
     def function_weights(self) -> dict[str, float]:
         return dict(
             zip(
-                self.reward_functions,
+                reward_function_names(self.reward_functions),
                 self.reward_function_weights or [1.0] * len(self.reward_functions),
+    reward_timeout_s: float | None = option(
+        600.0,
+        "Seconds one step's call of a reward function may take (the async ones together); "
+        "past it the run ends with one line naming the function, the step and the limit, exit "
+        "status 1 (a hung call cannot be interrupted, so a watchdog ends the process; resume "
+        "from the last checkpoint). null = no limit.",
+    )
             )
         )
 
@@ -464,9 +476,18 @@ COLUMNS_HELP = (
     "question, completion: answer}); applied to every row of every data file of this section. "
     "null = the columns as they are. See docs/data.md."
 )
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            e.append(
+                f"{name}.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
+                "for no limit"
+            )
 
 
 @dataclass
+        """Each reward function's weight under its name (its spec; a callable's ``module:name``)."""
+        # lazy: the scorer's module loads transformers and the models; reading a config needs neither
+        from proximal.rollout.scoring import reward_function_names
+
 class PromptDataSection:
     prompts: str = option(
         "",

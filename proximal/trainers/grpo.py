@@ -484,3 +484,4 @@ def cli(argv: list[str]) -> int:
     return config_command(
         argv, prog="grpo", description=__doc__.splitlines()[0], config_cls=GRPOConfig, train=train
     )
+        timeout_s=mc.reward_timeout_s,

@@ -751,3 +751,4 @@ def cli(argv: list[str]) -> int:
     return config_command(
         argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, train=train
     )
+        timeout_s=mc.reward_timeout_s,
