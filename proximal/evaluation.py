@@ -11,17 +11,21 @@ are compared on common random numbers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from proximal.data.collate import pad_left
 from proximal.data.preferences import collate_pairs, load_preference_pairs
-from proximal.data.prompts import load_prompts
+from proximal.data.prompts import PromptSet, load_prompts
 from proximal.data.sources import read_rows
+from proximal.models.heads import lm_logits
 from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer, load_tokenizer
+from proximal.models.output import token_kl
+from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
-from proximal.rollout.engine import row_seed
+from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import response_kl, sample
 from proximal.rollout.scoring import Scorer, load_reward_function
 from proximal.tasks.digits import gold as digits_gold
@@ -37,20 +41,28 @@ def evaluate_policy(
     prompts_file: str | Path,
     reward_model: str | Path | None = None,
     scores: dict[str, str | ScoreFn] | None = None,
+    weights: dict[str, float] | None = None,
     samples_per_prompt: int = 1,
     max_new_tokens: int = 12,
     seed: int = 0,
     batch_size: int = 256,
     max_prompt_length: int = 64,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    split: str | None = None,
+    columns: dict[str, str] | None = None,
 ) -> dict:
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
-    ``module:function`` spec); the default is the built-in task's gold score under ``"gold"``. Per
-    response the result holds each of those, and
+    ``module:function`` spec), called as the trainers call reward functions; the default is the
+    built-in task's gold score under ``"gold"``. Per response the result holds each of those, and
 
     * ``proxy`` — the reward model's score r_ψ(x, y) (with ``reward_model``), computed by the online
       trainers' own :class:`~proximal.rollout.scoring.Scorer`;
+    * ``score`` (with ``weights``, ``{name: weight}`` over the names above) — their weighted sum, a
+      run's total score when the weights are its ``model.reward_model_weight`` (as ``proxy``) and
+      ``model.reward_function_weights``;
     * ``kl`` — Σ_t KL(π(·|s_t) ‖ π_ref(·|s_t)) over the response's tokens, each term exact over the
       vocabulary (the states s_t are sampled). Its expectation is the sequence KL of the
       KL-regularised objective (Ziegler et al. 2019); PPO's ``kl/seq_mean`` estimates the same
@@ -58,7 +70,10 @@ def evaluate_policy(
     * ``length`` — response tokens including EOS (as the trainers' ``response/length_mean``);
       ``eos`` — whether it stopped before ``max_new_tokens``.
 
-    Returns the means under ``mean`` and every response under ``rows``.
+    Responses are sampled at ``temperature`` (``greedy``: the most likely token, top-k 1); the KL is
+    the policy's own at temperature 1 either way. ``split`` and ``columns`` are the prompt loader's
+    (docs/data.md). Returns the means under ``mean`` and every response under ``rows``. A run's
+    ``eval`` section (:class:`TrainingEval`) computes the same numbers from the live models.
     """
     if scores is None:
         scores = {"gold": "proximal.tasks.digits:gold_score"}
@@ -70,55 +85,258 @@ def evaluate_policy(
     ref = load_causal_lm(str(reference), role="reference")
     for m in (actor, ref):
         freeze(m)
-    scorer = Scorer(tokenizer)  # no reward model: decodes the completions
+    rm = rm_tokenizer = None
     if reward_model is not None:
         rm_tokenizer = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
         rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
         freeze(rm)
-        scorer = Scorer(
-            tokenizer, reward_model=rm, reward_tokenizer=rm_tokenizer, micro_batch_size=batch_size
-        )
-    prompts = load_prompts(str(prompts_file), tokenizer, max_length=max_prompt_length)
-    order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
+    prompts = load_prompts(
+        str(prompts_file), tokenizer, max_length=max_prompt_length, split=split, columns=columns
+    )
+    return {
+        "policy": str(policy),
+        **evaluate_loaded(
+            actor,
+            reference=ref,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            functions=functions,
+            reward_model=rm,
+            reward_tokenizer=rm_tokenizer,
+            weights=weights,
+            samples_per_prompt=samples_per_prompt,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            batch_size=batch_size,
+            temperature=temperature,
+            greedy=greedy,
+        ),
+    }
 
+
+@torch.no_grad()
+def evaluate_loaded(
+    actor: torch.nn.Module,
+    *,
+    reference,
+    tokenizer,
+    prompts: PromptSet,
+    functions: dict[str, ScoreFn],
+    reward_model: torch.nn.Module | None = None,
+    reward_tokenizer=None,
+    weights: dict[str, float] | None = None,
+    samples_per_prompt: int = 1,
+    max_new_tokens: int = 12,
+    seed: int = 0,
+    batch_size: int = 256,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    engine: RolloutEngine | None = None,
+    step: int | None = None,
+) -> dict:
+    """:func:`evaluate_policy` on models already loaded: ``actor`` (sampled through ``engine``, or
+    an :class:`~proximal.rollout.engine.HFEngine` over it), ``reference`` (a module, a
+    :class:`~proximal.models.policy.Reference` — a LoRA actor with its adapters off — or None: no
+    ``kl``), the rendered ``prompts``, the score ``functions`` and the ``reward_model``. Response j
+    (prompt j // samples_per_prompt) draws from the generator seeded ``row_seed(seed, 0, j)``,
+    whatever the batch it falls in. ``step`` names the step in a failing function's message.
+    Returns ``{"n", "samples_per_prompt", "seed", "mean", "rows"}``."""
+    scorer = Scorer(
+        tokenizer,
+        reward_model=reward_model,
+        reward_tokenizer=reward_tokenizer,
+        functions=functions,
+        micro_batch_size=batch_size,
+    )
+    order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
+    device = next(actor.parameters()).device
     rows = []
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id)
-        seeds = [
-            row_seed(seed, 0, j) for j in range(start, start + len(idx))
-        ]  # one generator per response
-        r = sample(actor, tokenizer, ids, mask, seeds=seeds, max_new_tokens=max_new_tokens)
-        texts = [prompts.texts[i] for i in idx]
+        ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id, device)
+        seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one per response
+        r = sample(
+            engine if engine is not None else actor,
+            tokenizer,
+            ids,
+            mask,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=1 if greedy else 0,
+        )
+        texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
         completions = scorer.completions(r)
+        _, components = scorer(r, texts, messages, columns=prompts.columns_of(idx), step=step)
         scored = {
-            name: [float(v) for v in fn(texts, completions)] for name, fn in functions.items()
+            ("proxy" if k == "reward_model" else k): [float(x) for x in v]
+            for k, v in components.items()
         }
-        if reward_model is not None:
-            _, comp = scorer(r, texts)
-            scored["proxy"] = [float(v) for v in comp["reward_model"]]
-        kl = response_kl(actor, ref, r).sum(1)  # Σ_t of the exact KL per state
+        if weights is not None:
+            scored["score"] = [
+                sum(w * scored[k][j] for k, w in weights.items()) for j in range(len(idx))
+            ]
+        kl = _sequence_kl(actor, reference, r)
         for j, completion in enumerate(completions):
             rows.append(
                 {
                     "prompt": texts[j],
                     "response": completion,
                     **{k: v[j] for k, v in scored.items()},
-                    "kl": float(kl[j]),
+                    **({"kl": float(kl[j])} if kl is not None else {}),
                     "length": int(r.response_mask[j].sum()),
                     "eos": bool(r.ended[j]),
                 }
             )
-    keys = [*scored, "kl", "length", "eos"]
+    keys = [*scored, *(["kl"] if reference is not None else []), "length", "eos"]
     mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in keys}
     return {
-        "policy": str(policy),
         "n": len(rows),
         "samples_per_prompt": samples_per_prompt,
         "seed": seed,
         "mean": mean,
         "rows": rows,
     }
+
+
+def _sequence_kl(actor, reference, r) -> torch.Tensor | None:
+    """Σ_t of the exact KL(π ‖ π_ref) per state, (B,): None without a reference. A LoRA actor's
+    reference is the actor with its adapters off, so the actor's side is taken first, outside it."""
+    if reference is None:
+        return None
+    if isinstance(reference, Reference):
+        if not reference.shares_actor:
+            return response_kl(actor, reference.model, r).sum(1)
+        P = r.prompt_ids.shape[1]
+        ids, att = r.input_ids, r.attention_mask
+        logits = lm_logits(actor, ids, att, P - 1, ids.shape[1] - 1)
+        with reference.active() as ref:
+            kl = token_kl(logits, ref, ids, att, P - 1, ids.shape[1] - 1, mask=r.response_mask)
+        return kl.sum(1)
+    return response_kl(actor, reference, r).sum(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# During training: a run's ``eval`` section
+# ----------------------------------------------------------------------------------------------
+
+#: ``evaluate_loaded``'s mean keys → the metric names a run logs (``eval/<key>`` otherwise).
+METRIC_NAMES = {"kl": "eval/kl_ref", "length": "eval/length_mean", "eos": "eval/eos_frac"}
+
+
+@dataclass
+class TrainingEval:
+    """A run's sampled held-out evaluation (its ``eval`` section, :class:`proximal.train.sections.
+    EvalSection`), ready to run on the live models: :meth:`due` says when, :meth:`__call__` returns
+    the ``eval/*`` metrics — exactly :func:`evaluate_policy`'s means on the same weights with the
+    same seed, renamed by :data:`METRIC_NAMES` (each score under ``eval/<name>``, the reward model's
+    as ``eval/proxy``, the run's weighted total as ``eval/score``).
+
+    With several processes every rank evaluates every prompt (the same work and the same numbers on
+    each; a sharded model's forward passes are collective), so keep held-out sets small."""
+
+    prompts: PromptSet
+    functions: dict[str, ScoreFn]
+    weights: dict[str, float] | None
+    every: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    seed: int
+    batch_size: int
+    temperature: float
+    greedy: bool
+
+    def due(self, step: int, total: int) -> bool:
+        """Before the first step (step 0), every ``every`` steps, after the last."""
+        return step == 0 or step == total or (self.every > 0 and step % self.every == 0)
+
+    def __call__(
+        self,
+        actor,
+        *,
+        reference,
+        tokenizer,
+        reward_model=None,
+        reward_tokenizer=None,
+        engine: RolloutEngine | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        out = evaluate_loaded(
+            actor,
+            reference=reference,
+            tokenizer=tokenizer,
+            prompts=self.prompts,
+            functions=self.functions,
+            reward_model=reward_model,
+            reward_tokenizer=reward_tokenizer,
+            weights=self.weights,
+            samples_per_prompt=self.samples_per_prompt,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            temperature=self.temperature,
+            greedy=self.greedy,
+            engine=engine,
+            step=step,
+        )
+        return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
+
+
+def reward_weights(
+    reward_model: str | None, reward_model_weight: float, function_weights: dict[str, float]
+) -> dict[str, float]:
+    """The weights of a run's total score over :func:`evaluate_loaded`'s names: the reward model's
+    as ``"proxy"`` (when there is one), each reward function's under its ``module:function``."""
+    return {**({"proxy": reward_model_weight} if reward_model else {}), **function_weights}
+
+
+def eval_postfix(metrics: dict, keep_best: str | None) -> dict:
+    """The progress bar's held-out entry of a row that has one: ``output.keep_best``'s metric, else
+    ``eval/score``, else the first ``eval/*`` score."""
+    names = [k for k in metrics if k.startswith("eval/")]
+    for name in (keep_best, "eval/score", *names):
+        if name in names:
+            return {name.removeprefix("eval/"): metrics[name]}
+    return {}
+
+
+def training_eval(
+    section,
+    tokenizer,
+    *,
+    functions: dict[str, ScoreFn] | None = None,
+    weights: dict[str, float] | None = None,
+    max_new_tokens: int,
+    seed: int,
+    max_prompt_length: int,
+) -> TrainingEval | None:
+    """A run's :class:`TrainingEval` from its ``eval`` section (None when ``eval.prompts`` is null):
+    the prompts read and rendered now, before any model loads, with the loader every command uses
+    (prompts longer than ``max_prompt_length`` keep their end); the run's reward ``functions`` and
+    their ``weights`` (the reward model's as ``"proxy"``) plus ``eval.scores``. ``max_new_tokens``
+    and ``seed`` stand in for the section's nulls."""
+    if section.prompts is None:
+        return None
+    prompts = load_prompts(
+        section.prompts,
+        tokenizer,
+        max_length=max_prompt_length,
+        split=section.split,
+        columns=section.columns,
+    )
+    extra = {name: load_reward_function(spec) for name, spec in (section.scores or {}).items()}
+    return TrainingEval(
+        prompts=prompts,
+        functions={**(functions or {}), **extra},
+        weights=weights,
+        every=section.every,
+        samples_per_prompt=section.samples_per_prompt,
+        max_new_tokens=section.max_new_tokens or max_new_tokens,
+        seed=section.seed if section.seed is not None else seed,
+        batch_size=section.batch_size,
+        temperature=section.temperature,
+        greedy=section.greedy,
+    )
 
 
 @torch.no_grad()

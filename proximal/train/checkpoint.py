@@ -12,7 +12,11 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN/``::
     manifest.json       every file above with its size and SHA-256, written last
 
 It is written into ``.step_NNNNNN.tmp`` and renamed into place only when every rank has written
-and every file has been hashed; ``checkpoints/latest`` then names it. On resume the manifest is
+and every file has been hashed; ``checkpoints/latest`` (a one-line text file, the pointer resuming
+reads) then names it. The loadable models are the exports: ``step_NNNNNN/policy`` and, with
+``output.keep_best``, ``checkpoints/best``, a symbolic link to the best checkpoint's export, which
+pruning never deletes. The final model is exported into the run directory itself
+(:func:`export_final`). On resume the manifest is
 checked file by file; a damaged checkpoint is reported (which file, how) and the newest intact one
 is used instead. Temporary directories a killed run left behind are removed at the next start.
 
@@ -186,6 +190,7 @@ def save_checkpoint(
     exports: dict,
     keep: int,
     meta: dict | None = None,
+    best: int | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` (every rank calls this); return its path.
 
@@ -197,6 +202,9 @@ def save_checkpoint(
         exports: ``{name: (module, tokenizer)}`` written as Hugging Face checkpoints ``<name>/``.
         keep: how many checkpoints to keep; older ones (by step) are deleted, never this one.
         meta: entries added to ``manifest.json`` (the command that wrote it).
+        best: the step of the run's best checkpoint (``output.keep_best``; this one or an earlier
+            one): never pruned, and ``root/best`` is made a symlink to its first export's directory
+            (``step_NNNNNN/policy``), which ``from_pretrained`` opens.
 
     Raises:
         SaveError: on every rank, when a file could not be written on any rank (what was written is
@@ -229,7 +237,12 @@ def save_checkpoint(
         _agree(own_files)
         hashes = _hash_shared(tmp, _files(tmp))
         manifest = {"step": step, "world_size": dist.world_size(), **(meta or {}), "files": hashes}
-        _agree(lambda: _publish(root, tmp, final, manifest, keep) if dist.is_main() else None)
+        best_dir = None
+        if best is not None:
+            best_dir = step_name(best) + (f"/{next(iter(exports))}" if exports else "")
+        _agree(
+            lambda: _publish(root, tmp, final, manifest, keep, best_dir) if dist.is_main() else None
+        )
     except BaseException as e:
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -245,10 +258,13 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _publish(root: Path, tmp: Path, final: Path, manifest: dict, keep: int) -> None:
-    """Rank 0: the manifest, the rename into place, ``latest``, then the older checkpoints pruned.
-    A ``latest`` that cannot be written takes the renamed checkpoint back out, so the one ``latest``
-    names is still the one to resume."""
+def _publish(
+    root: Path, tmp: Path, final: Path, manifest: dict, keep: int, best_dir: str | None = None
+) -> None:
+    """Rank 0: the manifest, the rename into place, ``latest``, ``best``, then the older checkpoints
+    pruned. A ``latest`` that cannot be written takes the renamed checkpoint back out, so the one
+    ``latest`` names is still the one to resume. ``best_dir``: ``step_NNNNNN/<model>`` of the best
+    checkpoint, kept whatever its age."""
     atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     _replace_dir(tmp, final)
     try:
@@ -256,9 +272,34 @@ def _publish(root: Path, tmp: Path, final: Path, manifest: dict, keep: int) -> N
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
         raise
+    kept = {final}
+    if best_dir is not None:
+        kept.add(root / best_dir.split("/")[0])
+        symlink(root / "best", best_dir)
     for old in completed(root)[:-keep]:
-        if old != final:  # never the checkpoint just written: at worst the only intact one
+        if (
+            old not in kept
+        ):  # never the checkpoint just written (at worst the only intact one), nor the best
             shutil.rmtree(old, ignore_errors=True)
+
+
+def symlink(path: Path, target: str) -> None:
+    """``path`` → ``target`` (relative to ``path``'s directory) as a symbolic link, replacing what
+    was there in one rename: a reader sees the old link or the new one, never none."""
+    tmp = path.with_name(f".{path.name}.link-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def best_step(root: str | Path) -> int | None:
+    """The step ``root/best`` points at (``output.keep_best``), or None."""
+    link = Path(root) / "best"
+    if not link.is_symlink():
+        return None
+    name = os.readlink(link).split("/")[0]
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 class _OtherRank(Exception):

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from proximal import dist
+from proximal.config import ConfigError
 from proximal.data.packing import plan_micro_batches, split_to
 from proximal.data.sampler import Sampler
 from proximal.data.sft import LoadReport
@@ -124,6 +125,7 @@ def fit(
     models: dict | None = None,
     forward_only: tuple[str, ...] = (),
     scored: Callable[[int], int] | None = None,
+    sampled: Callable[[int], dict] | None = None,
 ) -> Path:
     """Train ``model`` on ``data`` for ``data.total`` steps (from the checkpoint's step when ``run``
     resumes one); export it into the run directory and return that.
@@ -151,7 +153,12 @@ def fit(
     - ``forward_only``: the names, among ``models``, of those that run a forward pass without
       gradients over every step's sequences (DPO's resident reference);
     - ``scored(index)``: how many positions of row ``index`` the language-model head scores (the
-      tokens whose log-probabilities the loss reads; None: no language-model head, a reward model).
+      tokens whose log-probabilities the loss reads; None: no language-model head, a reward model);
+    - ``sampled(step)``: the sampled held-out metrics of the command's ``eval`` section
+      (:class:`proximal.evaluation.TrainingEval`), ``{}`` at the steps it is not due.
+
+    ``output.keep_best`` (an ``eval/*`` metric of ``held_out`` or ``sampled``) checkpoints every new
+    best at its step and keeps it beside the newest ``train.keep_checkpoints``.
 
     Each step's ``perf/`` metrics count ``model``'s training pass and those forward passes over the
     batch's sequences (``lengths``, ``scored``), against the peak the run measured
@@ -166,7 +173,12 @@ def fit(
         world_size=run.world_size,
     )
     trained, stateful = {name: (model, optimizer)}, {"scheduler": scheduler, "sampler": sampler}
+    if output.keep_best is not None and not data.eval and sampled is None:
+        raise ConfigError(
+            f"output.keep_best = {output.keep_best!r} needs held-out metrics: give data.eval_file"
+        )
     start, counters = run.restore(trained, stateful)
+    run.track_best(output.keep_best, output.keep_best_mode)
     run.begin(
         cfg,
         start=start,
@@ -187,7 +199,7 @@ def fit(
             "train/total_steps": data.total,
             **(first or {}),
         }
-        run.log(0, {**row, **(held_out() if data.eval else {})})
+        run.log(0, {**row, **(held_out() if data.eval else {}), **(sampled(0) if sampled else {})})
 
     # Each optimiser step accumulates this rank's micro-batches of the global batch; every loss is
     # normalised by the global batch's units ÷ the ranks, so the gradient is the batch mean's.
@@ -226,6 +238,7 @@ def fit(
         }
         if data.eval and due(step, data.total, train.eval_every):
             row.update(held_out())
+        row.update(sampled(step) if sampled is not None else {})
         shown = {label: next(row[m] for m in keys if m in row) for label, keys in postfix.items()}
         run.log(step, row, postfix=shown)
         if step == data.total:
@@ -235,7 +248,7 @@ def fit(
             export_final(run.dir, model, tokenizer)
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
         stop = run.stop_requested()
-        if stop or due(step, data.total, train.save_every):
+        if stop or due(step, data.total, train.save_every) or run.new_best(step):
             run.save(
                 step,
                 trained=trained,

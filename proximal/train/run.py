@@ -32,6 +32,7 @@ anything is written (before any model loads where the trainer knows its step cou
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -151,6 +152,13 @@ class Run:
     #: measured in :meth:`begin`; and each recorded model's FLOP shape, by :meth:`record_models`.
     peak: dict | None = None
     shapes: dict[str, ModelShape | None] = field(default_factory=dict)
+    #: ``output.keep_best`` and ``keep_best_mode`` (:meth:`track_best`); the best value logged so
+    #: far, ``{"metric", "value", "step"}`` (saved in every checkpoint's counters, so it survives a
+    #: resume); the step whose row set a new best.
+    best_metric: str | None = None
+    best_mode: str = "max"
+    best: dict | None = None
+    new_best_step: int | None = None
 
     @property
     def rank(self) -> int:
@@ -171,6 +179,7 @@ class Run:
         if self.resume_from is None:
             return 0, {}
         state = load_checkpoint(self.resume_from, trained=trained)
+        self.best = state.get("counters", {}).get("best")
         for name, obj in stateful.items():
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
@@ -314,6 +323,7 @@ class Run:
         the allocator's, on CPU the process's resident set."""
         if step > 0:
             metrics = {**metrics, "memory/peak_bytes": peak_memory_bytes(self.device)}
+        self._note_best(step, metrics)
         if self.logger is not None:
             self.logger.log(step, metrics)
         if self.bar is not None and step > 0:
@@ -323,11 +333,46 @@ class Run:
                     {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}
                 )
 
+    # ------------------------------------------------------------------ the best checkpoint
+    def track_best(self, metric: str | None, mode: str = "max") -> None:
+        """Keep the checkpoint of the best ``metric`` (``output.keep_best``: an ``eval/*`` name;
+        None: nothing to do), larger better with ``mode`` max, smaller with min. Every row
+        :meth:`log` writes after step 0 that holds it is compared; a new best makes
+        :meth:`new_best` true for that step, and the trainer then checkpoints it."""
+        self.best_metric, self.best_mode = metric, mode
+
+    def _note_best(self, step: int, metrics: dict) -> None:
+        m = self.best_metric
+        if m is None or not any(k.startswith("eval/") for k in metrics):
+            return
+        if m not in metrics:  # a held-out row without it: the name is wrong (step 0 says so first)
+            names = sorted(k for k in metrics if k.startswith("eval/"))
+            raise ConfigError(
+                f"output.keep_best = {m!r}: this run logs no such metric; its held-out metrics "
+                f"are {', '.join(names)}"
+            )
+        value = float(metrics[m])
+        if step == 0 or not math.isfinite(value):
+            return  # step 0 is the starting model, which no checkpoint of this run holds
+        same = self.best is not None and self.best.get("metric") == m  # a resume may change it
+        old = self.best["value"] if same else None
+        if old is None or (value > old if self.best_mode == "max" else value < old):
+            self.best = {"metric": m, "value": value, "step": step}
+            self.new_best_step = step
+            if self.is_main:
+                self.say(f"new best {m} = {value:.6g} at step {step}: checkpointing it")
+
+    def new_best(self, step: int) -> bool:
+        """Whether ``step``'s row set a new best ``output.keep_best`` value (checkpoint it now)."""
+        return self.new_best_step == step
+
     # ------------------------------------------------------------------ checkpoints
     def save(
         self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int
     ) -> Path:
         counters = {**counters, "wall_s": self.wall_s()}
+        if self.best is not None:
+            counters["best"] = dict(self.best)
         state = {
             name: obj.state_dict() if obj is not None else None for name, obj in stateful.items()
         }
@@ -339,6 +384,7 @@ class Run:
             exports=exports,
             keep=keep,
             meta={"command": self.command},
+            best=self.best["step"] if self.best is not None and self.best_metric else None,
         )
 
     def stop_requested(self) -> bool:

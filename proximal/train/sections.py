@@ -318,13 +318,18 @@ class BatchTrainSection(TrainSection):
         return e
 
 
+#: ``output.keep_best_mode``.
+KEEP_BEST_MODES = ("max", "min")
+
+
 @dataclass
 class OutputSection:
     dir: str = option(
         "runs/run",
         "Run directory: config.yaml, metrics.jsonl, models.json, checkpoints/ (each with "
-        "the trained models in Hugging Face format); sft, rm, dpo and simpo also export the "
-        "final model into the directory itself, ppo and grpo write samples.jsonl.",
+        "the trained models in Hugging Face format), and the final model exported into the "
+        "directory itself (from_pretrained and the next stage's model.path open it; ppo's "
+        "critic in critic/); ppo and grpo also write samples.jsonl.",
     )
     overwrite: bool = option(
         False,
@@ -338,11 +343,32 @@ class OutputSection:
         None, "Also log to this Weights & Biases project (needs the wandb extra)."
     )
 
+    keep_best: str | None = option(
+        None,
+        "Keep the checkpoint with the best value of this held-out metric, an eval/* name of "
+        "metrics.jsonl (eval/score, eval/gold, eval/loss, ...), beside the newest "
+        "train.keep_checkpoints ones: a new best is checkpointed at its step, never deleted while it "
+        "is the best, and checkpoints/best points at its exported model. Its value survives "
+        "--resume. null = keep only the newest.",
+    )
+    keep_best_mode: str = option(
+        "max",
+        "Whether output.keep_best's metric is better larger (max: a score, accuracy) or smaller "
+        "(min: a loss, a KL).",
+        choices=KEEP_BEST_MODES,
+    )
+
     def problems(self, name: str = "output") -> list[str]:
         # the extras are checked here, before any model loads and before output.overwrite deletes a run
-        return ([] if self.dir else [f"{name}.dir is required"]) + missing_extras(
-            self.tensorboard, self.wandb_project
-        )
+        e = [] if self.dir else [f"{name}.dir is required"]
+        if self.keep_best is not None and not re.fullmatch(r"eval/\S+", self.keep_best):
+            e.append(
+                f"{name}.keep_best = {self.keep_best!r}: give a held-out metric of metrics.jsonl, "
+                "eval/<name> (e.g. eval/score, eval/loss), or null"
+            )
+        if self.keep_best_mode not in KEEP_BEST_MODES:
+            e.append(f"{name}.keep_best_mode = {self.keep_best_mode!r} is not one of max, min")
+        return e + missing_extras(self.tensorboard, self.wandb_project)
 
 
 MERGE_LORA_HELP = (
@@ -422,6 +448,13 @@ class OnlineModelSection(PolicyModelSection):
         "logs a score without training on it.",
         default_factory=list,
     )
+    reward_timeout_s: float | None = option(
+        600.0,
+        "Seconds one step's call of a reward function may take (the async ones together); "
+        "past it the run ends with one line naming the function, the step and the limit, exit "
+        "status 1 (a hung call cannot be interrupted, so a watchdog ends the process; resume "
+        "from the last checkpoint). null = no limit.",
+    )
     frozen_sharding: str = option("shard", FROZEN_HELP, choices=FROZEN_SHARDING)
     chat_template: str | None = option(None, CHAT_TEMPLATE_HELP)
 
@@ -443,20 +476,22 @@ class OnlineModelSection(PolicyModelSection):
                 isinstance(spec, str) and ":" in spec
             ):
                 e.append(f"{name}.reward_functions[{i}] = {spec!r}: expected 'module:function'")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            e.append(
+                f"{name}.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
+                "for no limit"
+            )
         return e
 
     def function_weights(self) -> dict[str, float]:
+        """Each reward function's weight under its name (its spec; a callable's ``module:name``)."""
+        # lazy: the scorer's module loads transformers and the models; reading a config needs neither
+        from proximal.rollout.scoring import reward_function_names
+
         return dict(
             zip(
                 reward_function_names(self.reward_functions),
                 self.reward_function_weights or [1.0] * len(self.reward_functions),
-    reward_timeout_s: float | None = option(
-        600.0,
-        "Seconds one step's call of a reward function may take (the async ones together); "
-        "past it the run ends with one line naming the function, the step and the limit, exit "
-        "status 1 (a hung call cannot be interrupted, so a watchdog ends the process; resume "
-        "from the last checkpoint). null = no limit.",
-    )
             )
         )
 
@@ -476,18 +511,9 @@ COLUMNS_HELP = (
     "question, completion: answer}); applied to every row of every data file of this section. "
     "null = the columns as they are. See docs/data.md."
 )
-        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
-            e.append(
-                f"{name}.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
-                "for no limit"
-            )
 
 
 @dataclass
-        """Each reward function's weight under its name (its spec; a callable's ``module:name``)."""
-        # lazy: the scorer's module loads transformers and the models; reading a config needs neither
-        from proximal.rollout.scoring import reward_function_names
-
 class PromptDataSection:
     prompts: str = option(
         "",
@@ -594,6 +620,84 @@ class RolloutSection:
             missing_eos_penalty=self.missing_eos_penalty,
             nonfinite=self.nonfinite_scores,
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampled held-out evaluation during training (ppo, grpo, dpo, simpo): proximal.evaluation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalSection:
+    """Held-out prompts sampled from the policy while it trains and scored as
+    :func:`proximal.evaluation.evaluate_policy` scores them, logged as ``eval/*``."""
+
+    prompts: str | None = option(
+        None,
+        "Held-out prompts, in any format data.prompts takes ({'prompt': str} or {'messages': [...]} "
+        "rows, extra columns too): " + DATA_SOURCES + ". null = no sampled evaluation.",
+    )
+    every: int = option(
+        10,
+        "Evaluate every this many steps, and always before the first step and after the last; "
+        "0 = only before and after.",
+    )
+    samples_per_prompt: int = option(1, "Responses sampled per held-out prompt.")
+    greedy: bool = option(
+        False,
+        "Take the most likely token at every position (top-k 1) instead of sampling at "
+        "eval.temperature.",
+    )
+    temperature: float = option(
+        1.0, "Sampling temperature of the evaluation (eval.greedy: unused)."
+    )
+    max_new_tokens: int | None = option(
+        None,
+        "Longest response; null = rollout.max_new_tokens (ppo, grpo) or 64 (dpo, simpo).",
+    )
+    seed: int | None = option(
+        None,
+        "Seed of the evaluation's draws; null = train.seed. Every evaluation of a run uses the "
+        "same one, so two steps are compared on the same random numbers.",
+    )
+    batch_size: int = option(64, "Responses sampled and scored at once.")
+    scores: dict[str, str] | None = option(
+        None,
+        "More scores to log, {name: 'module:function'} (a gold score, a verifier not trained on), "
+        "each called as a reward function and logged as eval/<name>; the run's own reward "
+        "functions and reward model are scored anyway. null = none more.",
+    )
+    split: str | None = option(None, SPLIT_HELP)
+    columns: dict[str, str] | None = option(None, COLUMNS_HELP)
+
+    def problems(self, name: str = "eval") -> list[str]:
+        e = []
+        if self.prompts is not None and (p := source_problem(self.prompts, f"{name}.prompts")):
+            e.append(p)
+        if self.every < 0:
+            e.append(
+                f"{name}.every = {self.every} must be ≥ 0 (0 = only before and after training)"
+            )
+        for field in ("samples_per_prompt", "batch_size"):
+            if getattr(self, field) < 1:
+                e.append(f"{name}.{field} = {getattr(self, field)} must be ≥ 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            e.append(f"{name}.max_new_tokens = {self.max_new_tokens} must be ≥ 1 (or null)")
+        if msg := problem("temperature", self.temperature, f"{name}.temperature"):
+            e.append(msg)
+        for key, spec in (self.scores or {}).items():
+            if not isinstance(spec, str) or ":" not in spec:
+                e.append(f"{name}.scores.{key} = {spec!r}: expected 'module:function'")
+        e += columns_problems(self.columns, f"{name}.columns")
+        return e
+
+
+def keep_best_problems(output: OutputSection, has_eval: bool, what: str) -> list[str]:
+    """``output.keep_best`` needs held-out metrics to choose by: ``has_eval`` says whether the
+    config evaluates (``what`` names the fields that would make it)."""
+    if output.keep_best is None or has_eval:
+        return []
+    return [f"output.keep_best = {output.keep_best!r} needs a held-out evaluation: set {what}"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,11 +36,13 @@ from proximal.core import dpo_loss, masked_mean, masked_sum, simpo_loss
 from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_pairs, per_sequence
 from proximal.data.preferences import collate_pairs, load_preference_pairs
+from proximal.evaluation import training_eval
 from proximal.logging import read_metrics
 from proximal.models.heads import check_packing
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.output import TokenScores, token_kl, token_logprobs
 from proximal.models.policy import build_policy, load_reference
+from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import evaluate, evaluate_rows
 from proximal.train.command import config_command
 from proximal.train.fixed import fit, load_data
@@ -238,6 +240,51 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             )
         return row
 
+    # The sampled held-out evaluation (eval.prompts): responses from the policy scored by eval.scores
+    # and eval.reward_model, with the exact KL to the starting model (resident, or loaded for it).
+    evaluation = training_eval(
+        cfg.eval,
+        tokenizer,
+        max_new_tokens=64,
+        seed=t.seed,
+        max_prompt_length=d.max_length,
+    )
+    scorer = None
+    if evaluation is not None and cfg.eval.reward_model is not None:
+        scorer = build_scorer(
+            tokenizer,
+            reward_model=cfg.eval.reward_model,
+            reward_model_weight=1.0,
+            functions={},
+            function_weights={},
+            precision=t.precision,
+            device=dev,
+            world_size=W,
+            frozen_sharding=m.frozen_sharding,
+            micro_batch_size=t.micro_batch_size,
+        )
+
+    def sampled(step: int) -> dict:
+        if evaluation is None or not evaluation.due(step, data.total):
+            return {}
+        with starting_model(
+            reference,
+            m.path,
+            enabled=True,
+            precision=t.precision,
+            device=dev,
+            world_size=W,
+            frozen_sharding=m.frozen_sharding,
+        ) as start_model:
+            return evaluation(
+                policy,
+                reference=start_model,
+                tokenizer=tokenizer,
+                reward_model=scorer.reward_model if scorer is not None else None,
+                reward_tokenizer=scorer.reward_tokenizer if scorer is not None else None,
+                step=step,
+            )
+
     # 5. The loop (step 0's held-out metrics, then accumulate → clip and step → log, evaluate, save),
     # and the trained policy (safetensors + tokenizer; with LoRA merged, or its adapters when
     # output.merge_lora is false) next to config.yaml.
@@ -267,6 +314,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         models={"policy": policy, "reference": reference.model if reference is not None else None},
         forward_only=("reference",) if reference is not None and not precompute else (),
         scored=lambda i: response_tokens(data.train[i]),
+        sampled=sampled,
     )
 
 

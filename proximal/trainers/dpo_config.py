@@ -19,10 +19,12 @@ from proximal.train.sections import (
     CHAT_TEMPLATE_HELP,
     FROZEN_SHARDING,
     BatchTrainSection,
+    EvalSection,
     ExportOutputSection,
     OptimSection,
     PolicyModelSection,
     PreferenceDataSection,
+    keep_best_problems,
 )
 
 
@@ -143,6 +145,18 @@ class SimPOSection:
 
 
 @dataclass
+class PreferenceEvalSection(EvalSection):
+    """``eval`` of dpo and simpo: the shared section, plus a reward model to score with (these
+    methods train on none)."""
+
+    reward_model: str | None = option(
+        None,
+        "A frozen reward model (proximal rm writes one) to score the sampled responses with, "
+        "logged as eval/proxy; null = none.",
+    )
+
+
+@dataclass
 class DPOConfig:
     """``proximal dpo`` configuration."""
 
@@ -158,10 +172,19 @@ class DPOConfig:
         ExportOutputSection, "Where the run is written.", dir="runs/dpo"
     )
     dpo: DPOSection = section(DPOSection, "The DPO loss.")
+    eval: PreferenceEvalSection = section(
+        PreferenceEvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
+    )
 
     def validate(self) -> list[str]:
-        return section_problems(self) + batch_split_problems(
-            self.train.batch_size, self.train.micro_batch_size
+        return (
+            section_problems(self)
+            + batch_split_problems(self.train.batch_size, self.train.micro_batch_size)
+            + keep_best_problems(
+                self.output,
+                self.eval.prompts is not None or self.data.eval_file is not None,
+                "data.eval_file or eval.prompts",
+            )
         )
 
 
@@ -183,8 +206,17 @@ class SimPOConfig:
         ExportOutputSection, "Where the run is written.", dir="runs/simpo"
     )
     simpo: SimPOSection = section(SimPOSection, "The SimPO loss.")
+    eval: PreferenceEvalSection = section(
+        PreferenceEvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
+    )
 
     def validate(self) -> list[str]:
-        return section_problems(self) + batch_split_problems(
-            self.train.batch_size, self.train.micro_batch_size
+        return (
+            section_problems(self)
+            + batch_split_problems(self.train.batch_size, self.train.micro_batch_size)
+            + keep_best_problems(
+                self.output,
+                self.eval.prompts is not None or self.data.eval_file is not None,
+                "data.eval_file or eval.prompts",
+            )
         )

@@ -40,6 +40,7 @@ from proximal.core import (
 )
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
+from proximal.evaluation import eval_postfix, reward_weights, training_eval
 from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
@@ -49,6 +50,7 @@ from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import accumulate
+from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
@@ -88,6 +90,15 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     )
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
+    evaluation = training_eval(
+        cfg.eval,
+        tokenizer,
+        functions=functions,
+        weights=reward_weights(mc.reward_model, mc.reward_model_weight, mc.function_weights()),
+        max_new_tokens=r.max_new_tokens,
+        seed=t.seed,
+        max_prompt_length=d.max_prompt_length,
+    )
     sampler = Sampler(
         len(prompts),
         r.batch_size,
@@ -124,6 +135,24 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         reference=models.reference.model if models.reference is not None else None,
         reward_model=models.scorer.reward_model,
     )
+    run.track_best(cfg.output.keep_best, cfg.output.keep_best_mode)
+
+    def held_out(step: int) -> dict:
+        """The sampled held-out metrics (``eval``), when due at ``step``."""
+        if evaluation is None or not evaluation.due(step, t.steps):
+            return {}
+        return evaluation(
+            actor,
+            reference=models.reference,
+            tokenizer=tokenizer,
+            reward_model=models.scorer.reward_model,
+            reward_tokenizer=models.scorer.reward_tokenizer,
+            engine=engine,
+            step=step,
+        )
+
+    if start == 0 and evaluation is not None:
+        run.log(0, held_out(0))  # the starting policy
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -236,6 +265,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
         }
+        metrics.update(held_out(step))
         run.log(
             step,
             metrics,
@@ -243,6 +273,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 "score": metrics["score/mean"],
                 "uniform": metrics["data/uniform_group_frac"],
                 **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
+                **eval_postfix(metrics, cfg.output.keep_best),
             },
         )
         if run.is_main:
@@ -257,8 +288,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 cfg.output.samples_per_step,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
+        if step == t.steps:
+            # The trained policy (safetensors + tokenizer) in the run directory itself, before the
+            # last checkpoint: --model.path runs/grpo starts the next stage from it.
+            export_final(run.dir, actor, tokenizer)
         stop = run.stop_requested()
-        if stop or due(step, t.steps, t.save_every):
+        if stop or due(step, t.steps, t.save_every) or run.new_best(step):
             run.save(
                 step,
                 trained=trained,
@@ -270,6 +305,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         if stop:
             run.stop(step)
 
+    if start == t.steps:  # --resume of a finished run: its policy written again
+        export_final(run.dir, actor, tokenizer)
     run.finish()
     return run.dir
 
@@ -476,6 +513,7 @@ def build_models(
         world_size=world_size,
         frozen_sharding=mc.frozen_sharding,
         micro_batch_size=cfg.grpo.micro_batch_size,
+        timeout_s=mc.reward_timeout_s,
     )
     return GRPOModels(tokenizer, actor, reference, scorer)
 
@@ -484,4 +522,3 @@ def cli(argv: list[str]) -> int:
     return config_command(
         argv, prog="grpo", description=__doc__.splitlines()[0], config_cls=GRPOConfig, train=train
     )
-        timeout_s=mc.reward_timeout_s,

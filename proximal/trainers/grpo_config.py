@@ -14,12 +14,14 @@ from proximal.config import check_divides, option, section, section_problems
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
+    EvalSection,
     OnlineModelSection,
     OptimSection,
     PromptDataSection,
     RLOutputSection,
     RLTrainSection,
     RolloutSection,
+    keep_best_problems,
 )
 
 #: ``grpo.loss`` → the loss aggregation it names (proximal.core.stats.masked_aggregate).
@@ -123,6 +125,9 @@ class GRPOConfig:
     optim: OptimSection = section(OptimSection, lr=1e-6)
     train: RLTrainSection = section(RLTrainSection)
     output: RLOutputSection = section(RLOutputSection, dir="runs/grpo")
+    eval: EvalSection = section(
+        EvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
+    )
 
     @property
     def responses_per_step(self) -> int:
@@ -139,6 +144,7 @@ class GRPOConfig:
 
     def validate(self) -> list[str]:
         e = section_problems(self)
+        e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")

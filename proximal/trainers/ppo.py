@@ -42,6 +42,7 @@ from proximal.data.chat import set_chat_template
 from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
+from proximal.evaluation import eval_postfix, reward_weights, training_eval
 from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.loading import ModelLoadError, load_tokenizer
@@ -54,6 +55,7 @@ from proximal.rollout.experience import Experience, compute_experience, critic_v
 from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train.batches import accumulate
+from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import global_tokens, online_step_flops
@@ -95,6 +97,15 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
+    evaluation = training_eval(
+        cfg.eval,
+        tokenizer,
+        functions=functions,
+        weights=reward_weights(mc.reward_model, mc.reward_model_weight, mc.function_weights()),
+        max_new_tokens=r.max_new_tokens,
+        seed=t.seed,
+        max_prompt_length=d.max_prompt_length,
+    )
     sampler = Sampler(
         len(prompts),
         r.batch_size,
@@ -160,6 +171,24 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         critic=critic,
         reward_model=models.scorer.reward_model,
     )
+    run.track_best(cfg.output.keep_best, cfg.output.keep_best_mode)
+
+    def held_out(step: int) -> dict:
+        """The sampled held-out metrics (``eval``), when due at ``step``."""
+        if evaluation is None or not evaluation.due(step, t.steps):
+            return {}
+        return evaluation(
+            actor,
+            reference=models.reference,
+            tokenizer=tokenizer,
+            reward_model=models.scorer.reward_model,
+            reward_tokenizer=models.scorer.reward_tokenizer,
+            engine=engine,
+            step=step,
+        )
+
+    if start == 0 and evaluation is not None:
+        run.log(0, held_out(0))  # the starting policy
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -295,10 +324,16 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
         }
+        metrics.update(held_out(step))
         run.log(
             step,
             metrics,
-            postfix={"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta},
+            postfix={
+                "score": metrics["score/mean"],
+                "kl": seq_kl,
+                "beta": kl_ctl.beta,
+                **eval_postfix(metrics, cfg.output.keep_best),
+            },
         )
         if run.is_main:
             write_samples(
@@ -312,8 +347,12 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 cfg.output.samples_per_step,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
+        if step == t.steps:
+            # The trained policy in the run directory itself and the critic in critic/, before the
+            # last checkpoint: --model.path runs/ppo starts the next stage from the policy.
+            export_models(run.dir, actor, critic, tokenizer)
         stop = run.stop_requested()
-        if stop or due(step, t.steps, t.save_every):
+        if stop or due(step, t.steps, t.save_every) or run.new_best(step):
             run.save(
                 step,
                 trained=trained,
@@ -325,8 +364,17 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         if stop:
             run.stop(step)
 
+    if start == t.steps:  # --resume of a finished run: its models written again
+        export_models(run.dir, actor, critic, tokenizer)
     run.finish()
     return run.dir
+
+
+def export_models(run_dir: Path, actor, critic, tokenizer) -> None:
+    """The final policy into ``run_dir`` itself (a model directory ``from_pretrained`` opens), the
+    critic into ``run_dir/critic`` (:func:`proximal.train.checkpoint.export_final`)."""
+    export_final(run_dir, actor, tokenizer)
+    export_final(run_dir / "critic", critic, tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,6 +761,7 @@ def build_models(
         world_size=world_size,
         frozen_sharding=mc.frozen_sharding,
         micro_batch_size=cfg.ppo.micro_batch_size,
+        timeout_s=mc.reward_timeout_s,
     )
     if mc.critic == "reward_model":
         if not same_tokenizer(tokenizer, scorer.reward_tokenizer):
@@ -751,4 +800,3 @@ def cli(argv: list[str]) -> int:
     return config_command(
         argv, prog="ppo", description=__doc__.splitlines()[0], config_cls=PPOConfig, train=train
     )
-        timeout_s=mc.reward_timeout_s,

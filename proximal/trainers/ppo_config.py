@@ -15,12 +15,14 @@ from proximal.core import AGGREGATIONS, ESTIMATORS, KL_CONTROLLERS
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
+    EvalSection,
     OnlineModelSection,
     OptimSection,
     PromptDataSection,
     RLOutputSection,
     RLTrainSection,
     RolloutSection,
+    keep_best_problems,
 )
 
 
@@ -150,6 +152,9 @@ class PPOConfig:
     optim: PPOOptim = section(PPOOptim, lr=1e-6)
     train: RLTrainSection = section(RLTrainSection)
     output: RLOutputSection = section(RLOutputSection, dir="runs/ppo")
+    eval: EvalSection = section(
+        EvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
+    )
 
     RENAMED: ClassVar[dict[str, str]] = {
         "model.policy": "the policy's checkpoint is model.path (the same field in every command)",
@@ -160,6 +165,7 @@ class PPOConfig:
 
     def validate(self) -> list[str]:
         e = section_problems(self)
+        e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")
