@@ -39,11 +39,10 @@ class PromptSet:
     skipped_too_long: int = 0
     truncated: int = 0
     skipped_empty: int = 0
-
     columns: list[dict[str, Any]] = field(default_factory=list)  # one per prompt (or none at all)
+
     def __len__(self) -> int:
         return len(self.texts)
-
 
     def column_names(self) -> list[str]:
         """Every column some row has, in the order they first appear."""
@@ -52,6 +51,7 @@ class PromptSet:
     def columns_of(self, idx: list[int]) -> list[dict[str, Any]] | None:
         """The columns of prompts ``idx`` (repeats included: a group's prompt once per response)."""
         return [self.columns[i] for i in idx] if self.columns else None
+
 
 def load_prompts(
     path: str,
@@ -95,9 +95,9 @@ def load_prompts(
         # tokenizer renders them with its own chat template (rollout/scoring.py).
         context = prompt_context(record, where)
         messages.append(context if isinstance(context, list) else None)
-    if not texts:
         prompt_key = "prompt" if "prompt" in record else "messages"
         row_columns.append({k: v for k, v in record.items() if k != prompt_key})
+    if not texts:
         why = []
         if skipped:
             why.append(
