@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from proximal.config import ConfigError
 from proximal.data.collate import pad_left
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.prompts import PromptSet, load_prompts
@@ -27,7 +28,7 @@ from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
 from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import response_kl, sample
-from proximal.rollout.scoring import Scorer, load_reward_function
+from proximal.rollout.scoring import Scorer, load_reward_function, reward_argument_problems
 from proximal.tasks.digits import gold as digits_gold
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
@@ -325,9 +326,14 @@ def training_eval(
         columns=section.columns,
     )
     extra = {name: load_reward_function(spec) for name, spec in (section.scores or {}).items()}
+    functions = {**(functions or {}), **extra}
+    # a column a function needs and these prompts lack: said now, not at the first evaluation
+    problems = reward_argument_problems(functions, prompts.column_names(), str(section.prompts))
+    if problems:
+        raise ConfigError(f"eval.prompts: {problems[0]}")
     return TrainingEval(
         prompts=prompts,
-        functions={**(functions or {}), **extra},
+        functions=functions,
         weights=weights,
         every=section.every,
         samples_per_prompt=section.samples_per_prompt,

@@ -314,6 +314,36 @@ def test_evaluation_hands_the_columns_to_its_score_functions(assets, tmp_path):
     assert got == [(p, answer_of(p)) for p in texts for _ in range(2)]
 
 
+def test_held_out_prompts_without_a_needed_column_are_refused_at_start(assets, tmp_path):
+    """A run's eval section checks its prompts as the training prompts are checked: before any model
+    loads, not at the first evaluation."""
+    from proximal.evaluation import training_eval
+    from proximal.train.sections import EvalSection
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "ab"}])
+    kwargs = dict(max_new_tokens=4, seed=0, max_prompt_length=8)
+    with pytest.raises(
+        ConfigError, match=r"^eval.prompts: reward function 'correct' needs argument "
+    ):
+        training_eval(
+            EvalSection(prompts=str(tmp_path / "eval.jsonl")),
+            assets.tokenizer,
+            functions={"correct": correct},
+            **kwargs,
+        )
+    write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "ab", "answer": "1"}])
+    ev = training_eval(
+        EvalSection(prompts=str(tmp_path / "eval.jsonl")),
+        assets.tokenizer,
+        functions={"correct": correct},
+        **kwargs,
+    )
+    assert ev.prompts.columns == [{"answer": "1"}]
+
+
 # ----------------------------------------------------------------------------------------------
 # Real runs: two processes, and a hung verifier
 # ----------------------------------------------------------------------------------------------
