@@ -28,7 +28,13 @@ from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
 from proximal.rollout.engine import RolloutEngine, row_seed
 from proximal.rollout.sampling import response_kl, sample
-from proximal.rollout.scoring import Scorer, load_reward_function, reward_argument_problems
+from proximal.rollout.scoring import (
+    DEFAULT_TIMEOUT_S,
+    Scorer,
+    call_reward_functions,
+    load_reward_function,
+    reward_argument_problems,
+)
 from proximal.tasks.digits import gold as digits_gold
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
@@ -52,6 +58,7 @@ def evaluate_policy(
     greedy: bool = False,
     split: str | None = None,
     columns: dict[str, str] | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict:
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
@@ -111,6 +118,7 @@ def evaluate_policy(
             batch_size=batch_size,
             temperature=temperature,
             greedy=greedy,
+            timeout_s=timeout_s,
         ),
     }
 
@@ -134,19 +142,20 @@ def evaluate_loaded(
     greedy: bool = False,
     engine: RolloutEngine | None = None,
     step: int | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict:
     """:func:`evaluate_policy` on models already loaded: ``actor`` (sampled through ``engine``, or
     an :class:`~proximal.rollout.engine.HFEngine` over it), ``reference`` (a module, a
     :class:`~proximal.models.policy.Reference` — a LoRA actor with its adapters off — or None: no
     ``kl``), the rendered ``prompts``, the score ``functions`` and the ``reward_model``. Response j
     (prompt j // samples_per_prompt) draws from the generator seeded ``row_seed(seed, 0, j)``,
-    whatever the batch it falls in. ``step`` names the step in a failing function's message.
+    whatever the batch it falls in. ``step`` names the step in a failing function's message;
+    ``timeout_s`` bounds each call of the functions (``model.reward_timeout_s``).
     Returns ``{"n", "samples_per_prompt", "seed", "mean", "rows"}``."""
-    scorer = Scorer(
+    scorer = Scorer(  # the reward model's scores as the trainers compute them
         tokenizer,
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
-        functions=functions,
         micro_batch_size=batch_size,
     )
     order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
@@ -168,11 +177,18 @@ def evaluate_loaded(
         )
         texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
         completions = scorer.completions(r)
-        _, components = scorer(r, texts, messages, columns=prompts.columns_of(idx), step=step)
-        scored = {
-            ("proxy" if k == "reward_model" else k): [float(x) for x in v]
-            for k, v in components.items()
-        }
+        columns = prompts.columns_of(idx)
+        scored = {}
+        if reward_model is not None:
+            _, components = scorer(r, texts, messages, columns=columns, step=step)
+            scored["proxy"] = [float(x) for x in components["reward_model"]]
+        # The functions called as the trainers call them (their arguments, the time limit), their
+        # scores kept in float64: a gold score's mean is exact, not float32's.
+        arguments = scorer.function_arguments(r, texts, messages, columns, step)
+        values = call_reward_functions(
+            functions, arguments, n=len(idx), step=step, timeout_s=timeout_s, dtype=torch.float64
+        )
+        scored.update({k: [float(x) for x in v] for k, v in values.items()})
         if weights is not None:
             scored["score"] = [
                 sum(w * scored[k][j] for k, w in weights.items()) for j in range(len(idx))
@@ -246,6 +262,7 @@ class TrainingEval:
     batch_size: int
     temperature: float
     greedy: bool
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
 
     def due(self, step: int, total: int) -> bool:
         """Before the first step (step 0), every ``every`` steps, after the last."""
@@ -279,6 +296,7 @@ class TrainingEval:
             greedy=self.greedy,
             engine=engine,
             step=step,
+            timeout_s=self.timeout_s,
         )
         return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
 
@@ -310,12 +328,13 @@ def training_eval(
     max_new_tokens: int,
     seed: int,
     max_prompt_length: int,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> TrainingEval | None:
     """A run's :class:`TrainingEval` from its ``eval`` section (None when ``eval.prompts`` is null):
     the prompts read and rendered now, before any model loads, with the loader every command uses
     (prompts longer than ``max_prompt_length`` keep their end); the run's reward ``functions`` and
     their ``weights`` (the reward model's as ``"proxy"``) plus ``eval.scores``. ``max_new_tokens``
-    and ``seed`` stand in for the section's nulls."""
+    and ``seed`` stand in for the section's nulls; ``timeout_s`` bounds each call of a function."""
     if section.prompts is None:
         return None
     prompts = load_prompts(
@@ -342,6 +361,7 @@ def training_eval(
         batch_size=section.batch_size,
         temperature=section.temperature,
         greedy=section.greedy,
+        timeout_s=timeout_s,
     )
 
 

@@ -259,8 +259,10 @@ def call_reward_functions(
     n: int,
     step: int | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Each function's (n,) float32 scores, by name, in order.
+    """Each function's (n,) scores, by name, in order: float32 as the trainers add them up, or
+    ``dtype`` (the held-out evaluations keep float64, the functions' own Python floats).
 
     ``values`` — every argument proximal offers (:data:`PASSED` and the columns, each a list of ``n``
     where it is per completion); each function gets what its signature takes. Synchronous functions
@@ -290,14 +292,14 @@ def call_reward_functions(
         if inspect.isawaitable(out):
             pending.append((name, out))
         else:
-            scores[name] = _as_scores(name, out, n, at)
+            scores[name] = _as_scores(name, out, n, at, dtype)
     if pending:
         for (name, _), out in zip(pending, _await_together(pending, step, timeout_s)):
             if isinstance(out, Exception):
                 raise RewardFunctionError(
                     f"reward function {name!r}{at} raised {type(out).__name__}: {out}"
                 ) from out
-            scores[name] = _as_scores(name, out, n, at)
+            scores[name] = _as_scores(name, out, n, at, dtype)
     return {name: scores[name] for name in functions}
 
 
@@ -320,7 +322,9 @@ def call_reward_function(
     )[name]
 
 
-def _as_scores(name: str, values: Any, n: int, at: str) -> torch.Tensor:
+def _as_scores(
+    name: str, values: Any, n: int, at: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     where = f"reward function {name!r}{at}"
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RewardFunctionError(
@@ -343,7 +347,7 @@ def _as_scores(name: str, values: Any, n: int, at: str) -> torch.Tensor:
         raise RewardFunctionError(
             f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60}"
         )
-    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+    return torch.tensor([float(v) for v in values], dtype=dtype)
 
 
 class _Loop:

@@ -105,6 +105,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         max_new_tokens=r.max_new_tokens,
         seed=t.seed,
         max_prompt_length=d.max_prompt_length,
+        timeout_s=mc.reward_timeout_s,
     )
     sampler = Sampler(
         len(prompts),
