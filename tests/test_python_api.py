@@ -36,6 +36,7 @@ from proximal.config import (
     to_dict,
 )
 from proximal.data.jsonl import DataError
+from proximal.data.prompts import load_texts
 from proximal.data.sources import read_rows
 from proximal.logging import read_metrics
 from proximal.models.loading import (
@@ -213,10 +214,16 @@ def test_config_yaml_holds_placeholders_and_a_config_file_with_one_is_refused(ti
     ]
     grpo = proximal.GRPOConfig()
     grpo.model.reward_functions = ["my_rewards:length", correct]
-    assert to_dict(grpo)["model"]["reward_functions"] == [
+    grpo.data.prompts = grpo.eval.prompts = ROWS
+    assert python_objects(grpo) == [] and grpo.eval.prompts.value is ROWS
+    saved = to_dict(grpo)
+    assert saved["model"]["reward_functions"] == [
         "my_rewards:length",
         f"<python object: function {__name__}.correct>",
     ]
+    assert (
+        saved["data"]["prompts"] == saved["eval"]["prompts"] == "<python object: list of 16 rows>"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +325,8 @@ def test_rows_given_from_python_are_read_as_a_files_rows():
         rows(given, split="test")
     with pytest.raises(DataError, match=r"^data.prompts\[row 1\]: expected a dict .* got str 'b='"):
         rows([{"prompt": "a="}, "b="])
+    ptx = PythonObject([{"text": "abc"}, {"text": "de"}], "data.ptx_file", "data")
+    assert load_texts(ptx) == ["abc", "de"]
 
 
 # --------------------------------------------------------------------------------------------------

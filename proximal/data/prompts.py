@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proximal.config import PythonObject
 from proximal.data.chat import (
     apply_template,
     check_messages,
@@ -134,9 +135,9 @@ def load_texts(
     generation prompt), and PTX trains every token of it, as of a ``text`` row: the PTX loss is
     language modelling of a whole text, not supervision of one speaker. A BOS string the template
     writes is taken off the front when the tokenizer adds its own BOS on tokenising (it does, in the
-    PTX step), so a text has one.
+    PTX step), so a text has one. From Python, rows given in the config (``data.ptx_file``).
     """
-    p = Path(path)
+    p = path if isinstance(path, PythonObject) else Path(path)
     if is_data_source(p):
         texts = [
             _ptx_text(r, key, where, tokenizer)

@@ -636,6 +636,7 @@ class EvalSection:
         None,
         "Held-out prompts, in any format data.prompts takes ({'prompt': str} or {'messages': [...]} "
         "rows, extra columns too): " + DATA_SOURCES + ". null = no sampled evaluation.",
+        python="data",
     )
     every: int = option(
         10,
