@@ -99,8 +99,9 @@ def test_import_proximal_loads_no_torch_until_a_name_is_used():
         "assert heavy() == [], heavy()\n"
         "import proximal.config\n"
         "assert heavy() == [], heavy()\n"
-        "proximal.train_sft\n"
-        "assert heavy() == ['torch', 'transformers'], heavy()\n"
+        "proximal.load_config, proximal.ConfigError  # lent one by one: these need no torch\n"
+        "assert heavy() == [], heavy()\n"
+        "assert 'train_sft' not in vars(proximal) and 'proximal.api' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -372,3 +373,39 @@ def test_a_run_that_fails_puts_the_signal_handlers_back(tiny, tmp_path):
     with pytest.raises(DataError, match=r"^data.train_file\[row 3\]: "):
         proximal.train_sft(sft_config(tiny, bad, tmp_path / "run"))
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_ppo_from_a_policy_and_a_reward_model_given_from_python(tiny, tmp_path):
+    """The online path: the policy, the reference and the critic copied from objects (the critic from
+    the reward model object, as model.critic: reward_model does), prompts as a datasets.Dataset."""
+    datasets = pytest.importorskip("datasets")
+    model, tok = tiny
+    torch.manual_seed(1)
+    rm = AutoModelForSequenceClassification.from_config(
+        tiny_config("llama", len(tok), num_labels=1)
+    )
+    rm_before = state(rm)
+    cfg = proximal.PPOConfig()
+    cfg.model.path = (model, tok)
+    cfg.model.reward_model = (rm, tok)
+    cfg.data.prompts = datasets.Dataset.from_list([{"prompt": f"{x}="} for x in LETTERS])
+    cfg.data.max_prompt_length = 8
+    cfg.rollout.batch_size, cfg.rollout.max_new_tokens = 4, 4
+    cfg.ppo.epochs, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size = 1, 4, 4
+    cfg.train.steps, cfg.train.device = 1, "cpu"
+    cfg.output.dir, cfg.output.progress = str(tmp_path / "ppo"), False
+    run_dir = proximal.train_ppo(cfg)
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
+    assert saved["path"] == "<python object: LlamaForCausalLM with its tokenizer>"
+    assert saved["reward_model"] == "<python object: LlamaForSequenceClassification with its " + (
+        "tokenizer>"
+    )
+    assert saved["critic"] == "reward_model"
+    assert same_state(state(rm), rm_before)  # neither frozen in place nor trained as the critic
+    assert all(p.requires_grad for p in rm.parameters())
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "score/mean" in r] == [1]
+    critic = AutoModelForSequenceClassification.from_pretrained(run_dir / "critic")
+    trained = state(critic)
+    assert trained.keys() == rm_before.keys()
+    assert any(not torch.equal(trained[k], rm_before[k]) for k in trained)  # trained from r_psi
