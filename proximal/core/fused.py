@@ -1,28 +1,34 @@
-"""Token log-probabilities, entropies and KL from the last hidden states and the LM head, a chunk of
-tokens at a time, so that no logits tensor of the batch ever exists.
+"""Token log-probabilities, entropies and KL from the last hidden states and the LM head, a tile of
+(tokens × vocabulary) at a time, so that no logits tensor of the batch ever exists.
 
 Notation: B batch size, T positions, H hidden size, V vocabulary size, N the valid (mask True)
-positions of the batch, n the rows of one chunk (``max(1, chunk_elements // V)``).
+positions of the batch; a chunk is n rows (tokens), a block Vb columns (vocabulary entries), and a
+tile (n, Vb) holds at most ``chunk_elements`` elements (:func:`_tiles`).
 
 The logits path (:mod:`proximal.core.logprobs`) takes ``logits = head(hidden)``: a (B, T, V) tensor,
 10 GB in float32 for 16 × 1,024 tokens at V = 151,936, and the same again as its gradient. Here the
 head's matrix product is part of the computation:
 
-    raw = h Wᵀ + b                 (n, V)   in ``matmul_dtype``
+    raw = h Wᵀ + b                 (n, Vb)  in ``matmul_dtype``
     ℓ   = c · tanh(raw / c)        (Gemma-2's final-logit soft-capping, when ``softcap`` = c is given)
     z   = float(ℓ) / τ
-    log π(y | s) = z_y − logsumexp(z),   S = −Σ_v p_v log p_v,   p = softmax(z)
+    log π(y | s) = z_y − logsumexp(z),   S = −Σ_v p_v log p_v = lse − E_p[z],   p = softmax(z)
 
-computed for n valid positions at a time. Forward keeps only (N,) statistics; backward recomputes
-each chunk's logits and forms the chunk's gradient G = ∂L/∂raw (n, V) in place,
+Forward runs over a chunk's vocabulary blocks with an online logsumexp (running max m, running
+Σ exp(z − m), and for the entropy Σ exp(z − m)·(z − m)), picks z_y from the block holding y, and
+keeps only (N,) statistics: lse, and S when differentiated. Backward recomputes each tile's z and
+forms its gradient G = ∂L/∂raw (n, Vb) in place from p = exp(z − lse),
 
-    ∂L/∂z = g_lp · (onehot(y) − p) − g_S · p ⊙ (log p + S)
+    ∂L/∂z = g_lp · (onehot(y) − p) − g_S · p ⊙ (z − lse + S)
     ∂L/∂raw = ∂L/∂z / τ ⊙ (1 − tanh²(raw / c))        (the last factor only with soft-capping)
 
-then ``∂L/∂h = G W`` for the chunk and ``∂L/∂W += Gᵀ h``, ``∂L/∂b += Σ_rows G`` — the head's
-gradient accumulated chunk by chunk in float32. Peak extra memory is a few (n, V) buffers, reused by
-every chunk, plus one (V, H) accumulator for ∂L/∂W: independent of B·T, and of V through the element
-budget. Double backward is not supported (nothing trains through a gradient).
+then ``∂L/∂h += G W_blk`` for the chunk, ``∂L/∂W[blk] (+)= Gᵀ h`` (the block's own rows, written by
+the first chunk and added to by the others) and ``∂L/∂b[blk] (+)= Σ_rows G`` — the head's gradient
+in float32. A chunk reads the (V, H) weight once, so a pass over N tokens reads it ⌈N / n⌉ times
+(once for N ≤ n: 2,048 tokens at the default budget), not N / (chunk_elements / V) times as a chunk
+of whole rows of V would. Peak extra memory is a few (n, Vb) buffers, reused by every tile, plus the
+(V, H) float32 ∂L/∂W: independent of B·T, and of V through the element budget. Double backward is
+not supported (nothing trains through a gradient).
 
 Alignment is that of :mod:`proximal.core.logprobs`: ``hidden[:, t]`` scores ``tokens[:, t]``; the
 caller shifts. Masked positions are never read (their hidden states may be NaN, their token ids
@@ -38,8 +44,23 @@ from torch.autograd.function import once_differentiable
 from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_mean, masked_sum
 
-#: logits elements (tokens × V) materialised at once: 2²³ is 32 MiB per float32 buffer.
+#: elements of one (tokens × vocabulary) tile materialised at once: 2²³ is 32 MiB per float32 buffer.
 DEFAULT_CHUNK_ELEMENTS = 2**23
+#: the narrowest vocabulary block worth tiling with: a chunk has ``chunk_elements // BLOCK_MIN`` rows
+#: (2,048 at the default budget) and blocks of ``chunk_elements // rows`` columns. 4,096 keeps each
+#: block's product (n × 4,096 × H) large enough to run at the matrix unit's speed and the per-block
+#: work (a dozen small (n,) operations) negligible — 37 blocks at V = 151,936 — while a pass over
+#: 2,048 tokens reads the head's weight once. A vocabulary up to this size is one block (whole rows).
+BLOCK_MIN = 4096
+
+
+def _tiles(chunk_elements: int, V: int, N: int) -> tuple[int, int]:
+    """(rows, cols) of a tile: rows = min(N, chunk_elements // min(V, BLOCK_MIN)) (at least 1),
+    cols = the widest block of ⌈V / (chunk_elements // rows)⌉ equal ones, so rows · cols ≤
+    chunk_elements (when chunk_elements ≥ rows; else one column)."""
+    rows = max(1, min(N, chunk_elements // min(V, BLOCK_MIN)))
+    width = max(1, chunk_elements // rows)
+    return rows, -(-V // -(-V // width))
 
 
 def _no_autocast(t: Tensor):
@@ -49,12 +70,12 @@ def _no_autocast(t: Tensor):
 
 
 class _Buffers:
-    """Scratch tensors, one per name, reused by every chunk of one call (a fresh large tensor per
-    chunk costs page faults that take longer than the arithmetic). A chunk buffer is (rows, V); a
-    shorter last chunk uses a prefix of its rows, which is contiguous."""
+    """Scratch tensors, one per name, reused by every tile of one call (a fresh large tensor per tile
+    costs page faults that take longer than the arithmetic). A tile buffer holds rows · cols
+    elements; a smaller tile (a short last chunk or block) is a contiguous prefix of it."""
 
-    def __init__(self, rows: int, V: int, like: Tensor):
-        self.rows, self.V, self.like, self.buffers = rows, V, like, {}
+    def __init__(self, rows: int, cols: int, like: Tensor):
+        self.rows, self.cols, self.like, self.buffers = rows, cols, like, {}
 
     def fixed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         buf = self.buffers.get(name)
@@ -62,12 +83,25 @@ class _Buffers:
             buf = self.buffers[name] = self.like.new_empty(shape, dtype=dtype)
         return buf
 
-    def chunk(self, name: str, n: int, dtype: torch.dtype) -> Tensor:
-        return self.fixed(name, (self.rows, self.V), dtype)[:n]
+    def tile(self, name: str, n: int, vb: int, dtype: torch.dtype) -> Tensor:
+        return self.fixed(name, (self.rows * self.cols,), dtype)[: n * vb].view(n, vb)
+
+    def row(self, name: str, n: int, dtype: torch.dtype) -> Tensor:
+        """An (n,) per-token statistic of the current chunk."""
+        return self.fixed(name, (self.rows,), dtype)[:n]
+
+
+def _blocks(V: int, cols: int):
+    return [(v, min(v + cols, V)) for v in range(0, V, cols)]
+
+
+def _in_block(y: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """(whether each row's token lies in [v0, v1), its column there clamped into the block)."""
+    return (y >= v0) & (y < v1), (y - v0).clamp_(0, v1 - v0 - 1)
 
 
 class _Head:
-    """The LM head cast once per call to the matmul dtype, and a chunk's z = softcap(h Wᵀ + b) / τ."""
+    """The LM head cast once per call to the matmul dtype, and a tile's z = softcap(h Wᵀ + b) / τ."""
 
     def __init__(self, weight, bias, matmul_dtype, temperature, softcap, compute_dtype=None):
         self.mdt = matmul_dtype
@@ -77,25 +111,27 @@ class _Head:
         self.tau, self.cap = temperature, softcap
         self.V = weight.shape[0]
 
-    def z(self, h: Tensor, ws: _Buffers) -> Tensor:
-        """z for a chunk h (n, H) of hidden states in the matmul dtype: (n, V) in the compute dtype,
-        in a workspace buffer (computed identically in forward and backward)."""
-        n, wt = h.shape[0], self.w.t()
-        raw = ws.chunk("raw", n, self.mdt)
+    def z(self, h: Tensor, ws: _Buffers, v0: int, v1: int, name: str = "") -> Tensor:
+        """z for a chunk h (n, H) of hidden states in the matmul dtype and the vocabulary block
+        [v0, v1): (n, v1 − v0) in the compute dtype, in a workspace buffer (computed identically in
+        forward and backward)."""
+        n, vb, wt = h.shape[0], v1 - v0, self.w[v0:v1].t()
+        b = None if self.b is None else self.b[v0:v1]
+        raw = ws.tile("raw" + name, n, vb, self.mdt)
         if self.mdt != self.cdt:  # bf16 logits, as the logits path has them, then float32
-            if self.b is None:
+            if b is None:
                 torch.mm(h, wt, out=raw)
             else:
-                torch.addmm(self.b, h, wt, out=raw)
-            z = ws.chunk("z", n, self.cdt).copy_(raw)
+                torch.addmm(b, h, wt, out=raw)
+            z = ws.tile("z" + name, n, vb, self.cdt).copy_(raw)
             if self.cap is not None:
                 z.div_(self.cap)
             elif self.tau != 1.0:
                 z.div_(self.tau)
-        else:  # the product's α, β scale by 1/c (soft-capping) or 1/τ: one pass over (n, V) fewer
+        else:  # the product's α, β scale by 1/c (soft-capping) or 1/τ: one pass over (n, Vb) fewer
             a = 1.0 / (self.cap if self.cap is not None else self.tau)
-            if self.b is not None:
-                torch.addmm(self.b, h, wt, beta=a, alpha=a, out=raw)
+            if b is not None:
+                torch.addmm(b, h, wt, beta=a, alpha=a, out=raw)
             elif a != 1.0:  # β = 0: the buffer's old contents are not read
                 torch.addmm(raw, h, wt, beta=0.0, alpha=a, out=raw)
             else:
@@ -107,34 +143,58 @@ class _Head:
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """log softmax(z)[y] for N gathered positions, a chunk of rows at a time; optionally the entropy
-    of softmax(z) from the same pass, differentiated only with ``entropy_grad``.
+    """log softmax(z)[y] for N gathered positions, a tile of (rows × cols) at a time; optionally the
+    entropy of softmax(z) from the same pass, differentiated only with ``entropy_grad``.
 
     Inputs: h (N, H) in the matmul dtype, the head's weight (V, H) and bias (V,) in their own dtypes
     (cast once per call here, so the gradients come back in theirs), y (N,) int64."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, temperature, softcap, with_entropy, entropy_grad, rows):
+    def forward(ctx, h, weight, bias, y, temperature, softcap, with_entropy, entropy_grad, tiles):
         ctx.set_materialize_grads(False)
         N = h.shape[0]
+        rows, cols = tiles
         with _no_autocast(h):
             head = _Head(weight, bias, h.dtype, temperature, softcap)
             cdt, V = head.cdt, head.V
             lp = h.new_empty(N, dtype=cdt)
+            lse = torch.empty_like(lp)
             ent = torch.empty_like(lp) if with_entropy else None
-            ws = _Buffers(min(rows, N), V, h)
+            ws = _Buffers(min(rows, N), cols, h)
             floor = torch.finfo(cdt).min
             for s in range(0, N, rows):
                 e = min(s + rows, N)
-                z = head.z(h[s:e], ws)
-                logp = torch.log_softmax(z, -1, out=ws.chunk("logp", e - s, cdt))
-                lp[s:e] = logp.gather(1, y[s:e, None]).squeeze(1)
-                if with_entropy:  # S = −Σ p log p, with 0·log 0 = 0 for banned (−inf) tokens
-                    logp.clamp_(min=floor)
-                    p = torch.exp(logp, out=ws.chunk("p", e - s, cdt))
-                    torch.sum(p.mul_(logp), -1, out=ent[s:e]).neg_()
-        ctx.save_for_backward(h, weight, bias, y, ent if entropy_grad else None)
-        ctx.temperature, ctx.softcap, ctx.rows = temperature, softcap, rows
+                n, hc, yc = e - s, h[s:e], y[s:e]
+                # running max (finite: a block of banned −inf logits leaves it at `floor`, so no
+                # −inf − −inf), Σ exp(z − m), and for the entropy Σ exp(z − m)·(z − m)
+                m = ws.row("m", n, cdt).fill_(floor)
+                tot = ws.row("tot", n, cdt).zero_()
+                t = ws.row("t", n, cdt).zero_() if with_entropy else None
+                zy = lp[s:e]
+                for v0, v1 in _blocks(V, cols):
+                    z = head.z(hc, ws, v0, v1)
+                    inb, col = _in_block(yc, v0, v1)
+                    zy.copy_(torch.where(inb, z.gather(1, col[:, None]).squeeze(1), zy))
+                    m_new = torch.maximum(m, torch.amax(z, 1))
+                    shift = m - m_new  # ≤ 0
+                    alpha = torch.exp(shift)
+                    d = z.sub_(m_new[:, None])  # z − m_new, in place
+                    if with_entropy:  # 0·log 0 = 0 for banned (−inf) tokens: −inf → floor
+                        d.clamp_(min=floor)
+                        p = torch.exp(d, out=ws.tile("p", n, v1 - v0, cdt))
+                        # Σ e^{z − m_new}(z − m_new) = α (t + shift · tot) + this block's
+                        t.addcmul_(shift, tot).mul_(alpha).add_(torch.einsum("nv,nv->n", p, d))
+                        tot.mul_(alpha).add_(p.sum(1))
+                    else:
+                        tot.mul_(alpha).add_(d.exp_().sum(1))
+                    m.copy_(m_new)
+                log_tot = torch.log(tot)
+                torch.add(log_tot, m, out=lse[s:e])
+                zy.sub_(lse[s:e])
+                if with_entropy:  # S = lse − E_p[z] = log tot − t / tot
+                    torch.sub(log_tot, t / tot, out=ent[s:e])
+        ctx.save_for_backward(h, weight, bias, y, lse, ent if entropy_grad else None)
+        ctx.temperature, ctx.softcap, ctx.tiles = temperature, softcap, tiles
         ctx.entropy_grad = entropy_grad
         if with_entropy and not entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -143,9 +203,9 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent):
-        h, weight, bias, y, ent = ctx.saved_tensors
+        h, weight, bias, y, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        tau, cap, rows = ctx.temperature, ctx.softcap, ctx.rows
+        tau, cap, (rows, cols) = ctx.temperature, ctx.softcap, ctx.tiles
         if not ctx.entropy_grad:
             g_ent = None
         N, H = h.shape
@@ -155,41 +215,71 @@ class _LinearLogprobs(torch.autograd.Function):
             if g_lp is None:
                 g_lp = h.new_zeros(N, dtype=cdt)
             dh = h.new_empty(N, H) if need_h else None  # contiguous; rows written chunk by chunk
-            dw = None
-            if need_w:  # the first chunk's product writes it when that runs in the compute dtype
-                dw = (h.new_empty if mdt == cdt and N else h.new_zeros)(V, H, dtype=cdt)
-            db = h.new_zeros(V, dtype=cdt) if need_b else None
-            ws = _Buffers(min(rows, N), V, h)
+            # the first chunk writes each block's rows of ∂L/∂W and ∂L/∂b, the others add to them
+            dw = (h.new_empty if N else h.new_zeros)(V, H, dtype=cdt) if need_w else None
+            db = (h.new_empty if N else h.new_zeros)(V, dtype=cdt) if need_b else None
+            ws = _Buffers(min(rows, N), cols, h)
             floor = torch.finfo(cdt).min
             for s in range(0, N, rows):
                 e, n = min(s + rows, N), min(rows, N - s)
-                hc = h[s:e]
-                z = head.z(hc, ws)
-                go = g_lp[s:e, None] / tau  # ∂z/∂ℓ = 1/τ, folded into the (n,) factors
+                hc, yc, lse_c = h[s:e], y[s:e], lse[s:e, None]
+                go = g_lp[s:e] / tau  # ∂z/∂ℓ = 1/τ, folded into the (n,) factors
                 if g_ent is not None:
-                    # −g_S · p ⊙ (log p + S); p = 0 (banned) gives 0, not 0 · (−inf)
-                    logp = torch.log_softmax(z, -1, out=ws.chunk("logp", n, cdt)).clamp_(min=floor)
-                    g = torch.exp(logp, out=ws.chunk("g", n, cdt))
-                    logp.add_(ent[s:e, None]).mul_(g)
-                    g.mul_(-go).addcmul_(logp, g_ent[s:e, None] / tau, value=-1.0)
-                else:
-                    g = torch.softmax(z, -1, out=ws.chunk("g", n, cdt)).mul_(-go)
-                g.scatter_add_(1, y[s:e, None], go)  # + g_lp · onehot(y): ∂L/∂ℓ done
-                if cap is not None:  # ∂ℓ/∂(raw) = 1 − tanh²(raw / c), and tanh(raw / c) = z τ / c
-                    g.addcmul_(g, z.square_(), value=-((tau / cap) ** 2))
-                # g is ∂L/∂raw (n, V) in the compute dtype; the products run in the matmul dtype
-                if need_b:
-                    db.add_(torch.sum(g, 0, out=ws.fixed("db", (V,), cdt)))
-                gm = g if mdt == cdt else ws.chunk("gm", n, mdt).copy_(g)
+                    g_s, ent_c = g_ent[s:e, None] / tau, ent[s:e, None]
+                # ∂L/∂h of the chunk, summed over the blocks in the compute dtype: dh's own rows
+                # when that is it, else a float32 accumulator of the blocks' bf16 products
+                dh_c = None
                 if need_h:
-                    torch.mm(gm, head.w, out=dh[s:e])
-                if need_w:
-                    if mdt != cdt:  # a bfloat16 product, accumulated in float32
-                        dw.add_(torch.mm(gm.t(), hc, out=ws.fixed("dw", (V, H), mdt)))
-                    elif s == 0:
-                        torch.mm(gm.t(), hc, out=dw)
+                    dh_c = dh[s:e] if mdt == cdt else ws.fixed("dh", (ws.rows, H), cdt)[:n]
+                for i, (v0, v1) in enumerate(_blocks(V, cols)):
+                    vb = v1 - v0
+                    z = head.z(hc, ws, v0, v1)
+                    if g_ent is not None:
+                        # −g_S · p ⊙ (log p + S); p = 0 (banned) gives 0, not 0 · (−inf)
+                        logp = torch.sub(z, lse_c, out=ws.tile("logp", n, vb, cdt))
+                        g = torch.exp(logp.clamp_(min=floor), out=ws.tile("g", n, vb, cdt))
+                        logp.add_(ent_c).mul_(g)
+                        g.mul_(-go[:, None]).addcmul_(logp, g_s, value=-1.0)
                     else:
-                        dw.addmm_(gm.t(), hc)
+                        g = torch.sub(z, lse_c, out=ws.tile("g", n, vb, cdt)).exp_()
+                        g.mul_(-go[:, None])
+                    inb, col = _in_block(yc, v0, v1)  # + g_lp · onehot(y): ∂L/∂ℓ done
+                    g.scatter_add_(1, col[:, None], torch.where(inb, go, 0.0)[:, None])
+                    if cap is not None:  # ∂ℓ/∂raw = 1 − tanh²(raw / c); tanh(raw / c) = z τ / c
+                        g.addcmul_(g, z.square_(), value=-((tau / cap) ** 2))
+                    # g is ∂L/∂raw (n, Vb) in the compute dtype; the products run in the matmul dtype
+                    if need_b:
+                        if s == 0:
+                            torch.sum(g, 0, out=db[v0:v1])
+                        else:
+                            db[v0:v1].add_(torch.sum(g, 0, out=ws.fixed("db", (cols,), cdt)[:vb]))
+                    gm = g if mdt == cdt else ws.tile("gm", n, vb, mdt).copy_(g)
+                    w_blk = head.w[v0:v1]
+                    if need_h:
+                        if mdt != cdt:  # a bfloat16 product, accumulated in float32
+                            prod = torch.mm(gm, w_blk, out=ws.fixed("dhm", (ws.rows, H), mdt)[:n])
+                            if i == 0:
+                                dh_c.copy_(prod)
+                            else:
+                                dh_c.add_(prod)
+                        elif i == 0:
+                            torch.mm(gm, w_blk, out=dh_c)
+                        else:
+                            dh_c.addmm_(gm, w_blk)
+                    if need_w:
+                        dw_blk = dw[v0:v1]  # the block's rows: contiguous
+                        if mdt != cdt:
+                            prod = torch.mm(gm.t(), hc, out=ws.fixed("dwm", (cols, H), mdt)[:vb])
+                            if s == 0:
+                                dw_blk.copy_(prod)
+                            else:
+                                dw_blk.add_(prod)
+                        elif s == 0:
+                            torch.mm(gm.t(), hc, out=dw_blk)
+                        else:
+                            dw_blk.addmm_(gm.t(), hc)
+                if need_h and mdt != cdt:
+                    dh[s:e].copy_(dh_c)
         return (
             dh,
             None if dw is None else dw.to(weight.dtype),
@@ -277,10 +367,6 @@ def _scatter(values: Tensor, mask: Tensor | None, shape) -> Tensor:
     return values.new_zeros(shape).masked_scatter(mask, values)
 
 
-def _rows(chunk_elements: int, V: int) -> int:
-    return max(1, chunk_elements // V)
-
-
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -354,7 +440,7 @@ def linear_logprobs(
         None if softcap is None else float(softcap),
         bool(with_entropy),
         bool(entropy_grad),
-        _rows(chunk_elements, V),
+        _tiles(chunk_elements, V, h.shape[0]),
     )
     shape = hidden.shape[:2]
     if not with_entropy:
@@ -410,24 +496,37 @@ def linear_token_kl(
         raise ValueError(f"ref_weight has V = {ref_weight.shape[0]} rows, weight has V = {V}")
     cdt = torch.promote_types(torch.promote_types(mdt, ref_mdt), torch.float32)
     h, hr = _valid(hidden, mask).to(mdt), _valid(ref_hidden, mask).to(ref_mdt)  # (N, H), (N, H_ref)
-    N, rows = h.shape[0], _rows(chunk_elements, V)
+    N = h.shape[0]
+    rows, cols = _tiles(chunk_elements, V, N)
     kl = h.new_empty(N, dtype=cdt)
     with _no_autocast(h):
         head = _Head(weight, bias, mdt, temperature, softcap, cdt)
         ref_head = _Head(ref_weight, ref_bias, ref_mdt, temperature, ref_softcap, cdt)
-        ws = _Buffers(min(rows, N), V, h)
-        ref_ws = (
-            ws if ref_mdt == mdt else _Buffers(min(rows, N), V, hr)
-        )  # z is consumed before z_ref
+        ws = _Buffers(min(rows, N), cols, h)
+        floor = torch.finfo(cdt).min
         for s in range(0, N, rows):
             e, n = min(s + rows, N), min(rows, N - s)
-            logp = torch.log_softmax(head.z(h[s:e], ws), -1, out=ws.chunk("logp", n, cdt))
-            logq = torch.log_softmax(ref_head.z(hr[s:e], ref_ws), -1, out=ws.chunk("logq", n, cdt))
-            p = torch.exp(logp, out=ws.chunk("p", n, cdt))
-            d = torch.sub(logp, logq, out=logq)  # log p − log q
-            zero = torch.eq(p, 0, out=ws.chunk("zero", n, torch.bool))
-            d.masked_fill_(zero, 0.0)  # 0·log 0 = 0 for tokens π bans (−inf − −inf would be NaN)
-            kl[s:e] = torch.einsum("nv,nv->n", p, d)
+            # online over the blocks: each distribution's running max and Σ exp(z − m), and
+            # t = Σ exp(z − m)(z − z_ref); KL = E_p[z − z_ref] − lse + lse_ref = t / tot − lse + lse_ref
+            m, m_ref = ws.row("m", n, cdt).fill_(floor), ws.row("m_ref", n, cdt).fill_(floor)
+            tot, tot_ref = ws.row("tot", n, cdt).zero_(), ws.row("tot_ref", n, cdt).zero_()
+            t = ws.row("t", n, cdt).zero_()
+            for v0, v1 in _blocks(V, cols):
+                z = head.z(h[s:e], ws, v0, v1)
+                zr = ref_head.z(hr[s:e], ws, v0, v1, "_ref")
+                d = torch.sub(z, zr, out=ws.tile("d", n, v1 - v0, cdt))
+                m_new = torch.maximum(m, torch.amax(z, 1))
+                alpha = torch.exp(m - m_new)
+                p = z.sub_(m_new[:, None]).exp_()  # exp(z − m_new), in place
+                d.masked_fill_(p == 0, 0.0)  # 0·log 0 = 0 for tokens π bans (−inf − −inf is NaN)
+                t.mul_(alpha).add_(torch.einsum("nv,nv->n", p, d))
+                tot.mul_(alpha).add_(p.sum(1))
+                m.copy_(m_new)
+                mr_new = torch.maximum(m_ref, torch.amax(zr, 1))
+                tot_ref.mul_(torch.exp(m_ref - mr_new)).add_(zr.sub_(mr_new[:, None]).exp_().sum(1))
+                m_ref.copy_(mr_new)
+            lse = torch.log(tot).add_(m)
+            kl[s:e] = t / tot - lse + torch.log(tot_ref).add_(m_ref)
     return _scatter(kl, mask, hidden.shape[:2])
 
 

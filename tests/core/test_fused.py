@@ -8,6 +8,8 @@ Expected values come from the logits path of proximal.core.logprobs (itself test
 comparisons are at 1e-12, float32 ones at the tolerances stated beside them."""
 
 import math
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 from proximal.core import (
+    fused,
     linear_logprobs,
     linear_sequence_logprobs,
     linear_token_kl,
@@ -48,6 +51,12 @@ def _grads(loss, tensors):
 
 def _leaves(*xs, dtype=F64):
     return [None if x is None else x.to(dtype).detach().clone().requires_grad_(True) for x in xs]
+
+
+def _block_min(k: int | None):
+    """Vocabulary blocks from k columns (fused.BLOCK_MIN), so that the small vocabularies of these
+    tests are tiled as 151,936 is at the default budget; None keeps the default (one block)."""
+    return nullcontext() if k is None else mock.patch.object(fused, "BLOCK_MIN", k)
 
 
 def _case(g, B, T, H, V, *, dtype=F64, bias=True, scale=1.0):
@@ -125,49 +134,158 @@ def test_float64_values_and_gradients_equal_the_logits_path(
         torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 3),  # B
+    st.integers(1, 6),  # T
+    st.integers(1, 5),  # H
+    st.integers(2, 17),  # V
+    st.integers(1, 4),  # BLOCK_MIN
+    st.integers(1, 40),  # chunk_elements
+    st.sampled_from([1.0, 0.7]),
+    st.sampled_from([None, 2.5]),  # softcap
+    st.booleans(),  # banned tokens (bias −inf), possibly whole blocks of them
+    st.integers(0, 2**31 - 1),
+)
+def test_float64_vocabulary_tiles_equal_the_logits_path(
+    B, T, H, V, block_min, chunk, tau, cap, banned, seed
+):
+    """Blocks of the vocabulary narrower than V (several per chunk, the last possibly shorter):
+    the online logsumexp and entropy, the token picked from its block, and the gradients written
+    block by block equal the logits path; also the token KL."""
+    g = torch.Generator().manual_seed(seed)
+    h0, W0, b0, y = _case(g, B, T, H, V, scale=3.0)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    if banned:  # a run of banned tokens from the start, never a chosen one nor all of them
+        b0[: int(torch.randint(1, V, (1,), generator=g))] = -math.inf
+        y = torch.randint(int((b0 == -math.inf).sum()), V, (B, T), generator=g)
+    a, c = torch.randn(B, T, generator=g, dtype=F64), torch.randn(B, T, generator=g, dtype=F64)
+    with _block_min(block_min):
+        rows, cols = fused._tiles(chunk, V, int(mask.sum()))
+        assert rows * cols <= max(chunk, rows) and cols <= V
+        h, W, b = _leaves(h0, W0, b0)
+        lp, ent = linear_logprobs(
+            h, W, y, tau, bias=b, mask=mask, softcap=cap, with_entropy=True, entropy_grad=True,
+            chunk_elements=chunk,
+        )  # fmt: skip
+        got = _grads((lp * a).sum() + (ent * c).sum(), [h, W, b])
+        kl = linear_token_kl(
+            h0, W0, 0.5 * h0, W0.flip(0), tau, bias=b0, ref_bias=b0.flip(0), mask=mask,
+            softcap=cap, ref_softcap=cap, chunk_elements=chunk,
+        )  # fmt: skip
+
+    hr, Wr, br = _leaves(h0, W0, b0)
+    lp_ref, ent_ref = _reference(hr, Wr, y, tau, b=br, mask=mask, cap=cap)
+    want = _grads((lp_ref * a).sum() + (ent_ref * c).sum(), [hr, Wr, br])
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
+    for x, x_ref in zip(got, want):
+        torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
+    kl_ref = token_kl(
+        _logits(h0, W0, b0, cap), _logits(0.5 * h0, W0.flip(0), b0.flip(0), cap), tau, mask=mask
+    )
+    torch.testing.assert_close(kl, kl_ref, rtol=0, atol=1e-12)
+
+
+def test_tiles():
+    """Hand values of (rows, cols): 2²³ elements give 2,048 rows and blocks of ~4,096 columns,
+    balanced (the last block is not a sliver); fewer tokens than that widen the blocks; a
+    vocabulary up to BLOCK_MIN is one block of whole rows, as chunk_elements // V rows."""
+    assert fused.BLOCK_MIN == 4096
+    # 151,936 / 4,096 = 37.1 → 38 blocks of ⌈151,936 / 38⌉ = 3,999 columns
+    assert fused._tiles(2**23, 151_936, 10_000) == (2048, 3999)
+    assert fused._tiles(2**23, 32_000, 2048) == (2048, 4000)  # 8 blocks
+    assert fused._tiles(2**23, 151_936, 100) == (100, 75_968)  # 83,886 wide → 2 blocks
+    assert fused._tiles(2**23, 1000, 10**6) == (8388, 1000)  # one block: chunk_elements // V rows
+    assert fused._tiles(2**23, 1000, 5) == (5, 1000)
+    assert fused._tiles(3, 151_936, 7) == (1, 3)  # a budget below one row: 1 row, 3 columns
+    assert fused._tiles(2**23, 151_936, 0) == (1, 151_936)  # no token: never used; well-formed
+
+
+def test_each_pass_reads_the_head_once():
+    """With N ≤ rows (one chunk), the forward's products together read each of the V rows of W
+    once, and so do the backward's (∂L/∂h reads W_blk, ∂L/∂W writes the block's rows): counted
+    from the profiler's recorded input shapes, not assumed. Before tiling over the vocabulary a
+    chunk of chunk_elements // V rows read all of W: ⌈N / rows⌉ times."""
+    g = torch.Generator().manual_seed(15)
+    B, T, H, V = 2, 100, 8, 20_000  # N = 200: 2²⁰ elements are 1 chunk × 4 blocks, 2¹⁹ 2 × 5
+    h0, W0, b0, y = _case(g, B, T, H, V, dtype=F32)
+    for chunk, chunks in ((2**20, 1), (2**19, 2)):
+        rows, cols = fused._tiles(chunk, V, B * T)
+        assert -(-B * T // rows) == chunks and rows < cols < V
+        h, W, b = _leaves(h0, W0, b0, dtype=F32)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            linear_logprobs(h, W, y, bias=b, chunk_elements=chunk).sum().backward()
+        # z of a tile, forward and backward: addmm(b_blk, h (n, H), W_blkᵀ (H, Vb)). The
+        # backward's products (mm, or addmm_ into an accumulator) of A (p, k) and B (k, H):
+        # ∂L/∂h reads W_blk, A = G (n, Vb), B = W_blk (Vb, H); ∂L/∂W: A = Gᵀ (Vb, n), B = h.
+        z_cols, dh_rows, dw_rows = 0, 0, 0
+        for e in prof.events():
+            if e.name == "aten::addmm":
+                z_cols += e.input_shapes[2][1]
+            elif e.name in ("aten::mm", "aten::addmm_"):
+                a, b = e.input_shapes[:2] if e.name == "aten::mm" else e.input_shapes[1:3]
+                assert b == [a[1], H]
+                if a[0] <= rows:  # n tokens × Vb (cols > rows here)
+                    dh_rows += b[0]
+                else:
+                    dw_rows += a[0]
+        assert z_cols == 2 * chunks * V  # forward + backward, each chunk every column once
+        assert dh_rows == dw_rows == chunks * V
+
+
 def test_gradcheck():
     g = torch.Generator().manual_seed(0)
     h, W, b, y = _case(g, 2, 3, 4, 5)
     mask = torch.tensor([[True, True, False], [True, False, True]])
     h, W, b = _leaves(h, W, b)
-    for cap in (None, 1.5):
-        assert torch.autograd.gradcheck(
-            lambda h, W, b: linear_logprobs(
-                h,
-                W,
-                y,
-                0.8,
-                bias=b,
-                mask=mask,
-                softcap=cap,
-                with_entropy=True,
-                entropy_grad=True,
-                chunk_elements=2 * 5 + 1,
-            ),  # fmt: skip
-            (h, W, b),
-        )
+    # BLOCK_MIN 2: one chunk of the 4 rows, blocks of 2, 2 and 1 columns
+    for cap, block_min in ((None, None), (1.5, None), (1.5, 2)):
+        with _block_min(block_min):
+            assert torch.autograd.gradcheck(
+                lambda h, W, b: linear_logprobs(
+                    h,
+                    W,
+                    y,
+                    0.8,
+                    bias=b,
+                    mask=mask,
+                    softcap=cap,
+                    with_entropy=True,
+                    entropy_grad=True,
+                    chunk_elements=2 * 5 + 1,
+                ),  # fmt: skip
+                (h, W, b),
+            )
 
 
-def test_float32_matches_the_float32_logits_path():
+@pytest.mark.parametrize("block_min", [None, 128])
+def test_float32_matches_the_float32_logits_path(block_min):
     """Both paths in float32 against the float64 truth. The fused path rounds the same arithmetic
     in a different order (its chunks are separate matrix products; ∂L/∂W is summed chunk by
     chunk), so it is as close to the truth as the logits path is (measured: at most 20 units of
     round-off of each quantity's largest entry, the logits path up to 29; at worst 1.3× the logits
     path's error, in log-probabilities of 2.5 units). Asserted: within 64 units, and within twice
-    the logits path's error plus 8 units."""
+    the logits path's error plus 8 units. Also with the vocabulary in 8 blocks of 125 (54 rows a
+    chunk): the online logsumexp and the block-by-block ∂L/∂h stay within the same bounds."""
     g = torch.Generator().manual_seed(1)
     B, T, H, V = 4, 33, 32, 1000
     h0, W0, b0, y = _case(g, B, T, H, V, scale=4.0)
     mask = torch.rand(B, T, generator=g) > 0.15
     a, c = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
 
-    def run(fused, dtype, tau, cap):
+    if block_min:
+        with _block_min(block_min):
+            assert fused._tiles(7 * V + 3, V, int(mask.sum())) == (54, 125)
+
+    def run(fuse, dtype, tau, cap):
         h, W, b = _leaves(h0, W0, b0, dtype=dtype)
-        if fused:
-            lp, ent = linear_logprobs(
-                h, W, y, tau, bias=b, mask=mask, softcap=cap, with_entropy=True,
-                entropy_grad=True, chunk_elements=7 * V + 3,
-            )  # fmt: skip
+        if fuse:
+            with _block_min(block_min):
+                lp, ent = linear_logprobs(
+                    h, W, y, tau, bias=b, mask=mask, softcap=cap, with_entropy=True,
+                    entropy_grad=True, chunk_elements=7 * V + 3,
+                )  # fmt: skip
         else:
             lp, ent = _reference(h, W, y, tau, b=b, mask=mask, cap=cap)
         grads = _grads((lp * a.to(dtype)).sum() + (ent * c.to(dtype)).sum(), [h, W, b])
@@ -175,8 +293,8 @@ def test_float32_matches_the_float32_logits_path():
 
     for tau, cap in [(1.0, None), (0.7, None), (1.3, 10.0)]:
         truth = run(False, F64, tau, cap)
-        fused, logits = run(True, F32, tau, cap), run(False, F32, tau, cap)
-        for name, f, r, t in zip(("lp", "entropy", "dh", "dW", "db"), fused, logits, truth):
+        fuse, logits = run(True, F32, tau, cap), run(False, F32, tau, cap)
+        for name, f, r, t in zip(("lp", "entropy", "dh", "dW", "db"), fuse, logits, truth):
             scale = float(t.abs().max())
             err_f, err_r = float((f - t).abs().max()), float((r - t).abs().max())
             assert err_f <= 64 * U32 * scale, (name, tau, cap, err_f, scale)
@@ -330,11 +448,13 @@ def test_an_enclosing_autocast_does_not_change_the_matmul_dtype():
         assert x.dtype == F32 and torch.equal(x, x_ref)
 
 
-def test_bf16_matmul_matches_the_bf16_logits_path():
+@pytest.mark.parametrize("block_min", [None, 64])
+def test_bf16_matmul_matches_the_bf16_logits_path(block_min):
     """bf16 mixed precision: the logits path's head runs under autocast and produces bf16 logits;
     matmul_dtype=torch.bfloat16 gives the fused path the same bf16 products. Values agree to bf16
     resolution (2⁻⁸ of the largest logit, twice: z_y and logsumexp), gradients to 2⁻⁷ of their
-    largest entry; the head's gradients come back in float32 (the master weights' dtype)."""
+    largest entry; the head's gradients come back in float32 (the master weights' dtype). Tiled
+    (5 blocks of 60), ∂L/∂h is the float32 sum of the blocks' bf16 products, within the same bound."""
     g = torch.Generator().manual_seed(9)
     B, T, H, V = 3, 10, 16, 300
     h0, W0, b0, y = _case(g, B, T, H, V, dtype=F32, scale=3.0)
@@ -342,9 +462,12 @@ def test_bf16_matmul_matches_the_bf16_logits_path():
     a = torch.randn(B, T, generator=g)
 
     h, W, b = _leaves(h0, W0, b0, dtype=F32)
-    lp = linear_logprobs(
-        h, W, y, 0.9, bias=b, mask=mask, matmul_dtype=BF16, chunk_elements=4 * V + 1
-    )
+    with _block_min(block_min):
+        if block_min:
+            assert fused._tiles(4 * V + 1, V, int(mask.sum()))[1] == 60
+        lp = linear_logprobs(
+            h, W, y, 0.9, bias=b, mask=mask, matmul_dtype=BF16, chunk_elements=4 * V + 1
+        )
     got = _grads((lp * a).sum(), [h, W, b])
 
     hr, Wr, br = _leaves(h0, W0, b0, dtype=F32)
@@ -364,13 +487,15 @@ def test_bf16_matmul_matches_the_bf16_logits_path():
     torch.testing.assert_close(lp, lp32, rtol=0, atol=2 * zmax * 2**-8)
 
 
-def test_bf16_weights_get_bf16_gradients():
+@pytest.mark.parametrize("block_min", [None, 16])
+def test_bf16_weights_get_bf16_gradients(block_min):
     """Pure bf16 (weights and hidden states in bf16): the products run in bf16, the softmax in
     float32, and the gradients come back in bf16, within bf16 resolution of the float32 result."""
     g = torch.Generator().manual_seed(10)
     h0, W0, b0, y = _case(g, 2, 6, 8, 50, dtype=F32)
     h, W, b = _leaves(h0, W0, b0, dtype=BF16)
-    lp = linear_logprobs(h, W, y, bias=b, chunk_elements=3 * 50)
+    with _block_min(block_min):  # 16: 9 rows × 4 blocks of 13
+        lp = linear_logprobs(h, W, y, bias=b, chunk_elements=3 * 50)
     lp.sum().backward()
     assert lp.dtype == F32 and h.grad.dtype == W.grad.dtype == b.grad.dtype == BF16
     h32, W32, b32 = _leaves(h, W, b, dtype=F32)  # the same (bf16-rounded) numbers in float32
@@ -398,7 +523,8 @@ def test_chunk_size_independence():
     round-off between chunk sizes, so only the bound below applies there.) The bound, also for
     ∂L/∂W and ∂L/∂b (sums over the chunks, in an order that changes with the chunk size): 16 units
     of float32 round-off of each quantity's largest entry (measured: at most 8; dropping or
-    doubling one chunk would change ∂L/∂W by far more)."""
+    doubling one chunk would change ∂L/∂W by far more). V = 301 is below fused.BLOCK_MIN: one
+    vocabulary block, so a chunk is chunk_elements // V whole rows."""
     g = torch.Generator().manual_seed(11)
     B, T, H, V = 3, 37, 64, 301
     h0, W0, b0, y = _case(g, B, T, H, V, dtype=F32, scale=3.0)
@@ -459,10 +585,16 @@ def test_token_kl_with_banned_tokens():
     torch.testing.assert_close(both, torch.zeros(1, 2, dtype=F64), rtol=0, atol=1e-12)
     only_ref = linear_token_kl(h, W, h, W, ref_bias=banned)
     assert torch.isinf(only_ref).all() and (only_ref > 0).all()
-    lp, ent = linear_logprobs(h, W, torch.tensor([[0, 2]]), bias=banned, with_entropy=True)
     want = token_entropy(_logits(h, W, banned))
-    assert torch.isfinite(ent).all() and torch.isfinite(lp).all()
-    torch.testing.assert_close(ent, want, rtol=0, atol=1e-12)
+    for block_min in (None, 1):  # 1: blocks of one token, one of them all banned
+        with _block_min(block_min):
+            lp, ent = linear_logprobs(
+                h, W, torch.tensor([[0, 2]]), bias=banned, with_entropy=True, chunk_elements=1
+            )
+            kl = linear_token_kl(h, W, h, W, bias=banned, ref_bias=banned, chunk_elements=1)
+        assert torch.isfinite(ent).all() and torch.isfinite(lp).all()
+        torch.testing.assert_close(ent, want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(kl, torch.zeros(1, 2, dtype=F64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("average", [False, True])
@@ -525,7 +657,7 @@ def test_no_logits_sized_allocation_in_forward_and_backward():
     assert largest_allocation(False) >= logits_bytes
     largest = largest_allocation(True)
     assert largest < logits_bytes
-    assert largest <= V * H * 4  # ∂L/∂W; the chunk buffers are 10 rows × V
+    assert largest <= V * H * 4  # ∂L/∂W; the tile buffers are 128 rows × 3,847 columns
 
 
 @pytest.mark.parametrize(
@@ -570,3 +702,14 @@ def test_kl_validation():
         linear_token_kl(h, W, torch.zeros(2, 3, 2), W)
     with pytest.raises(ValueError, match="ref_softcap"):
         linear_token_kl(h, W, h, W, ref_softcap=-1.0)
+
+
+def test_the_memory_planner_tiles_as_the_kernel():
+    """proximal.memory.budget (no torch) keeps its own copy of the tile shape: the same numbers."""
+    from proximal.memory import budget  # lazy: the planner is only this test's concern
+
+    assert budget.FUSED_CHUNK_ELEMENTS == fused.DEFAULT_CHUNK_ELEMENTS
+    assert budget.FUSED_BLOCK_MIN == fused.BLOCK_MIN
+    for V in (2, 100, 4096, 4097, 32_000, 151_936, 262_144):
+        for N in (0, 1, 55, 2047, 2048, 2049, 10**6):
+            assert budget.fused_tile(V, N) == fused._tiles(fused.DEFAULT_CHUNK_ELEMENTS, V, N)
