@@ -54,7 +54,7 @@ STEP_SEP = ";"
 ANSWER_PREFIX = "answer: "
 #: Every character of prompts, workings and answers (``\\boxed{N}`` included, which the verifier
 #: reads though the teacher never writes it).
-ALPHABET = "0123456789+-*()=;: answrbxd\\{}"
+ALPHABET = "0123456789+-*()=;: abdenorswx\\{}"
 #: One expression in HELD_OUT_EVERY is held out (by a hash of its text and the seed).
 HELD_OUT_EVERY = 8
 #: Responses longer than this are cut by the rollout; the longest right one is 25 characters + EOS.

@@ -186,11 +186,12 @@ def test_make_task_data_is_deterministic_and_keeps_held_out_apart(tmp_path):
     assert info["teacher_format_errors_train"] == pytest.approx(
         sum("answer:" not in r["response"] for r in sft) / len(sft), abs=1e-12
     )
-    # every character of every file is one token of the task's tokenizer
+    # every character of every file is one token of the task's tokenizer, none unknown
     tok = A.build_tokenizer()
-    for r in sft:
-        text = r["prompt"] + r["response"]
-        assert len(tok(text, add_special_tokens=False).input_ids) == len(text)
+    for text in [r["prompt"] + r["response"] for r in sft] + ["\\boxed{-36}"]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text) and tok.unk_token_id not in ids, text
+        assert tok.decode(ids) == text
 
 
 def test_the_verifier_is_a_reward_function_by_name():
