@@ -181,10 +181,11 @@ def test_fused_and_logits_heads_by_hand(arch):
     layers = 2 * 17 * 3 * 4 * 1664  # m * s * L * a, a = 1664 elements (tests/test_memory.py)
     final = 2 * 17 * 3 * 64 * 4  # the final norm: x, normed x, output
     hidden = 2 * 16 * 64 * 4  # the scored positions' hidden states, kept for backward
-    # fused: chunk tokens = 2**23 // 100 = 83,886 > 32 positions, so one chunk of 32 x 100;
-    # forward: the product and the log-softmax (2 x 4 bytes); backward: the product and the gradient
-    # (2 x 4 bytes), the hidden states' gradient and the head's float32 100 x 64 accumulator
-    forward, backward = 32 * 100 * 8, 32 * 100 * 8 + hidden + 100 * 64 * 4
+    # fused: V = 100 is one vocabulary block and 2**23 // 100 = 83,886 > 32 positions, so one tile
+    # of 32 x 100; forward: the product, exp'd in place for the logsumexp (4 bytes); backward: the
+    # product and the gradient (2 x 4 bytes), the hidden states' gradient and the head's float32
+    # 100 x 64 gradient
+    forward, backward = 32 * 100 * 4, 32 * 100 * 8 + hidden + 100 * 64 * 4
     assert backward > forward
     assert training_activation_bytes(arch, s, "lm") == layers + final + hidden + backward
     # logits: 2 x 16 x 100 float32 logits kept, and their gradient (as large) in backward; the

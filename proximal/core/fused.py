@@ -403,8 +403,9 @@ def linear_logprobs(
         with_entropy: also return the per-position entropy of softmax(z) from the same pass.
         entropy_grad: differentiate that entropy too (PPO's entropy bonus); otherwise it is marked
             non-differentiable. Needs ``with_entropy``.
-        chunk_elements: logits elements materialised at once; ``max(1, chunk_elements // V)``
-            valid positions per chunk.
+        chunk_elements: logits elements materialised at once: chunks of min(N, chunk_elements //
+            min(V, BLOCK_MIN)) valid positions, each over vocabulary blocks of at most
+            chunk_elements // rows columns (whole rows of V when V ≤ BLOCK_MIN).
 
     Returns:
         (B, T) log-probabilities in float32 (float64 when the matmul dtype is float64); with

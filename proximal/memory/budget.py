@@ -57,14 +57,15 @@ LOGPROBS = ("fused", "logits", "full")
 #: The attention kernel: ``sdpa`` (flash / memory-efficient, no s x s matrix kept) or ``eager``.
 ATTENTION = ("sdpa", "eager")
 
-#: proximal.core.fused.DEFAULT_CHUNK_ELEMENTS: logits elements one fused chunk holds (tokens = this // V).
+#: proximal.core.fused.DEFAULT_CHUNK_ELEMENTS: logits elements one fused tile (tokens × vocabulary
+#: block) holds, and proximal.core.fused.BLOCK_MIN: the narrowest block (see :func:`fused_tile`).
 FUSED_CHUNK_ELEMENTS = 2**23
-#: Bytes per (chunk token × V) element of the buffers a fused chunk holds (proximal.core.fused), in
-#: forward (the product, the log-softmax, the probabilities when the entropy is taken) and backward
-#: (the product recomputed, the gradient), by the product's dtype (4: float32, 2: bfloat16, whose
-#: log-softmax and gradient are float32 and which keeps a float32 copy of the product and a
-#: bfloat16 copy of the gradient).
-FUSED_FORWARD_BYTES = {4: 4 + 4, 2: 2 + 4 + 4}
+FUSED_BLOCK_MIN = 4096
+#: Bytes per element of a fused tile's buffers (proximal.core.fused), by the product's dtype (4:
+#: float32, 2: bfloat16, whose z is a float32 copy of the product): in forward the product (exp'd in
+#: place for the logsumexp), + 4 for the probabilities when the entropy is taken; in backward the
+#: product recomputed and the gradient (under bfloat16 also its bfloat16 copy for the products).
+FUSED_FORWARD_BYTES = {4: 4, 2: 2 + 4}
 FUSED_BACKWARD_BYTES = {4: 4 + 4, 2: 2 + 4 + 4 + 2}
 #: proximal.core.logprobs.DEFAULT_CHUNK_TOKENS: (row, position) pairs one log-softmax workspace holds.
 LOGPROB_CHUNK_TOKENS = 1024
@@ -354,9 +355,13 @@ def _workspace_pairs(positions: int, rows: int) -> int:
     return min(max(1, LOGPROB_CHUNK_TOKENS // max(positions, 1)), rows) * positions
 
 
-def fused_chunk_tokens(vocab: int) -> int:
-    """Tokens of one fused chunk: ``FUSED_CHUNK_ELEMENTS // V`` (at least 1)."""
-    return max(1, FUSED_CHUNK_ELEMENTS // vocab)
+def fused_tile(vocab: int, tokens: int) -> tuple[int, int]:
+    """(rows, cols) of one fused tile over ``tokens`` positions, as proximal.core.fused._tiles: rows
+    = min(tokens, FUSED_CHUNK_ELEMENTS // min(V, FUSED_BLOCK_MIN)), cols the widest of ⌈V / (
+    FUSED_CHUNK_ELEMENTS // rows)⌉ equal blocks (V itself when one block holds it)."""
+    rows = max(1, min(tokens, FUSED_CHUNK_ELEMENTS // min(vocab, FUSED_BLOCK_MIN)))
+    width = max(1, FUSED_CHUNK_ELEMENTS // rows)
+    return rows, -(-vocab // -(-vocab // width))
 
 
 def _head_bytes(
@@ -373,11 +378,12 @@ def _head_bytes(
                 hidden states they came from, m·n·h; in backward the logits' gradient (as large), in
                 forward float32 log-softmax workspaces of a block of pairs (two with the entropy).
     ``fused``   no logits (proximal.core.fused): the hidden states of the n positions, m·n·h, gathered
-                and kept for backward; at most one chunk of c = min(2²³ // V, m·n) tokens at a time:
-                in forward c·V·(FUSED_FORWARD_BYTES + 4 with the entropy), in backward
-                c·V·FUSED_BACKWARD_BYTES, the gradient of the hidden states m·n·h and the head's
-                float32 V·h gradient accumulator (+ a bfloat16 V·h product under bf16, + its
-                bfloat16 copy when the weight is bfloat16: bf16-true, or FSDP2's gathered unit).
+                and kept for backward; one tile of c = rows·cols ≤ 2²³ elements at a time
+                (:func:`fused_tile` of the m·n positions): in forward c·(FUSED_FORWARD_BYTES + 4 with
+                the entropy), in backward c·FUSED_BACKWARD_BYTES, the gradient of the hidden states
+                m·n·h and the head's float32 V·h gradient (under bf16 + a bfloat16 cols·h product
+                and a float32 + bfloat16 rows·h accumulator of ∂L/∂h, + the gradient's bfloat16
+                copy when the weight is bfloat16: bf16-true, or FSDP2's gathered unit).
     """
     by = precision_bytes(setup)
     V, h = arch.vocab_size, arch.hidden_size
@@ -389,17 +395,21 @@ def _head_bytes(
         logits = m * n * V * by.logits
         work = (2 if entropy else 1) * _workspace_pairs(n, m) * V * 4
         return hidden + logits, max(logits, work) if grad else work
-    c = min(fused_chunk_tokens(V), m * n) * V
+    rows, cols = fused_tile(V, m * n)
+    c = rows * cols
     mm = by.compute
     forward = c * (FUSED_FORWARD_BYTES[mm] + (4 if entropy else 0))
     if not grad:
         return hidden, forward
-    # ∂L/∂W: a float32 accumulator, the bfloat16 product of each chunk, and its copy into the
-    # weight's dtype when that is not float32 (bf16-true, or FSDP2's bfloat16 gathered unit)
+    # ∂L/∂W in float32, under bf16 the bfloat16 products of a block (cols·h) and of a chunk's
+    # ∂L/∂h (rows·h, summed in a float32 rows·h), and ∂L/∂W's copy into the weight's dtype when
+    # that is not float32 (bf16-true, or FSDP2's bfloat16 gathered unit)
     bf16_weight = setup.precision == "bf16-true" or (
         setup.precision == "bf16-mixed" and setup.shards > 1
     )
-    head_grad = V * h * (4 + (2 if mm == 2 else 0) + (2 if bf16_weight else 0))
+    head_grad = V * h * (4 + (2 if bf16_weight else 0))
+    if mm == 2:
+        head_grad += (cols * 2 + rows * (4 + 2)) * h
     backward = c * FUSED_BACKWARD_BYTES[mm] + hidden + head_grad
     return hidden, max(forward, backward)
 
