@@ -23,8 +23,10 @@ demo: $(STAMP)
 
 # PPO, DPO, SimPO, GRPO and RLOO on the built-in task, 3 seeds each (about 5 minutes on 2 cores):
 # compare_out/compare.md. COMPARE_ARGS adds overrides, e.g. COMPARE_ARGS="--compare.seeds 5".
+# Then the online methods on the arithmetic reasoning task: compare_out/arithmetic/compare.md.
 compare: $(STAMP)
 	$(VENV)/bin/proximal compare --output.dir compare_out $(COMPARE_ARGS)
+	$(VENV)/bin/proximal compare --compare.task arithmetic --output.dir compare_out/arithmetic $(COMPARE_ARGS)
 
 # Every test but those marked `cluster` (multi-process pre-emption, torchrun elastic restarts and
 # multi-node rendezvous: tens of seconds each), which `make test-cluster` runs, and those marked

@@ -40,7 +40,15 @@ import yaml
 from proximal import compare_report, dist
 from proximal.config import ConfigError, load_config, option, section, to_dict
 from proximal.data.sources import columns_problems, source_problem
-from proximal.demo import DEFAULT_CONFIGS, FULL, stage_configs
+from proximal.demo import (
+    ARITHMETIC,
+    ARITHMETIC_SCORES,
+    ARITHMETIC_VERIFIER,
+    DEFAULT_CONFIGS,
+    FULL,
+    arithmetic_stage_configs,
+    stage_configs,
+)
 from proximal.evaluation import evaluate_policy
 from proximal.methods import (
     METHODS,
@@ -55,6 +63,7 @@ from proximal.methods import (
     responses_per_step,
     trainer,
 )
+from proximal.tasks import arithmetic
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import config_command
 from proximal.trainers import reward, sft
@@ -62,16 +71,27 @@ from proximal.trainers import reward, sft
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
 BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
 BUILTIN_VERIFIER = "proximal.tasks.digits:exact_sort"
+#: The built-in tasks (data.sft_model unset) and the methods each compares by default: the
+#: arithmetic task has reference answers and a verifier, but no preference pairs or reward model.
+TASKS = {"digits": DEFAULT_METHODS, ARITHMETIC: ["ppo@verifier", "grpo", "rloo"]}
 
 
 @dataclass
 class CompareSection:
+    task: str = option(
+        "digits",
+        "The built-in task compared when data.sft_model is unset: digits (sorting digits: a "
+        "reward model, preference pairs, a verifier and a gold score) or arithmetic (multi-step "
+        "arithmetic with reference answers: the answer verifier, exact match as gold, format "
+        "errors; no pairs, no reward model). The arithmetic task's configs are <configs>/arithmetic/.",
+    )
     methods: list[str] = option(
         help="Methods to train: ppo, dpo, simpo, grpo, rloo; 'name@source' sets an online "
         "method's reward source, reward_model or verifier (default: ppo the reward "
         "model; grpo and rloo the verifier when there is one). A method may be listed "
-        "with several sources.",
-        default_factory=lambda: list(DEFAULT_METHODS),
+        "with several sources. Empty: the task's, ppo, dpo, simpo, grpo, rloo "
+        "(digits, or your data) or ppo@verifier, grpo, rloo (arithmetic).",
+        default_factory=list,
     )
     seeds: int = option(3, "Runs per method, with train.seed = 0, 1, …")
     responses: int = option(
@@ -97,10 +117,10 @@ class CompareSection:
     eval_samples_per_prompt: int = option(
         2, "Responses sampled per held-out prompt at each evaluation."
     )
-    max_new_tokens: int = option(
-        12,
+    max_new_tokens: int | None = option(
+        None,
         "Response length of the held-out evaluation (the methods' configs set their own "
-        "for training).",
+        "for training); null: 12 (digits, or your data), 32 (arithmetic).",
     )
     configs: str | None = option(
         None,
@@ -109,8 +129,22 @@ class CompareSection:
         "output are set by compare.",
     )
 
+    def response_limit(self) -> int:
+        """``max_new_tokens`` of the held-out evaluation: the option, or the task's."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return arithmetic.MAX_RESPONSE_TOKENS if self.task == ARITHMETIC else 12
+
+    def method_specs(self) -> list[str]:
+        """The methods compared: ``methods``, or the task's when it is empty."""
+        return list(self.methods) or list(TASKS.get(self.task, DEFAULT_METHODS))
+
     def problems(self) -> list[str]:
         e = []
+        if self.task not in TASKS:
+            e.append(
+                f"compare.task: {self.task!r} is not a built-in task (known: {', '.join(TASKS)})"
+            )
         for spec in self.methods:
             name, _, source = spec.partition("@")
             if name not in METHODS:
@@ -135,7 +169,7 @@ class CompareSection:
             "eval_samples_per_prompt",
             "max_new_tokens",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
         if not self.collapse_margin >= 0:
             e.append(f"compare.collapse_margin = {self.collapse_margin} must be ≥ 0")
@@ -241,8 +275,24 @@ class CompareConfig:
 
     def validate(self) -> list[str]:
         e = self.compare.problems() + self.data.problems()
-        if self.data.sft_model is not None:
+        if self.data.sft_model is not None and self.compare.task != "digits":
+            e.append(
+                f"compare.task = {self.compare.task} runs a built-in task, which needs "
+                "data.sft_model unset; with your own data leave compare.task at digits"
+            )
+        if self.data.sft_model is None and self.compare.task == ARITHMETIC:
             for spec in self.compare.methods:
+                name, _, source = spec.partition("@")
+                if name not in METHODS or (source and source not in METHODS[name].sources):
+                    continue  # already reported
+                method, source = resolve(spec, have_verifier=True, have_reward_model=False)
+                if source != VERIFIER:
+                    e.append(
+                        f"compare.methods: {spec!r}: the arithmetic task has a verifier only (no "
+                        "preference pairs, no reward model); compare ppo@verifier, grpo or rloo"
+                    )
+        if self.data.sft_model is not None:
+            for spec in self.compare.method_specs():
                 name, _, source = spec.partition("@")
                 if name not in METHODS or (source and source not in METHODS[name].sources):
                     continue  # already reported
@@ -264,10 +314,15 @@ class CompareConfig:
         return sorted(set(e), key=e.index)
 
 
-def resolve(spec: str, *, have_verifier: bool) -> tuple[Method, str]:
-    """``"grpo@reward_model"`` → (GRPO, "reward_model"); a bare name gets the method's default source."""
+def resolve(
+    spec: str, *, have_verifier: bool, have_reward_model: bool = True
+) -> tuple[Method, str]:
+    """``"grpo@reward_model"`` → (GRPO, "reward_model"); a bare name gets the method's default source
+    (the verifier, where there is no reward model and the method can use one)."""
     name, _, source = spec.partition("@")
     method = METHODS[name]
+    if not source and not have_reward_model and VERIFIER in method.sources:
+        source = VERIFIER
     return method, source or method.default_source(have_verifier)
 
 
@@ -317,7 +372,11 @@ class Inputs:
 def plan(cfg: CompareConfig) -> list[RunSpec]:
     """Every run, seed-major (seed 0 of every method first: an interrupted comparison has a full row)."""
     have = bool(cfg.data.verifier) or cfg.data.sft_model is None
-    specs = [resolve(s, have_verifier=have) for s in cfg.compare.methods]
+    arith = cfg.data.sft_model is None and cfg.compare.task == ARITHMETIC
+    specs = [
+        resolve(s, have_verifier=have, have_reward_model=not arith)
+        for s in cfg.compare.method_specs()
+    ]
     return [RunSpec(m, src, seed) for seed in range(cfg.compare.seeds) for m, src in specs]
 
 
@@ -332,6 +391,8 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     main = dist.launched_rank() == 0
     _take_output_dir(out, cfg, main)
     configs = Path(cfg.compare.configs) if cfg.compare.configs else DEFAULT_CONFIGS
+    if cfg.data.sft_model is None and cfg.compare.task == ARITHMETIC and not cfg.compare.configs:
+        configs = DEFAULT_CONFIGS / ARITHMETIC
     runs = plan(cfg)
     if main:  # what the report reads: every planned run, started or not, in order
         (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
@@ -406,6 +467,25 @@ def prepare_inputs(
 ) -> Inputs:
     """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
     d = cfg.data
+    if d.sft_model is None and cfg.compare.task == ARITHMETIC:
+        base = train_builtin_arithmetic(out / "base", configs, echo=echo)
+        task = base / "task"
+        # The held-out columns: exact match (gold) and format errors. The verifier's own column
+        # would repeat the gold one: on this data its reference is the expression's value.
+        return Inputs(
+            sft=str(base / "sft"),
+            reward_model=None,
+            prompts=str(task / "prompts_train.jsonl"),
+            pairs=None,
+            eval_pairs=None,
+            eval_prompts=str(task / "prompts_eval.jsonl"),
+            verifier=ARITHMETIC_VERIFIER,
+            gold=ARITHMETIC_SCORES["exact_match"],
+            scores={
+                "gold": ARITHMETIC_SCORES["exact_match"],
+                "format_error": ARITHMETIC_SCORES["format_error"],
+            },
+        )
     if d.sft_model is None:
         base = train_builtin(out / "base", configs, echo=echo)
         task = base / "task"
@@ -460,6 +540,31 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
         stage_cfg, line = stages[name]
         echo(f"      {name}: {line}")
         fn(stage_cfg)
+    if dist.launched_rank() == 0:
+        done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
+    return base
+
+
+def train_builtin_arithmetic(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
+    """The arithmetic task's data and SFT model, as ``proximal demo`` makes them (seed 0); kept from
+    an earlier comparison when complete. ``configs`` holds its sft.yaml (else the packaged one's)."""
+    done = base / "base.json"
+    if done.is_file():
+        echo(f"inputs: the arithmetic task and its SFT model from {base} (trained earlier)")
+        return base
+    echo(f"inputs: the built-in arithmetic task; training its SFT model into {base}")
+    t0 = time.perf_counter()
+    if dist.launched_rank() == 0:
+        arithmetic.make_task_data(base / "task", 0)
+    dist.barrier()
+    demo_configs = (
+        configs
+        if all((configs / f"{n}.yaml").is_file() for n in ("sft", "ppo", "grpo", "rloo"))
+        else DEFAULT_CONFIGS / ARITHMETIC
+    )
+    stage_cfg, line = arithmetic_stage_configs(demo_configs, base, 0, FULL)["sft"]
+    echo(f"      sft: {line}")
+    sft.train(stage_cfg)
     if dist.launched_rank() == 0:
         done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
     return base
@@ -540,7 +645,7 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
         reward_model=inputs.reward_model,
         scores=inputs.scores,
         samples_per_prompt=c.eval_samples_per_prompt,
-        max_new_tokens=c.max_new_tokens,
+        max_new_tokens=c.response_limit(),
         seed=0,
     )
     path.write_text(json.dumps(ev) + "\n")
@@ -561,7 +666,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             reward_model=inputs.reward_model,
             scores=inputs.scores,
             samples_per_prompt=c.eval_samples_per_prompt,
-            max_new_tokens=c.max_new_tokens,
+            max_new_tokens=c.response_limit(),
             seed=0,
         )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})

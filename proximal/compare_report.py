@@ -43,6 +43,7 @@ HELD_OUT = (
     ("proxy", "proxy (RM)"),
     ("kl", "KL to SFT"),
     ("length", "length"),
+    ("format_error", "format errors"),
 )
 
 #: The comparison as it is commonly stated (Rafailov et al. 2023, Meng et al. 2024, Shao et al. 2024

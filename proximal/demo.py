@@ -13,8 +13,13 @@ only better at pleasing the reward model. Five stages, each printed as it runs:
    and the same run with a tiny β (``configs/demo/ppo_overopt.yaml``) to show over-optimisation;
 5. **dpo**, **simpo** — offline, on the very preference pairs the reward model was fitted to;
    **grpo**, **rloo** — online and critic-free, rewarded by the task's exact-sort verifier;
-6. **eval + report** — sample every policy on held-out prompts, score them with the gold score, the
-   reward model and the KL to the SFT model, and write ``<out>/report.md`` with plots.
+6. **arithmetic** — the built-in reasoning task (:mod:`proximal.tasks.arithmetic`): its data with
+   reference answers, SFT on a sloppy teacher's worked solutions, then PPO, GRPO and RLOO from that
+   SFT model, each rewarded by the answer verifier (``configs/demo/arithmetic/``, run directories
+   under ``<out>/arithmetic/``);
+7. **eval + report** — sample every policy on held-out prompts, score them with the gold score, the
+   reward model (digits), exact match and format errors (arithmetic) and the KL to the SFT model,
+   and write ``<out>/report.md`` with plots.
 
 Every trainer is the one its command (``sft``, ``rm``, ``ppo``, ``dpo``, ``simpo``, ``grpo``) runs,
 loaded from the YAML files
@@ -38,6 +43,7 @@ from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
 from proximal.logging import read_metrics
 from proximal.methods import METHODS, config_class, final_policy, input_overrides
+from proximal.tasks import arithmetic
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import run_reporting
 from proximal.trainers import dpo, grpo, ppo, reward, sft
@@ -50,6 +56,20 @@ RUNS = ("ppo", "ppo_overopt")
 #: The other methods, each from the same SFT model (:mod:`proximal.methods`).
 ALTERNATIVES = ("dpo", "simpo", "grpo", "rloo")
 STAGES = ("sft", "rm", *RUNS, *ALTERNATIVES)
+#: The arithmetic reasoning task's stages, configs in ``<configs>/arithmetic/``, runs in ``<out>/arithmetic/``:
+#: SFT, then PPO, GRPO and RLOO from it, each rewarded by the answer verifier.
+ARITHMETIC = "arithmetic"
+ARITHMETIC_RUNS = ("ppo", "grpo", "rloo")
+ARITHMETIC_STAGES = ("sft", *ARITHMETIC_RUNS)
+ARITHMETIC_VERIFIER = "proximal.tasks.arithmetic:verify"
+#: Held-out columns of the arithmetic task: the gold exact match (the expression's own value) and
+#: the share of responses with no readable answer.
+ARITHMETIC_SCORES = {
+    "exact_match": "proximal.tasks.arithmetic:exact_match",
+    "format_error": "proximal.tasks.arithmetic:format_error",
+}
+#: Every stage the demo prints, the two tasks' data and the final evaluation included.
+N_STAGES = 1 + len(STAGES) + len(ARITHMETIC_STAGES) + 1
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,8 @@ class Plan:
     grpo: dict
     rloo: dict
     eval_samples_per_prompt: int
+    #: The arithmetic task: ``task`` (make_task_data's sizes) and each stage's overrides.
+    arithmetic: dict
 
 
 FULL = Plan(
@@ -79,6 +101,7 @@ FULL = Plan(
     grpo={},
     rloo={},
     eval_samples_per_prompt=4,
+    arithmetic={"task": {}, **{name: {} for name in ARITHMETIC_STAGES}},
 )
 
 #: The CI-sized demo: every stage and artifact, a fraction of the data and steps. Its numbers show the
@@ -101,6 +124,13 @@ QUICK = Plan(
     grpo={"train.steps": 12},
     rloo={"train.steps": 12},
     eval_samples_per_prompt=1,
+    arithmetic={
+        "task": dict(n_sft_train=1024, n_sft_eval=64, n_prompts_train=256, n_prompts_eval=64),
+        "sft": {"train.steps": 150, "optim.warmup_steps": 10, "train.eval_every": 50},
+        "ppo": {"train.steps": 6},
+        "grpo": {"train.steps": 6},
+        "rloo": {"train.steps": 6},
+    },
 )
 
 
@@ -126,7 +156,11 @@ def run_demo(
     """
     out = Path(out_dir)
     configs = Path(configs) if configs is not None else DEFAULT_CONFIGS
-    missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()]
+    missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()] + [
+        f"{ARITHMETIC}/{n}.yaml"
+        for n in ARITHMETIC_STAGES
+        if not (configs / ARITHMETIC / f"{n}.yaml").is_file()
+    ]
     if missing:
         raise FileNotFoundError(
             f"demo configs: {', '.join(missing)} not found in {configs}; pass --configs DIR "
@@ -139,7 +173,7 @@ def run_demo(
     t_start = time.perf_counter()
 
     def stage(n: int, name: str, what: str) -> float:
-        echo(f"\n[{n}/{len(STAGES) + 2}] {name}: {what}")
+        echo(f"\n[{n}/{N_STAGES}] {name}: {what}")
         return time.perf_counter()
 
     def done(name: str, t0: float, summary: str) -> None:
@@ -147,16 +181,25 @@ def run_demo(
         echo(f"      {summary}  ({timings[name]:.0f} s)")
 
     # 1. Task data, tokenizer, random base model.
-    t0 = stage(1, "task", f"digit-sorting data, tokenizer and a random tiny llama -> {task}")
+    t0 = stage(
+        1,
+        "task",
+        f"both tasks' data, tokenizers and random tiny llamas -> {task}, {out / ARITHMETIC}",
+    )
     info = make_task_data(task, seed, **plan.task)
+    arith = out / ARITHMETIC
+    a_info = arithmetic.make_task_data(arith / "task", seed, **plan.arithmetic["task"])
     done(
         "task",
         t0,
         f"teacher gold {info['teacher_gold_eval']:.3f}; labeller agrees with gold on "
-        f"{info['label_gold_agreement_train']:.1%} of training pairs",
+        f"{info['label_gold_agreement_train']:.1%} of training pairs; arithmetic ({arith / 'task'}): "
+        f"the teacher's exact match {a_info['teacher_exact_match_eval']:.3f}, format errors "
+        f"{a_info['teacher_format_errors_train']:.3f}",
     )
     # Every config is loaded and validated now, so a mistake in any YAML stops the demo before training.
     cfgs = stage_configs(configs, out, seed, plan)
+    arith_cfgs = arithmetic_stage_configs(configs / ARITHMETIC, arith, seed, plan)
 
     def run_stage(n: int, name: str, what: str, train) -> None:
         cfg, command = cfgs[name]
@@ -164,7 +207,9 @@ def run_demo(
         echo(f"      same as: {command}")
         train(cfg)
         rows = _metrics(out / name)
-        if name == "sft":
+        if name.startswith(f"{ARITHMETIC}/"):
+            summary = _arithmetic_summary(name.partition("/")[2], rows)
+        elif name == "sft":
             loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
             summary = f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
         elif name == "rm":
@@ -214,9 +259,23 @@ def run_demo(
     )
     run_stage(9, "rloo", "RLOO: leave-one-out baseline, the same verifier", grpo.train)
 
-    # 10. Held-out evaluation of every policy, with one shared sampling seed; the report.
+    # 10-13. The arithmetic reasoning task (its data written in stage 1): SFT, then PPO, GRPO and RLOO
+    # from that SFT model, each rewarded by the answer verifier.
+    cfgs.update({f"{ARITHMETIC}/{k}": v for k, v in arith_cfgs.items()})
+    for n, (name, what, train) in enumerate(
+        (
+            ("sft", "supervised fine-tuning on the teacher's worked solutions", sft.train),
+            ("ppo", "PPO rewarded by the answer verifier (critic from the policy)", ppo.train),
+            ("grpo", "GRPO rewarded by the answer verifier", grpo.train),
+            ("rloo", "RLOO rewarded by the answer verifier", grpo.train),
+        ),
+        start=10,
+    ):
+        run_stage(n, f"{ARITHMETIC}/{name}", what, train)
+
+    # 14. Held-out evaluation of every policy, with one shared sampling seed; the report.
     t0 = stage(
-        len(STAGES) + 2,
+        N_STAGES,
         "eval + report",
         f"sampling {plan.eval_samples_per_prompt} response(s) per "
         "held-out prompt from each policy; writing the report",
@@ -242,6 +301,23 @@ def run_demo(
         out / "rm", task / "prefs_eval.jsonl"
     )
     (out / "eval.json").write_text(json.dumps(evaluation, indent=1) + "\n")
+    arith_policies = {
+        "sft": arith / "sft",
+        **{name: final_policy(arith / name) for name in ARITHMETIC_RUNS},
+    }
+    arith_eval = {
+        name: evaluate_policy(
+            path,
+            reference=arith / "sft",
+            prompts_file=arith / "task" / "prompts_eval.jsonl",
+            scores=ARITHMETIC_SCORES,
+            samples_per_prompt=plan.eval_samples_per_prompt,
+            max_new_tokens=arith_cfgs["ppo"][0].rollout.max_new_tokens,
+            seed=seed,
+        )
+        for name, path in arith_policies.items()
+    }
+    (arith / "eval.json").write_text(json.dumps(arith_eval, indent=1) + "\n")
     timings["eval"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
     (out / "demo.json").write_text(
@@ -348,6 +424,77 @@ def stage_configs(
     if errors:
         raise ConfigError("demo configs:\n" + "\n".join(errors))
     return result
+
+
+def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
+    """``{stage: (config, equivalent command line)}`` of the arithmetic task's stages: each YAML of
+    ``configs`` (``<configs>/arithmetic/``) with the paths under ``out`` (``<out>/arithmetic``), the
+    seed and ``plan``'s overrides filled in; the reward settings stay the YAML's. ConfigError lists
+    what is wrong in any of them."""
+    task = out / "task"
+    inputs = {
+        "sft": {
+            "model.path": task / "base_model",
+            "data.train_file": task / "sft_train.jsonl",
+            "data.eval_file": task / "sft_eval.jsonl",
+        },
+        **{
+            name: {"model.path": out / "sft", "data.prompts": task / "prompts_train.jsonl"}
+            for name in ARITHMETIC_RUNS
+        },
+    }
+    classes = {"sft": sft.SFTConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
+    result, errors = {}, []
+    for name in ARITHMETIC_STAGES:
+        command = METHODS[name].command if name in METHODS else name
+        overrides = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in {
+                **inputs[name],
+                "output.dir": out / name,
+                "train.seed": seed,
+                **plan.arithmetic.get(name, {}),
+            }.items()
+        }
+        path = configs / f"{name}.yaml"
+        line = f"proximal {command} --config {path} " + " ".join(
+            f"--{k} {command_arg(v)}" for k, v in overrides.items()
+        )
+        try:
+            cfg = load_config(classes[command], path, overrides)
+        except ConfigError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        if name != "sft" and (
+            cfg.model.reward_functions[:1] != [ARITHMETIC_VERIFIER]
+            or cfg.model.reward_function_weights[:1] != [1.0]
+        ):
+            errors.append(
+                f"{path}: the arithmetic runs learn from the answer verifier; keep "
+                f"{ARITHMETIC_VERIFIER} first in model.reward_functions, with weight 1.0"
+            )
+        result[name] = (cfg, line)
+    if errors:
+        raise ConfigError("demo configs:\n" + "\n".join(errors))
+    return result
+
+
+def _arithmetic_summary(name: str, rows: list[dict]) -> str:
+    if name == "sft":
+        loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
+        return f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
+    last = rows[-1]
+    kl = last.get("kl/ref_k3", last.get("kl/seq_mean", 0.0))
+    parts = [
+        f"{label} {last[key]:.3f}"
+        for label, key in (
+            ("reward", f"score/{ARITHMETIC_VERIFIER}"),
+            ("exact match", f"score/{ARITHMETIC_SCORES['exact_match']}"),
+            ("format errors", f"score/{ARITHMETIC_SCORES['format_error']}"),
+        )
+        if key in last
+    ]
+    return "last step: " + ", ".join([*parts, f"KL {kl:.3f}"])
 
 
 def command_arg(value) -> str:

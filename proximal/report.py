@@ -32,6 +32,14 @@ TABLE_COLUMNS = (
 )
 #: Columns read from each run's own files: the models it held (models.json) and its stage's wall time.
 RUN_COLUMNS = ("models held", "stage time (s)")
+#: The arithmetic reasoning task's policies (``<out>/arithmetic/``) and held-out columns.
+ARITHMETIC_POLICIES = ("sft", "ppo", "grpo", "rloo")
+ARITHMETIC_COLUMNS = (
+    ("exact_match", "exact match ↑"),
+    ("format_error", "format errors"),
+    ("kl", "KL to reference"),
+    ("length", "length (tokens)"),
+)
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -60,6 +68,34 @@ def _method_label(name: str, cfg: dict) -> str:
     g = cfg["grpo"]
     kind = "RLOO" if g["advantage"] == "rloo" else "GRPO"
     return f"{kind} ({g['loss']} loss, β = {g['beta']:g}), exact-sort verifier"
+
+
+def collect_arithmetic(out: Path, timings: dict) -> dict | None:
+    """The arithmetic task's numbers, read from ``out/arithmetic`` (None when the demo has none)."""
+    a = out / "arithmetic"
+    if not (a / "eval.json").is_file():
+        return None
+    task = json.loads((a / "task" / "task.json").read_text())
+    evaluation = json.loads((a / "eval.json").read_text())
+    labels = {"sft": "SFT (the reference)"}
+    for name in ARITHMETIC_POLICIES[1:]:
+        cfg = yaml.safe_load((a / name / "config.yaml").read_text())
+        if name == "ppo":
+            labels[name] = f"PPO, {_beta_label(cfg)}, answer verifier"
+        else:
+            labels[name] = _method_label(name, cfg).replace("exact-sort", "answer")
+    return {
+        "labels": labels,
+        "heldout": {p: evaluation[p]["mean"] for p in ARITHMETIC_POLICIES},
+        "heldout_responses": evaluation["sft"]["n"],
+        "models_held": {
+            p: len(json.loads((a / p / "models.json").read_text())) for p in ARITHMETIC_POLICIES
+        },
+        "timings_s": {p: timings.get(f"arithmetic/{p}") for p in ARITHMETIC_POLICIES},
+        "teacher_exact_match_eval": task["teacher_exact_match_eval"],
+        "teacher_format_errors_train": task["teacher_format_errors_train"],
+        "sizes": task["sizes"],
+    }
 
 
 def collect(out_dir: str | Path) -> dict:
@@ -133,6 +169,7 @@ def collect(out_dir: str | Path) -> dict:
         "models_held": models,
         "runs": runs,
         "alternatives": alternatives,
+        "arithmetic": collect_arithmetic(out, demo["timings_s"]),
         "overopt": {
             "window": window,
             "gold_peak": gold_s[peak],
@@ -332,6 +369,20 @@ def results_table(r: dict) -> list[list[str]]:
     return rows
 
 
+def arithmetic_table(r: dict) -> list[list[str]]:
+    """Rows of the arithmetic task's held-out table (header first), as :func:`results_table`'s."""
+    a = r["arithmetic"]
+    rows = [["policy"] + [title for _, title in ARITHMETIC_COLUMNS] + list(RUN_COLUMNS)]
+    for name in ARITHMETIC_POLICIES:
+        t = a["timings_s"].get(name)
+        rows.append(
+            [a["labels"][name]]
+            + [f"{a['heldout'][name][key]:.3f}" for key, _ in ARITHMETIC_COLUMNS]
+            + [str(a["models_held"][name]), "—" if t is None else f"{t:.0f}"]
+        )
+    return rows
+
+
 def _markdown_table(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(rows[0]) + " |", "| :--- " + "| ---: " * (len(rows[0]) - 1) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
@@ -356,6 +407,16 @@ def terminal_summary(r: dict) -> str:
         f"PPO gold - SFT gold = {r['gold_gain']:+.3f}; reward model held-out accuracy "
         f"{r['rm']['eval_accuracy']:.3f}; demo wall time {r['timings_s']['total']:.0f} s"
     )
+    if r.get("arithmetic"):
+        rows = arithmetic_table(r)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines += [
+            "",
+            f"Arithmetic task, held-out prompts ({r['arithmetic']['heldout_responses']} responses "
+            "per policy):",
+            fmt(rows[0]),
+            fmt(["-" * w for w in widths]),
+        ] + [fmt(row) for row in rows[1:]]
     lines.append(f"Report: {r['report']}")
     return "\n".join(lines)
 
@@ -456,10 +517,36 @@ The first sample for the first held-out prompts; each cell is `response` gold / 
 
 {_markdown_table(sample_rows)}
 
-Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
+{_arithmetic_markdown(r)}Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
 `ppo/`, `ppo_overopt/`, `grpo/`, `rloo/` (metrics.jsonl, samples.jsonl, checkpoints/), `dpo/`, `simpo/`
 (the policy, metrics.jsonl, checkpoints/), `eval.json` (every held-out response), `report.json` (every
 number above).
+"""
+
+
+def _arithmetic_markdown(r: dict) -> str:
+    a = r.get("arithmetic")
+    if not a:
+        return ""
+    h = a["heldout"]
+    gains = ", ".join(
+        f"{a['labels'][n].split(',')[0]} {h[n]['exact_match'] - h['sft']['exact_match']:+.3f}"
+        for n in ARITHMETIC_POLICIES[1:]
+    )
+    return f"""## 6. A reasoning task: multi-step arithmetic with reference answers
+
+Prompts such as `(7+5)*3=` carry their reference answer in an `answer` column; the right response works
+it out and ends `answer: 36`. The SFT model learned from a sloppy teacher (right {a["teacher_exact_match_eval"]:.3f}
+of the time; {a["teacher_format_errors_train"]:.3f} of its answers malformed); PPO (critic from the policy,
+no reward model), GRPO and RLOO start from it and are rewarded by the verifier — 1 when the final
+`answer: N` equals the row's reference, else 0, a malformed answer 0 and counted. Held-out: exact match
+against the expression's own value (the gold score), the share of responses with no readable answer,
+the exact KL to the SFT model and the length, {a["heldout_responses"]} responses per policy.
+
+{_markdown_table(arithmetic_table(r))}
+
+Exact match over SFT: {gains}.
+
 """
 
 

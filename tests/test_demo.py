@@ -223,10 +223,14 @@ def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
         "simpo",
         "grpo",
         "rloo",
+        "arithmetic/sft",
+        "arithmetic/ppo",
+        "arithmetic/grpo",
+        "arithmetic/rloo",
         "eval + report",
     )
     for n, name in enumerate(stages, start=1):
-        assert f"[{n}/10] {name}:" in stdout
+        assert f"[{n}/14] {name}:" in stdout
     assert "same as: proximal sft --config" in stdout and "same as: proximal ppo --config" in stdout
     assert stdout.rstrip().splitlines()[-1] == f"Report: {out / 'report.md'}"
 
@@ -260,7 +264,9 @@ def test_missing_configs_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert (
-        "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml not found"
+        "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml, "
+        "arithmetic/sft.yaml, arithmetic/ppo.yaml, arithmetic/grpo.yaml, arithmetic/rloo.yaml "
+        "not found"
         in err
         and "--configs" in err
     )
@@ -285,3 +291,40 @@ def test_config_mistakes_stop_the_demo_before_training(tmp_path, capsys):
     assert f"{ppo}: the demo logs the gold score without training on it" in err
     assert f"{overopt}: invalid configuration" in err and "kl.betta: unknown key" in err
     assert not (tmp_path / "o" / "sft").exists()  # nothing was trained
+
+
+def test_the_arithmetic_task_table_is_its_evaluation(demo):
+    """The arithmetic stages: each policy loads, learned from the verifier, and the report's table is
+    arithmetic/eval.json's means, recomputed here from the held-out responses with the task's functions."""
+    out, stdout = demo
+    from transformers import AutoModelForCausalLM
+
+    from proximal.demo import final_policy
+    from proximal.tasks.arithmetic import exact_match, format_error
+
+    a = out / "arithmetic"
+    for run in ("ppo", "grpo", "rloo"):
+        AutoModelForCausalLM.from_pretrained(final_policy(a / run))
+        rows = _jsonl(a / run / "metrics.jsonl")
+        assert "score/proximal.tasks.arithmetic:verify" in rows[-1]
+        cfg = (a / run / "config.yaml").read_text()
+        assert "proximal.tasks.arithmetic:verify" in cfg
+    evaluation = json.loads((a / "eval.json").read_text())
+    r = json.loads((out / "report.json").read_text())["arithmetic"]
+    report = (out / "report.md").read_text()
+    assert "## 6. A reasoning task" in report and "Arithmetic task, held-out prompts" in stdout
+    for name in ("sft", "ppo", "grpo", "rloo"):
+        ev = evaluation[name]
+        prompts = [x["prompt"] for x in ev["rows"]]
+        responses = [x["response"] for x in ev["rows"]]
+        em, fe = exact_match(prompts, responses), format_error(prompts, responses)
+        assert [x["exact_match"] for x in ev["rows"]] == em
+        assert [x["format_error"] for x in ev["rows"]] == fe
+        assert r["heldout"][name]["exact_match"] == pytest.approx(sum(em) / len(em), abs=1e-12)
+        assert r["heldout"][name]["format_error"] == pytest.approx(sum(fe) / len(fe), abs=1e-12)
+        m = ev["mean"]
+        assert (
+            f"| {r['labels'][name]} | {m['exact_match']:.3f} | {m['format_error']:.3f} | "
+            f"{m['kl']:.3f} | {m['length']:.3f} |" in report
+        )
+    assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)
