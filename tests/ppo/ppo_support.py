@@ -54,9 +54,12 @@ REQUIRED_METRICS = (
 # ----------------------------------------------------------------------------------------------
 
 
-def frac_a(prompts: list[str], completions: list[str]) -> list[float]:
-    """The fraction of the completion's characters that are 'a' (0 for an empty completion)."""
-    return [c.count("a") / max(1, len(c)) for c in completions]
+def frac_a(prompts: list, completions: list) -> list[float]:
+    """The fraction of the completion's characters that are 'a' (0 for an empty completion). Written
+    for both forms a reward function is given, as TRL's are: a completion is its text, or for a
+    conversational prompt row ``[{"role": "assistant", "content": text}]``."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [c.count("a") / max(1, len(c)) for c in texts]
 
 
 def length(prompts: list[str], completions: list[str]) -> list[float]:
