@@ -23,6 +23,7 @@ from torch import Tensor
 
 from proximal.core.advantages import group_advantages, rloo_advantages, uniform_groups
 from proximal.core.kl import kl_penalty
+from proximal.core.losses import apply_dual_clip, weight_tokens
 from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_aggregate, stat_mean
 
@@ -99,6 +100,8 @@ def grpo_policy_loss(
     max_response_length: int | None = None,
     *,
     normalizer: float | Tensor | None = None,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated GRPO objective (DeepSeekMath eq. 3), per token i, t::
 
@@ -124,6 +127,10 @@ def grpo_policy_loss(
     μ = 1) ρ = 1 and the surrogate's gradient is the REINFORCE-with-baseline gradient −Â_i·∇log π_θ,
     weighted by the aggregation.
 
+    ``dual_clip`` and ``is_weights`` act on the surrogate part only, as in
+    :func:`~proximal.core.losses.ppo_policy_loss`: ℓ_{i,t} = −w_{i,t}·min(ρ·Â, clip(ρ)·Â) (for
+    Â < 0 first bounded by c·|Â|) + β·k3_{i,t} — the KL term is neither bounded nor reweighted.
+
     Args:
         logprobs: log π_θ(o_t | s_t) under the current parameters (with grad), (B, T).
         old_logprobs: log π_old, recorded when the responses were sampled, (B, T).
@@ -137,12 +144,15 @@ def grpo_policy_loss(
         max_response_length: L, needed by ``"seq-mean-token-sum-norm"`` (the generation budget T_max).
         normalizer: the aggregation's unit count over the whole batch when this call sees a
             micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
+        dual_clip: c > 1, dual-clip PPO's bound for Â < 0 (Ye et al. 2020); None = off.
+        is_weights: w ≥ 0, (B, T), detached per-token weights on the surrogate; None = all 1.
 
     Returns:
         ``(loss, stats)``. Stats, aggregated like the loss so shares add up: ``pg_loss`` (the clipped
         surrogate part) and ``kl_loss`` (β·k3 part; loss = pg_loss + kl_loss). Token means over valid
         tokens: ``clipfrac_low`` (Â < 0 clipped at 1 − ε), ``clipfrac_high`` (Â > 0 clipped at
-        1 + ε_high), ``ratio_mean``, ``kl_ref`` (k3 to the reference; 0 without one),
+        1 + ε_high), ``clipfrac_dual`` (Â < 0 bounded at c·|Â|; 0 when off), ``ratio_mean``,
+        ``kl_ref`` (k3 to the reference; 0 without one),
         ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ)), ``advantage_mean``. Extremes: ``ratio_min``,
         ``ratio_max``, ``advantage_min``, ``advantage_max`` (±inf for an empty mask).
     """
@@ -174,9 +184,15 @@ def grpo_policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
-    surrogate = -torch.minimum(unclipped, clipped)  # (B, T)
+    surrogate, dual_active = apply_dual_clip(
+        -torch.minimum(unclipped, clipped), advantages, dual_clip
+    )  # (B, T)
     pg_loss = masked_aggregate(
-        surrogate, response_mask, aggregation, max_length=max_response_length, normalizer=normalizer
+        weight_tokens(surrogate, is_weights, response_mask),
+        response_mask,
+        aggregation,
+        max_length=max_response_length,
+        normalizer=normalizer,
     )
     kl = None
     if ref_logprobs is not None:
@@ -210,6 +226,7 @@ def grpo_policy_loss(
             "clipfrac_high": stat_mean(
                 (flattened & (advantages > 0)).to(ratio.dtype), response_mask
             ),
+            "clipfrac_dual": stat_mean(dual_active.to(ratio.dtype), response_mask),
             "ratio_mean": stat_mean(ratio, response_mask),
             "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
             "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),

@@ -37,6 +37,8 @@ def ppo_policy_loss(
     *,
     max_length: int | None = None,
     normalizer: float | Tensor | None = None,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated clipped surrogate of Schulman et al. (2017) (docs/formulas.md, "The clipped surrogate")::
 
@@ -46,6 +48,12 @@ def ppo_policy_loss(
 
     Where the clipped term is the smaller one (Â > 0 with r > 1 + ε, or Â < 0 with r < 1 − ε) the
     token's gradient is exactly zero; elsewhere it is −r_t·Â_t·∇ log π_θ / n.
+
+    With ``dual_clip`` = c (dual-clip PPO, Ye et al. 2020; verl's ``clip_ratio_c``) a token with
+    Â_t < 0 has loss min(−min(r_t·Â_t, clip(r_t)·Â_t), −c·Â_t): bounded by c·|Â_t| however large r_t
+    grows (and its gradient then 0); tokens with Â_t ≥ 0 are unchanged. With ``is_weights`` w_t each
+    token's term is multiplied by w_t (a detached importance weight, e.g. rollout correction's
+    truncated π_old/μ): ℓ_t = −w_t·min(r_t·Â_t, clip(r_t)·Â_t), dual-clipped first.
 
     Args:
         logprobs: log π_θ(y_t | s_t) under the current parameters (with grad), (B, T).
@@ -58,10 +66,13 @@ def ppo_policy_loss(
             :func:`~proximal.core.stats.masked_aggregate`, which also explains ``max_length``).
         normalizer: the aggregation's unit count summed over the whole batch when this call sees
             only a micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
+        dual_clip: c > 1, the bound for Â < 0; None = off (the seed's L^CLIP).
+        is_weights: w ≥ 0, (B, T), detached per-token weights; None = all 1.
 
     Returns:
         ``(loss, stats)``; stats (token means over valid tokens, whatever the aggregation):
-        ``clipfrac`` (fraction of tokens whose gradient clipping zeroed), ``approx_kl_k1`` and
+        ``clipfrac`` (fraction of tokens whose gradient clipping zeroed), ``clipfrac_dual``
+        (fraction whose loss the dual bound c·|Â| replaced; 0 when ``dual_clip`` is None), ``approx_kl_k1`` and
         ``approx_kl_k3`` (estimates of KL(π_old ‖ π_θ) from the sampled tokens), ``ratio_mean``,
         ``ratio_min``, ``ratio_max``.
     """
@@ -77,8 +88,11 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    surrogate, dual_active = apply_dual_clip(
+        -torch.minimum(unclipped, clipped), advantages, dual_clip
+    )
     loss = masked_aggregate(
-        -torch.minimum(unclipped, clipped),
+        weight_tokens(surrogate, is_weights, response_mask),
         response_mask,
         aggregation,
         max_length=max_length,
@@ -91,6 +105,7 @@ def ppo_policy_loss(
         ratio = ratio.detach()
         stats = {
             "clipfrac": stat_mean((clipped < unclipped).to(ratio.dtype), response_mask),
+            "clipfrac_dual": stat_mean(dual_active.to(ratio.dtype), response_mask),
             "approx_kl_k1": stat_mean(
                 kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"), response_mask
             ),
@@ -102,6 +117,58 @@ def ppo_policy_loss(
             "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
         }
     return loss, stats
+
+
+def apply_dual_clip(
+    surrogate: Tensor, advantages: Tensor, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """Dual-clip PPO's bound (Ye et al. 2020, eq. 5; verl's ``clip_ratio_c``) on a token loss::
+
+        ℓ_t = min(ℓ_t, −c·Â_t)   where Â_t < 0;   ℓ_t unchanged where Â_t ≥ 0
+
+    with ℓ_t = −min(r_t·Â_t, clip(r_t)·Â_t) the clipped surrogate's token loss. For Â_t < 0 the
+    clipped surrogate grows without bound in r_t (a token π_θ made far likelier than π_old did);
+    the bound caps it at c·|Â_t| and zeroes its gradient there. Active exactly where Â_t < 0 and
+    ℓ_t > c·|Â_t|, i.e. (for c > 1 + ε) where r_t > c.
+
+    Args:
+        surrogate: ℓ_t, (B, T) (or any shape).
+        advantages: Â_t, the same shape, detached.
+        dual_clip: c > 1; None = off (``surrogate`` returned as is).
+
+    Returns:
+        ``(ℓ', active)``: the bounded token losses and a bool tensor of where the bound replaced ℓ_t
+        (all False when off).
+    """
+    if dual_clip is None:
+        return surrogate, torch.zeros_like(surrogate, dtype=torch.bool)
+    check("dual_clip", dual_clip)
+    bound = -dual_clip * advantages
+    active = (advantages < 0) & (surrogate > bound)
+    return torch.where(active, bound, surrogate), active.detach()
+
+
+def weight_tokens(per_token: Tensor, is_weights: Tensor | None, response_mask: Tensor) -> Tensor:
+    """``per_token``·w (importance weights, detached), or ``per_token`` when ``is_weights`` is None.
+
+    Args:
+        per_token: (B, T) token losses.
+        is_weights: w, (B, T), ≥ 0 at valid tokens (values elsewhere never read); detached here.
+        response_mask: bool (B, T).
+
+    Returns:
+        (B, T); 0·garbage cannot reach masked positions (they are replaced by 1 before multiplying).
+    """
+    if is_weights is None:
+        return per_token
+    if is_weights.shape != per_token.shape:
+        raise ValueError(
+            f"is_weights shape {tuple(is_weights.shape)} != token shape {tuple(per_token.shape)}"
+        )
+    w = torch.where(response_mask, is_weights.detach(), 1.0).to(per_token.dtype)
+    if bool((w < 0).any()) or bool(w.isnan().any()):
+        raise ValueError("is_weights must be >= 0 (and not NaN) at valid tokens")
+    return per_token * w
 
 
 def value_loss(

@@ -39,6 +39,7 @@ INF = math.inf
 RANGES: dict[str, tuple[Interval, str]] = {
     "clip_eps": (Interval(0, 1, True, True), "PPO/GRPO clip ε"),
     "clip_eps_high": (Interval(0, INF, True, True), "upper clip ε_high (DAPO's clip-higher)"),
+    "dual_clip": (Interval(1, INF, True, True), "dual-clip bound c (Ye et al. 2020)"),
     "value_clip_eps": (Interval(0, INF, True, False), "value clip ε_v (∞ turns clipping off)"),
     "gamma": (Interval(0, 1), "discount γ"),
     "lam": (Interval(0, 1), "GAE λ"),
