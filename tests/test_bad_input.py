@@ -484,7 +484,7 @@ def test_resuming_past_the_configured_steps(finished_run, tmp_path, capsys):
     assert "give --train.steps larger than 2" in err
     assert (run / "metrics.jsonl").read_text() == before
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert listing == ["latest", "step_000001", "step_000002"]
+    assert listing == ["latest", "newest", "step_000001", "step_000002"]
     assert ppo_main(None, "--resume", str(run)) == 0
     assert "the run is already at step 2 of 2: nothing to train" in capsys.readouterr().out
     assert (run / "metrics.jsonl").read_text() == before

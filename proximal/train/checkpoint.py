@@ -13,9 +13,10 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN/``::
 
 It is written into ``.step_NNNNNN.tmp`` and renamed into place only when every rank has written
 and every file has been hashed; ``checkpoints/latest`` (a one-line text file, the pointer resuming
-reads) then names it. The loadable models are the exports: ``step_NNNNNN/policy`` and, with
-``output.keep_best``, ``checkpoints/best``, a symbolic link to the best checkpoint's export, which
-pruning never deletes. The final model is exported into the run directory itself
+reads) then names it. The loadable models are the exports: ``step_NNNNNN/policy``;
+``checkpoints/newest``, a symbolic link to the newest checkpoint's first export (``from_pretrained``
+opens it: ``--model.path runs/ppo/checkpoints/newest``); and, with ``output.keep_best``,
+``checkpoints/best``, a symbolic link to the best checkpoint's export, which pruning never deletes. The final model is exported into the run directory itself
 (:func:`export_final`). On resume the manifest is
 checked file by file; a damaged checkpoint is reported (which file, how) and the newest intact one
 is used instead. Temporary directories a killed run left behind are removed at the next start.
@@ -237,11 +238,13 @@ def save_checkpoint(
         _agree(own_files)
         hashes = _hash_shared(tmp, _files(tmp))
         manifest = {"step": step, "world_size": dist.world_size(), **(meta or {}), "files": hashes}
-        best_dir = None
-        if best is not None:
-            best_dir = step_name(best) + (f"/{next(iter(exports))}" if exports else "")
+        first = f"/{next(iter(exports))}" if exports else ""
+        best_dir = None if best is None else step_name(best) + first
+        newest_dir = final.name + first if exports else None
         _agree(
-            lambda: _publish(root, tmp, final, manifest, keep, best_dir) if dist.is_main() else None
+            lambda: _publish(root, tmp, final, manifest, keep, best_dir, newest_dir)
+            if dist.is_main()
+            else None
         )
     except BaseException as e:
         if dist.is_main():
@@ -259,18 +262,34 @@ def _fresh_dir(path: Path) -> None:
 
 
 def _publish(
-    root: Path, tmp: Path, final: Path, manifest: dict, keep: int, best_dir: str | None = None
+    root: Path,
+    tmp: Path,
+    final: Path,
+    manifest: dict,
+    keep: int,
+    best_dir: str | None = None,
+    newest_dir: str | None = None,
 ) -> None:
-    """Rank 0: the manifest, the rename into place, ``latest``, ``best``, then the older checkpoints
-    pruned. A ``latest`` that cannot be written takes the renamed checkpoint back out, so the one
-    ``latest`` names is still the one to resume. ``best_dir``: ``step_NNNNNN/<model>`` of the best
-    checkpoint, kept whatever its age."""
+    """Rank 0: the manifest, the rename into place, ``newest``, ``latest``, ``best``, then the older
+    checkpoints pruned. A ``newest`` or ``latest`` that cannot be written takes the renamed
+    checkpoint back out (and ``newest`` back to where it pointed), so the one ``latest`` names is
+    still the one to resume. ``best_dir``: ``step_NNNNNN/<model>`` of the best checkpoint, kept
+    whatever its age; ``newest_dir``: ``step_NNNNNN/<model>`` of this one (None: nothing exported)."""
     atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     _replace_dir(tmp, final)
+    newest = root / "newest"
+    before = os.readlink(newest) if newest.is_symlink() else None
     try:
+        if newest_dir is not None:
+            symlink(newest, newest_dir)
         atomic_write_text(root / "latest", final.name + "\n")
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            if before is not None:
+                symlink(newest, before)
+            elif newest.is_symlink():
+                os.unlink(newest)
         raise
     kept = {final}
     if best_dir is not None:

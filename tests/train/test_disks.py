@@ -108,6 +108,17 @@ def _fail_rename(monkeypatch):
     monkeypatch.setattr(ckpt_mod, "_replace_dir", failing)
 
 
+def _fail_newest(monkeypatch):
+    link = ckpt_mod.symlink
+
+    def failing(path, target):
+        if os.path.basename(path) == "newest":
+            raise enospc(path)
+        return link(path, target)
+
+    monkeypatch.setattr(ckpt_mod, "symlink", failing)
+
+
 POINTS = {
     "weights and optimiser (DCP)": _fail_dcp_write,
     "Hugging Face export": _fail_export,
@@ -115,6 +126,7 @@ POINTS = {
     "trainer state": _fail_torch_save("trainer_state.pt"),
     "manifest": _fail_text(MANIFEST),
     "rename into place": _fail_rename,
+    "newest": _fail_newest,
     "latest": _fail_text("latest"),
 }
 
@@ -160,8 +172,9 @@ def test_a_full_disk_anywhere_in_a_save_keeps_the_previous_checkpoint(
     assert message.endswith(
         "the half-written checkpoint was removed; step_000001 is intact and still latest"
     )
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "newest", "step_000001"]
     assert (root / "latest").read_text() == "step_000001\n"
+    assert os.readlink(root / "newest") == "step_000001/model"  # put back where it pointed
     assert verify(first) is None
 
 

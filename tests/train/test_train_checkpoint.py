@@ -300,3 +300,41 @@ def test_export_final_makes_the_run_directory_a_model_directory(tmp_path):
         torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values())
     )
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in run.iterdir()}
+
+
+def test_newest_is_a_model_directory_that_follows_each_save(tmp_path):
+    """``checkpoints/newest`` links to the newest checkpoint's first export: ``from_pretrained``
+    opens it and gets that step's weights, and it moves on (past pruning) with every save."""
+    tok = build_char_tokenizer(list("ab "))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_causal_lm(tmp_path / "src", tok))
+    opt = build_optimizer(model, lr=0.1, weight_decay=0.0)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        save_checkpoint(
+            root,
+            step,
+            trained={"policy": (model, opt)},
+            state={},
+            exports={"policy": (model, tok), "critic": (model, tok)},
+            keep=2,
+        )
+        assert (root / "newest").is_symlink()
+        assert (root / "newest").resolve() == (root / step_name(step) / "policy").resolve()
+        back = AutoModelForCausalLM.from_pretrained(root / "newest")
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(back.state_dict().values(), model.state_dict().values())
+        )
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest",
+        "newest",
+        step_name(2),
+        step_name(3),
+    ]
+
+
+def test_without_an_export_there_is_no_newest(three):
+    assert not (three / "newest").exists()
