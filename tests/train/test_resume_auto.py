@@ -80,6 +80,7 @@ def test_an_interrupted_first_launch_is_started_again(base, tmp_path, capsys):
     assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "latest",
+        "newest",
         "step_000003",
         "step_000004",
     ]
