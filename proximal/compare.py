@@ -122,6 +122,13 @@ class CompareSection:
         "Response length of the held-out evaluation (the methods' configs set their own "
         "for training); null: 12 (digits, or your data), 32 (arithmetic).",
     )
+    reward_timeout_s: float | None = option(
+        600.0,
+        "Bound on one call of a reward function (the verifier, the gold score), in seconds: "
+        "each online method's model.reward_timeout_s and every held-out evaluation's. A call "
+        "that runs past it ends the comparison with one line naming the function and the "
+        "limit. null = no limit.",
+    )
     configs: str | None = option(
         None,
         "Directory holding <method>.yaml for each method (default: the packaged demo "
@@ -171,6 +178,11 @@ class CompareSection:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            e.append(
+                f"compare.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
+                "for no limit"
+            )
         if not self.collapse_margin >= 0:
             e.append(f"compare.collapse_margin = {self.collapse_margin} must be ≥ 0")
         if self.configs is not None and not Path(self.configs).is_dir():
@@ -231,8 +243,9 @@ class CompareData:
         None,
         "Column names of data.prompts, data.pairs and data.eval_pairs mapped to the names the "
         "methods read, canonical: column (e.g. {prompt: question, chosen: good, rejected: bad}). "
-        "Handed to every method as its data.columns: to an online method only the entries for "
-        "prompt rows (prompt, messages, tools). null = the columns as they are. See docs/data.md.",
+        "Handed to every method as its data.columns: to an online method every entry but the "
+        "pairs' own (chosen, rejected), so a reference-answer column ({answer: solution}) reaches "
+        "its reward functions. null = the columns as they are. See docs/data.md.",
     )
 
     def problems(self) -> list[str]:
@@ -594,6 +607,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
             split=inputs.split,
             columns=inputs.columns,
         ),
+        **({"model.reward_timeout_s": cfg.compare.reward_timeout_s} if r.method.online else {}),
         "train.seed": r.seed,
         "output.dir": str(run_dir),
         "output.overwrite": True,
@@ -647,6 +661,7 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
         samples_per_prompt=c.eval_samples_per_prompt,
         max_new_tokens=c.response_limit(),
         seed=0,
+        timeout_s=c.reward_timeout_s,
     )
     path.write_text(json.dumps(ev) + "\n")
     return ev
@@ -668,6 +683,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             samples_per_prompt=c.eval_samples_per_prompt,
             max_new_tokens=c.response_limit(),
             seed=0,
+            timeout_s=c.reward_timeout_s,
         )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
         final = ev

@@ -23,9 +23,13 @@ from proximal.trainers import dpo, grpo, ppo
 #: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
 REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
 
-#: The fields a prompt row is read from (proximal.data.prompts): the entries of a shared column
-#: mapping an online method takes (a mapping of 'chosen' would name a column its prompts lack).
-PROMPT_FIELDS = ("prompt", "messages", "tools")
+#: The fields a preference pair is read from (proximal.data.preferences): the entries of a shared
+#: column mapping an offline method takes (a mapping of a reference answer would name a column its
+#: pairs lack).
+PAIR_FIELDS = ("prompt", "messages", "chosen", "rejected")
+#: The fields only preference pairs have: the entries an online method leaves out. Every other entry —
+#: prompt, messages, tools, and the columns reward functions read, such as a reference answer — it takes.
+PAIR_ONLY_FIELDS = ("chosen", "rejected")
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,19 @@ def input_overrides(
     given, as a weight-0 reward function (logged every step, never trained on); offline methods the
     preference pairs. ``split`` and ``columns`` describe the data given here, so they replace the
     method config's ``data.split`` and ``data.columns`` (null ones too: that config's were written
-    for other files); an online method takes the entries of ``columns`` for :data:`PROMPT_FIELDS`,
-    an offline one all of them."""
+    for other files); an online method takes the entries of ``columns`` but those for :data:`PAIR_ONLY_FIELDS`,
+    an offline one those for :data:`PAIR_FIELDS`."""
     out: dict[str, Any] = {"model.path": str(sft), "data.split": split, "data.columns": columns}
     if not method.online:
+        if columns is not None:
+            out["data.columns"] = {k: v for k, v in columns.items() if k in PAIR_FIELDS} or None
         out["data.train_file"] = str(pairs)
         out["data.eval_file"] = str(eval_pairs) if eval_pairs else None
         return out
     if columns is not None:
-        out["data.columns"] = {k: v for k, v in columns.items() if k in PROMPT_FIELDS} or None
+        out["data.columns"] = {
+            k: v for k, v in columns.items() if k not in PAIR_ONLY_FIELDS
+        } or None
     out["data.prompts"] = str(prompts)
     logged = [gold] if gold else []
     if source == REWARD_MODEL:

@@ -248,6 +248,7 @@ def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comp
         ({"methods": ["dpo@verifier"]}, "DPO cannot use reward source 'verifier'"),
         ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
         ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
+        ({"reward_timeout_s": 0}, "compare.reward_timeout_s = 0.0 must be > 0 seconds, or null"),
         (
             {"responses": 2},
             "compare.responses = 2 is less than one step of PPO (rollout.batch_size = 4)",

@@ -24,7 +24,8 @@ from test_dpo import count_task, write_jsonl  # noqa: E402
 from test_sources import cache_dataset  # noqa: E402
 
 # question/good/bad instead of prompt/chosen/rejected: read only through data.columns.
-COLUMNS = {"prompt": "question", "chosen": "good", "rejected": "bad"}
+COLUMNS = {"prompt": "question", "chosen": "good", "rejected": "bad", "answer": "reference"}
+PAIR_COLUMNS = {k: v for k, v in COLUMNS.items() if k != "answer"}
 
 
 @pytest.fixture
@@ -96,16 +97,19 @@ def test_split_and_columns_reach_every_method(assets, tmp_path, capsys):
             "evaluations": 1,
             "eval_samples_per_prompt": 1,
             "max_new_tokens": 4,
+            "reward_timeout_s": 30,
             "configs": str(configs),
         },
         "data": {
             "sft_model": str(assets.policy("llama")),
-            "prompts": _split_dict(tmp_path / "prompts", [{"prompt": p} for p in prompt_texts(4)]),
-            "pairs": _split_dict(tmp_path / "pairs", count_task(8, seed=5)),
-            "eval_prompts": write_jsonl(
-                tmp_path / "eval.jsonl", [{"prompt": p} for p in prompt_texts(2)]
+            "prompts": _split_dict(
+                tmp_path / "prompts", [{"prompt": p, "answer": p[-1]} for p in prompt_texts(4)]
             ),
-            "verifier": "ppo_support:frac_a",
+            "pairs": _split_dict(tmp_path / "pairs", count_task(8, seed=5)),
+            "eval_prompts": write_jsonl(  # read as they are: the canonical names
+                tmp_path / "eval.jsonl", [{"prompt": p, "answer": p[-1]} for p in prompt_texts(2)]
+            ),
+            "verifier": "ppo_support:frac_a_checking_answer",
             "split": "test",
             "columns": COLUMNS,
         },
@@ -116,11 +120,18 @@ def test_split_and_columns_reach_every_method(assets, tmp_path, capsys):
     assert main(["compare", "--config", str(path)]) == 0, capsys.readouterr().err
     runs = sorted((out / "runs").iterdir())
     assert [r.name for r in runs] == ["dpo-seed0", "grpo@verifier-seed0"]
-    # the pairs' whole mapping to DPO, its prompt entry alone to GRPO (the prompts have no 'good')
-    want = {"dpo-seed0": COLUMNS, "grpo@verifier-seed0": {"prompt": "question"}}
+    # the pairs' entries to DPO (its pairs have no 'reference', and a mapping of a column the data
+    # lacks is refused); everything but the pairs' own entries to GRPO: its verifier reads each
+    # row's 'answer', which the prompts file calls 'reference'
+    want = {
+        "dpo-seed0": PAIR_COLUMNS,
+        "grpo@verifier-seed0": {"prompt": "question", "answer": "reference"},
+    }
     for run in runs:
         data = yaml.safe_load((run / "config.yaml").read_text())["data"]
         assert data["split"] == "test" and data["columns"] == want[run.name]
+        model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+        assert model.get("reward_timeout_s") == (30 if run.name.startswith("grpo") else None)
         assert (run / "eval.json").is_file()
     first = json.loads((out / "runs" / "dpo-seed0" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["data/train_rows"] == 8  # the test split's pairs, read through the mapping

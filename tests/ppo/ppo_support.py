@@ -62,6 +62,17 @@ def frac_a(prompts: list, completions: list) -> list[float]:
     return [c.count("a") / max(1, len(c)) for c in texts]
 
 
+def frac_a_checking_answer(
+    prompts: list, completions: list, answer: list, **columns
+) -> list[float]:
+    """``frac_a``, for rows whose ``answer`` column is the prompt's last character (a digit of
+    :func:`prompt_texts`): raises when a completion is handed another row's answer, or none."""
+    for p, a in zip(prompts, answer):
+        if not (isinstance(a, str) and p.rstrip().endswith(a)):
+            raise ValueError(f"answer {a!r} handed with prompt {p!r}")
+    return frac_a(prompts, completions)
+
+
 def length(prompts: list[str], completions: list[str]) -> list[float]:
     """The completion's length in characters over 10: varies within a group whenever lengths do (an
     untrained policy's rewards under ``frac_a`` are often all 0)."""
