@@ -20,6 +20,14 @@ from proximal.core.advantages import (
     uniform_groups,
     whiten,
 )
+from proximal.core.correction import (
+    CORRECTIONS,
+    correction_weights,
+    mismatch_stats,
+    sequence_mask_weights,
+    tis_weights,
+    token_mask_weights,
+)
 from proximal.core.fused import (
     DEFAULT_CHUNK_ELEMENTS,
     linear_logprobs,
@@ -62,6 +70,7 @@ from proximal.core.stats import (
 
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTIONS",
     "DEFAULT_CHUNK_ELEMENTS",
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
@@ -71,6 +80,7 @@ __all__ = [
     "FixedKLController",
     "ProportionalKLController",
     "bradley_terry_loss",
+    "correction_weights",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -91,17 +101,21 @@ __all__ = [
     "masked_mean_var",
     "masked_sum",
     "masked_var",
+    "mismatch_stats",
     "nll_from_logprobs",
     "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
     "rloo_advantages",
+    "sequence_mask_weights",
     "sequence_logprobs",
     "sft_loss",
     "shape_rewards",
     "simpo_loss",
+    "tis_weights",
     "token_entropy",
     "token_kl",
+    "token_mask_weights",
     "token_nll",
     "uniform_groups",
     "value_loss",

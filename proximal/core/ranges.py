@@ -54,6 +54,12 @@ RANGES: dict[str, tuple[Interval, str]] = {
     "simpo_beta": (Interval(0, INF, True, True), "SimPO β"),
     "gamma_beta_ratio": (Interval(0, INF, False, True), "SimPO γ/β"),
     "group_eps": (Interval(0, INF, False, True), "group-advantage ε"),
+    "correction_cap": (Interval(1, INF, False, True), "rollout correction cap C (TIS)"),
+    "correction_band_low": (Interval(0, 1, True, False), "lower end of a rollout correction band"),
+    "correction_band_high": (
+        Interval(1, INF, False, True),
+        "upper end of a rollout correction band",
+    ),
 }
 
 
