@@ -57,6 +57,14 @@ from proximal.core.losses import (
     token_nll,
     value_loss,
 )
+from proximal.core.objectives import (
+    cispo_policy_loss,
+    gspo_policy_loss,
+    kl_reward_advantages,
+    reference_kl_loss,
+    reinforce_pp_advantages,
+    returns_to_go,
+)
 from proximal.core.preference import DPO_LOSS_TYPES, dpo_loss, simpo_loss
 from proximal.core.stats import (
     AGGREGATIONS,
@@ -81,15 +89,18 @@ __all__ = [
     "ProportionalKLController",
     "bradley_terry_loss",
     "correction_weights",
+    "cispo_policy_loss",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "aggregation_units",
     "gae",
     "group_advantages",
+    "gspo_policy_loss",
     "grpo_advantages",
     "grpo_policy_loss",
     "kl_penalty",
+    "kl_reward_advantages",
     "last_valid_index",
     "linear_logprobs",
     "linear_sequence_logprobs",
@@ -106,6 +117,9 @@ __all__ = [
     "pair_mean",
     "ppo_policy_loss",
     "ptx_loss",
+    "reference_kl_loss",
+    "reinforce_pp_advantages",
+    "returns_to_go",
     "rloo_advantages",
     "sequence_mask_weights",
     "sequence_logprobs",
