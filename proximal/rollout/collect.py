@@ -98,7 +98,8 @@ def collect(
     of this rank's prompts, score them, and guard non-finite scores (:func:`finite_rows`).
 
     Row r of the global batch draws its tokens from a generator seeded by (seed, step, r), so the
-    rollout is the same on any number of processes (:mod:`proximal.rollout.engine`).
+    rollout is the same on any number of processes (:mod:`proximal.rollout.engine`). The engine's
+    log-probabilities of the sampled tokens, log μ, come with it (``rollout.logprobs``).
     """
     t0 = time.perf_counter()
     batch = sampler.next_global_batch()
@@ -122,6 +123,7 @@ def collect(
         top_k=top_k,
         stop_token_ids=stop_token_ids,
         stop_strings=stop_strings,
+        logprobs=True,
     )
     generate_s = time.perf_counter() - t0
     scores, components = scorer(rollout, texts, messages, columns=columns, step=step)

@@ -25,6 +25,7 @@ logits).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import re
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ from typing import Protocol
 import torch
 
 from proximal import dist
+from proximal.config import ConfigError
 from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
-from proximal.models.loading import accepts_logits_to_keep, cache_argument
+from proximal.models.loading import accepts_logits_to_keep, cache_argument, unwrap
 from proximal.models.parallel import autocast, gathered, is_sharded
 from proximal.rollout.decode import LeanDecoder, declined, unsupported
 
@@ -66,9 +68,20 @@ class RolloutEngine(Protocol):
         prompt_mask: torch.Tensor,
         seeds: list[int],
         params: SamplingParams,
-    ) -> torch.Tensor:
+        *,
+        logprobs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, T) sampled ids for (B, P) left-padded prompts; T ≤ max_new_tokens; after a row's stop
-        token the ids are meaningless (the caller masks them)."""
+        token the ids are meaningless (the caller masks them).
+
+        With ``logprobs=True``: ``(ids, logprobs)``, logprobs (B, T) float32 the log-probability μ of
+        each sampled token under the distribution the engine sampled it from, log softmax(z / τ) at
+        the token, z the very logits it was drawn with — *before* top-k / top-p: the tempered,
+        unfiltered distribution, which is what the trainer computes as π_old, so π_old/μ measures the
+        engine's numerics alone (precision, kernels). The filter's truncation is a separate gap,
+        not reported: the token was drawn from softmax(z / τ) renormalised over the kept set, whose
+        log-probability is higher by −log(kept mass) (docs/rollout-correction.md). After a row's
+        stop the values are meaningless (masked), like the ids."""
 
     def after_update(self) -> None:
         """Called after every policy update: an engine holding its own weights refreshes them here."""
@@ -87,6 +100,16 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
         drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before >= top_p)
         z = torch.where(drop, -torch.inf, z)
     return z
+
+
+def sampled_logprobs(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(z / τ) at each row's ``token``, (B,) float32, from the (B, V) ``logits`` z the
+    token was sampled with: the tempered, unfiltered log-probability (what π_old is computed as;
+    :meth:`RolloutEngine.generate`)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def categorical_sample(
@@ -123,6 +146,13 @@ class HFEngine:
     token). The checkpoint's ``generation_config`` (repetition penalties, suppressed tokens, …) is
     never consulted: the tokens come from exactly softmax(logits / τ), the policy whose
     log-probabilities the losses recompute.
+
+    ``precision`` (``rollout.precision``, when it differs from ``train.precision``) samples as a
+    serving engine in another precision would: ``"bf16-mixed"`` decodes under
+    ``torch.autocast(bfloat16)``; ``"bf16-true"`` decodes with an engine-held copy of the policy
+    whose parameters are bfloat16 (buffers such as the rotary frequencies stay as loaded, as in a
+    model loaded in bfloat16), refreshed from the policy in :meth:`after_update` — one process only
+    (a sharded policy has no whole copy to hold: ConfigError). None decodes the policy as it trains.
     """
 
     def __init__(
@@ -132,11 +162,16 @@ class HFEngine:
         *,
         gather_weights: bool = True,
         lean_decode: bool = True,
+        precision: str | None = None,
     ):
-        self.model = model
+        if precision not in PRECISIONS:
+            raise ValueError(f"HFEngine: precision {precision!r} is not one of {PRECISIONS}")
+        self.model = model  # the policy (what the run records); ``decoder`` is what decodes
         self.pad_token_id = pad_token_id
         self.gather_weights = gather_weights
         self.lean_decode = lean_decode
+        self.precision = precision
+        self.decoder = bfloat16_copy(model) if precision == "bf16-true" else model
         self._keep_last = accepts_logits_to_keep(model)
         self._cache_kw = cache_argument(model)
         # Once, before any rollout (never per token): whether the lean step can decode this model.
@@ -150,7 +185,11 @@ class HFEngine:
         prompt_mask: torch.Tensor,
         seeds: list[int],
         params: SamplingParams,
-    ) -> torch.Tensor:
+        *,
+        logprobs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`RolloutEngine.generate`: the ids, and with ``logprobs`` each sampled token's
+        log softmax(z / τ) from the logits z it was drawn with (0 after a row's stop)."""
         B = prompt_ids.shape[0]
         if len(seeds) != B:
             raise ValueError(f"generate: {len(seeds)} seeds for {B} prompts")
@@ -158,16 +197,19 @@ class HFEngine:
         generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         stop = torch.tensor(sorted(set(params.stop_token_ids)), device=device, dtype=torch.long)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
-        model, T = self.model, params.max_new_tokens
+        model, T = self.decoder, params.max_new_tokens
         sharded_steps = not self.gather_weights and is_sharded(model)
-        with gathered(model) if self.gather_weights else contextlib.nullcontext(), autocast(model):
+        with (
+            gathered(model) if self.gather_weights else contextlib.nullcontext(),
+            self._autocast(),
+        ):
             prompt = prompt_mask.long()
             cache, logits = self._forward(prompt_ids, prompt, extra)
             mask = prompt
             # (B, 1): the next token's position counts real tokens only
             position = prompt.sum(1, keepdim=True)
             done = torch.zeros(B, dtype=torch.bool, device=device)
-            tokens = []
+            tokens, lps = [], []
             # The prompt's pass has many rows (oneDNN's per-call reordering costs little there); the decode
             # steps have B rows each and multiply by weights reordered once (packed_weights).
             with packed_weights(model, rows=B):
@@ -186,6 +228,9 @@ class HFEngine:
                     cache = None  # its keys and values were moved into the decoder's buffers
                 for t in range(T):
                     token = categorical_sample(logits, generators, params)
+                    if logprobs:  # from the logits just sampled, before the pad replaces the token
+                        lp = sampled_logprobs(logits, token, params.temperature)
+                        lps.append(torch.where(done, 0.0, lp))
                     token = torch.where(done, self.pad_token_id, token)
                     tokens.append(token)
                     done = done | torch.isin(token, stop)
@@ -217,12 +262,21 @@ class HFEngine:
                         )
                         cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
                     position = position + 1
-        return torch.stack(tokens, dim=1)
+        ids = torch.stack(tokens, dim=1)
+        return (ids, torch.stack(lps, dim=1)) if logprobs else ids
+
+    def _autocast(self):
+        """bf16-mixed sampling's ``torch.autocast(bfloat16)``; else the policy's own (its
+        train.precision's: :func:`proximal.models.parallel.autocast`)."""
+        if self.precision == "bf16-mixed":
+            device = next(self.decoder.parameters()).device.type
+            return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return autocast(self.decoder)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, extra: dict):
         """The model's own forward over (B, L) ``ids`` with its cache: (the cache, the (B, V) next
         logits)."""
-        out = self.model(
+        out = self.decoder(
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
@@ -242,10 +296,10 @@ class HFEngine:
     def _why_not_lean(self) -> str | None:
         if not self.lean_decode:
             return "rollout.lean_decode is false"
-        if not self.gather_weights and is_sharded(self.model):
+        if not self.gather_weights and is_sharded(self.decoder):
             # Weights gathered block by block need the model's own forward (its FSDP hooks) at every step.
             return "rollout.gather_weights is false: the sharded weights are gathered at every step"
-        return unsupported(self.model)
+        return unsupported(self.decoder)
 
     def lean_reason(self) -> str | None:
         """Why the decode steps use the model's own forward instead of
@@ -256,15 +310,31 @@ class HFEngine:
 
     def decode_path(self) -> dict:
         """``{"path": "lean" | "generate", "reason": why not lean, or None}``, for the run's
-        ``models.json``; "generate" is the model's own forward at every token."""
+        ``models.json``; "generate" is the model's own forward at every token. With a sampling
+        precision of its own, also ``"precision"`` (``rollout.precision``) and, for bf16-true,
+        ``"copy_bytes"``: the bytes of the engine's bfloat16 copy."""
         reason = self._lean_reason
-        return {"path": "lean" if reason is None else "generate", "reason": reason}
+        out = {"path": "lean" if reason is None else "generate", "reason": reason}
+        if self.precision is not None:
+            out["precision"] = self.precision
+        if self.decoder is not self.model:
+            out["copy_bytes"] = sum(p.numel() * p.element_size() for p in self.decoder.parameters())
+        return out
 
     def describe_decode(self) -> str:
         """The decode path in words, for the line a run prints at its start."""
         if self._lean_reason is None:
-            return "lean (proximal.rollout.decode's step; rollout.lean_decode)"
-        return f"the model's own forward at every token (lean decode: {self._lean_reason})"
+            text = "lean (proximal.rollout.decode's step; rollout.lean_decode)"
+        else:
+            text = f"the model's own forward at every token (lean decode: {self._lean_reason})"
+        if self.precision == "bf16-mixed":
+            text += "; sampling under bfloat16 autocast (rollout.precision bf16-mixed)"
+        elif self.precision == "bf16-true":
+            text += (
+                "; sampling with the engine's bfloat16 copy of the policy "
+                "(rollout.precision bf16-true)"
+            )
+        return text
 
     def _say(self, reason: str) -> None:
         """One line (rank 0, once per reason) when a rollout decodes the model's own way; reasons that
@@ -282,5 +352,34 @@ class HFEngine:
         self._lean_reason = reason
         self._say(reason)
 
+    @torch.no_grad()
     def after_update(self) -> None:
-        """Nothing to do: this engine decodes with the live (just updated) model."""
+        """With bf16-true sampling, the engine's bfloat16 copy takes the updated weights (rounded to
+        bfloat16); otherwise nothing to do: this engine decodes with the live model."""
+        if self.decoder is not self.model:
+            for held, live in zip(self.decoder.parameters(), self.model.parameters(), strict=True):
+                held.copy_(live)
+
+
+#: ``rollout.precision`` values an engine takes (None: the policy's own, train.precision).
+PRECISIONS = (None, "bf16-mixed", "bf16-true")
+
+
+def bfloat16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` (LoRA layers and all) whose parameters are bfloat16 tensors without
+    gradients, its buffers as they are — what loading the checkpoint in bfloat16 gives, as a serving
+    engine would hold it. Built parameter by parameter (never a whole float32 copy first); tied
+    parameters stay tied. ConfigError for a sharded (FSDP2) model."""
+    if is_sharded(model):
+        raise ConfigError(
+            "rollout.precision = bf16-true needs one process: a sharded (FSDP2) policy has no whole "
+            "copy for the engine to hold (use rollout.precision: bf16-mixed)"
+        )
+    memo = {
+        id(p): torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+        for p in model.parameters()
+    }
+    held = copy.deepcopy(model, memo)
+    for m in (held, unwrap(held)):
+        m.__dict__.pop("_proximal_autocast", None)  # computes in bfloat16 itself, no autocast
+    return held

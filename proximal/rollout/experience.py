@@ -1,7 +1,8 @@
 """Experience: what the update of an online method reads about each sampled response.
 
 The data flow of every online method is rollout (sample + score) → experience → update. PPO's
-experience holds the rollout policy's log-probabilities log π_old, the reference's log π_ref, the
+experience holds the engine's log-probabilities of the sampled tokens log μ (the distribution they
+were drawn from), the trainer's recomputation of them log π_old, the reference's log π_ref, the
 critic's values V_old and, once computed, advantages and returns; GRPO's and RLOO's the same
 without the critic (``values`` and ``returns`` stay None), and with β = 0 without the reference.
 Nothing here knows which method it serves.
@@ -43,6 +44,9 @@ class Experience:
     )
     # take its one optimiser step on this batch (see compute_experience)
     ref_logprobs: torch.Tensor | None = None  # (B, T) log π_ref(y_t | s_t)
+    # (B, T) log μ(y_t | s_t): the engine's, from the logits it sampled with (rollout.logprobs);
+    # π_old/μ is the rollout mismatch (proximal.core.correction)
+    rollout_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # (B, T) V_old(s_t)
     advantages: torch.Tensor | None = None  # (B, T) per token, or (B,) per sequence
     returns: torch.Tensor | None = None  # (B, T) V^targ
@@ -146,7 +150,9 @@ def compute_experience(
             parts.append(_pad_to(torch.where(r.response_mask, critic_values(critic, r), 0.0), T))
         values = torch.cat(parts)
     scores = torch.where(valid, scores, 0.0).float()
-    return Experience(rollout, scores, valid, logprobs, ref, values)
+    return Experience(
+        rollout, scores, valid, logprobs, ref, rollout_logprobs=rollout.logprobs, values=values
+    )
 
 
 def gather(exp: Experience) -> Experience:
@@ -179,7 +185,8 @@ def gather(exp: Experience) -> Experience:
                 right(r.response_mask),
                 r.ended,
             )
-        )
+        ),
+        logprobs=None if r.logprobs is None else dist.all_gather_cat(right(r.logprobs)),
     )
     out = {}
     for f in dataclasses.fields(exp):

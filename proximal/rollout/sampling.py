@@ -28,6 +28,9 @@ class Rollout:
     prompt_ids / prompt_mask: (B, P), left-padded. response_ids: (B, T), pad after the stop.
     response_mask: (B, T) bool, True = a real response token (the stop token included).
     ended: (B,) bool, True where the response stopped (EOS, stop token or stop string) before T.
+    logprobs: (B, T) float32 log μ(y_t | s_t), each token's log-probability under the distribution
+    the engine sampled it from (tempered, before top-k/top-p: :meth:`RolloutEngine.generate`), 0
+    after the stop; None unless asked for (:func:`sample`'s ``logprobs``).
     """
 
     prompt_ids: torch.Tensor
@@ -35,6 +38,7 @@ class Rollout:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     ended: torch.Tensor
+    logprobs: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -50,7 +54,12 @@ class Rollout:
     def select(self, idx: torch.Tensor) -> Rollout:
         """The rows ``idx``, with the columns no selected row uses trimmed (left padding of the prompt,
         right padding of the response)."""
-        r = Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+        r = Rollout(
+            *(
+                None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                for f in fields(self)
+            )
+        )
         if len(r) == 0:
             return r
         p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
@@ -61,6 +70,7 @@ class Rollout:
             r.response_ids[:, :t1],
             r.response_mask[:, :t1],
             r.ended,
+            None if r.logprobs is None else r.logprobs[:, :t1],
         )
 
 
@@ -122,12 +132,14 @@ def sample(
     top_k: int = 0,
     stop_token_ids: list[int] | None = None,
     stop_strings: list[str] | None = None,
+    logprobs: bool = False,
 ) -> Rollout:
     """One response per prompt from the engine (or, given a model, :class:`HFEngine` over it), masked
     after the stop: EOS, any of ``stop_token_ids``, or the token that completes a stop string.
 
     ``seeds`` holds one seed per row (:func:`proximal.rollout.engine.row_seed`); a row's tokens depend
-    on its seed and prompt only.
+    on its seed and prompt only. ``logprobs``: the engine's log μ of each token in
+    :attr:`Rollout.logprobs` (0 after the stop).
     """
     if isinstance(engine, torch.nn.Module):
         engine = HFEngine(engine, tokenizer.pad_token_id)
@@ -139,14 +151,22 @@ def sample(
         top_p=top_p,
         top_k=top_k,
     )
-    response_ids = engine.generate(prompt_ids, prompt_mask, list(seeds), params)
+    mu = None
+    if logprobs:
+        response_ids, mu = engine.generate(
+            prompt_ids, prompt_mask, list(seeds), params, logprobs=True
+        )
+    else:
+        response_ids = engine.generate(prompt_ids, prompt_mask, list(seeds), params)
     mask, ended = stop_mask(response_ids, eos)
     if stop_strings:
         lengths, found = _stop_string_lengths(tokenizer, response_ids, mask, stop_strings)
         mask, ended = stop_mask(response_ids, eos, generated_len=lengths)
         ended = ended | found  # a stop string completed in the last slot still ended the response
     response_ids = torch.where(mask, response_ids, tokenizer.pad_token_id)
-    return Rollout(prompt_ids, prompt_mask, response_ids, mask, ended)
+    if mu is not None:
+        mu = torch.where(mask, mu, 0.0)
+    return Rollout(prompt_ids, prompt_mask, response_ids, mask, ended, mu)
 
 
 def response_logits(
