@@ -34,9 +34,16 @@ from proximal import dist
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
+    cispo_policy_loss,
     grpo_advantages,
     grpo_policy_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    kl_reward_advantages,
+    masked_aggregate,
     masked_sum,
+    reference_kl_loss,
+    reinforce_pp_advantages,
 )
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
@@ -55,7 +62,7 @@ from proximal.train.command import config_command
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
 from proximal.train.run import due, open_run
-from proximal.trainers.grpo_config import ADVANTAGES, LOSSES, GRPOConfig
+from proximal.trainers.grpo_config import ADVANTAGES, REINFORCE_PP, GRPOConfig
 
 __all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
 
@@ -110,6 +117,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     )
     G, mini = r.group_size, cfg.mini_batch_size
     one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
+    kl_reward = g.kl == "reward"  # β·k1 in the rewards: needs log π_old before the update
     opt, sched = optimizer_and_scheduler(
         actor, cfg.optim, total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini)
     )
@@ -186,41 +194,62 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 reference=models.reference,
                 temperature=r.temperature,
                 micro_batch_size=g.micro_batch_size,
-                old_logprobs=not one_step_per_batch,
+                old_logprobs=not one_step_per_batch or kl_reward,
                 logprobs_path=t.logprobs,
             )
         )
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
-        # truncated responses and groups without signal out of the update.
+        # truncated responses and groups without signal out of the update. REINFORCE++ instead: one per
+        # token, the returns of the score (less its group's mean, _baseline) and of the KL reward,
+        # whitened over the batch. With grpo.kl reward the KL is a per-token reward k1 = log π_old − log π_ref.
         advantages, train_rows, uniform = grpo_advantages(
             exp.scores,
             exp.valid,
             exp.rollout.ended,
             G,
-            scale=ADVANTAGES[g.advantage],
+            scale=ADVANTAGES.get(g.advantage, "none"),  # REINFORCE++: only the filters are used
             eps=g.advantage_eps,
             skip_uniform_groups=g.skip_uniform_groups,
             mask_truncated=g.mask_truncated,
         )
+        kl = kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") if kl_reward else None
+        if g.advantage in REINFORCE_PP:
+            advantages = reinforce_pp_advantages(
+                exp.scores,
+                kl
+                if kl_reward
+                else torch.zeros_like(exp.rollout.response_mask, dtype=torch.float32),
+                exp.rollout.response_mask,
+                g.beta if kl_reward else 0.0,
+                baseline=REINFORCE_PP[g.advantage],
+                group_size=G,
+                valid=exp.valid,
+            )
+        elif kl_reward:
+            advantages = kl_reward_advantages(advantages, kl, exp.rollout.response_mask, g.beta)
         exp = exp.replace(advantages=advantages, valid=train_rows)
         if g.skip_uniform_groups:
             counters["skipped_uniform_groups"] += int(uniform.sum())
 
-        # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) + β·k3 over mini-batches of the batch.
+        # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) + β·k3 (grpo.objective clip; or
+        # GSPO's, CISPO's) over mini-batches of the batch.
         t1 = time.perf_counter()
         with at_step(step):
             update = grpo_update(
                 exp,
                 actor=Trained(actor, opt, sched),
-                aggregation=LOSSES[g.loss],
+                aggregation=cfg.aggregation,
+                objective=g.objective,
+                dual_clip=g.dual_clip,
+                entropy_coef=g.entropy_coef,
                 iterations=g.iterations,
                 mini_batch_size=mini,
                 micro_batch_size=g.micro_batch_size,
                 clip_eps=g.clip_eps,
                 clip_eps_high=g.clip_eps_high,
-                beta=g.beta,
+                beta=0.0 if kl_reward else g.beta,
                 temperature=r.temperature,
                 max_length=r.max_new_tokens,
                 max_grad_norm=cfg.optim.max_grad_norm,
@@ -348,10 +377,13 @@ def grpo_update(
     *,
     actor: Trained,
     aggregation: str,
+    objective: str = "clip",
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
     iterations: int,
     mini_batch_size: int,
     micro_batch_size: int,
-    clip_eps: float,
+    clip_eps: float | None,
     clip_eps_high: float | None,
     beta: float,
     temperature: float,
@@ -374,12 +406,23 @@ def grpo_update(
     ``mini_batch_size`` = the batch (the default) that is the whole generation batch.
     ``logprobs_path``: ``train.logprobs`` (:func:`proximal.models.output.token_logprobs`).
 
+    ``objective`` (``grpo.objective``): ``clip`` is :func:`proximal.core.grpo_policy_loss` (with
+    ``dual_clip``); ``gspo`` / ``gspo_token`` :func:`proximal.core.gspo_policy_loss` and ``cispo``
+    :func:`proximal.core.cispo_policy_loss`, each plus :func:`proximal.core.reference_kl_loss` when
+    there is a reference and β > 0. ``entropy_coef`` > 0 subtracts c·S[π_θ] (aggregated like the
+    loss) and trains through the entropy. GSPO's statistics are means over responses and are
+    averaged over them; the others' (and every objective's KL to the reference) over tokens.
+
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``: statistics averaged over the
     optimiser steps, and the tokens this update passed through the actor (all ranks): their count,
     and with their lengths and scored positions for the FLOP count.
     """
     W, rank = dist.world_size(), dist.rank()
     B = len(exp)
+    token_stats = _TOKEN_STATS + (
+        (("policy/clipfrac_dual", "clipfrac_dual"),) if dual_clip is not None else ()
+    )
+    per_response = objective in ("gspo", "gspo_token")  # stats are means over responses
     per_rank = mini_batch_size // W
     gen = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
@@ -403,36 +446,77 @@ def grpo_update(
                     m.rollout,
                     temperature,
                     mask=mask,
-                    entropy="logged",  # not trained on
+                    entropy="trained" if entropy_coef > 0 else "logged",
                     path=logprobs_path,
                 )
                 logprobs, token_ent = scores.logprobs, scores.entropy
                 old = (
                     m.logprobs if m.logprobs is not None else logprobs.detach()
                 )  # one step: π_old = π_θ
-                loss, st = grpo_policy_loss(
-                    logprobs,
-                    old,
-                    m.ref_logprobs,
-                    m.advantages,
-                    mask,
-                    clip_eps=clip_eps,
-                    clip_eps_high=clip_eps_high,
-                    beta=beta,
-                    aggregation=aggregation,
-                    max_response_length=max_length,
-                    normalizer=norm,
-                )
+                if objective == "clip":
+                    loss, st = grpo_policy_loss(
+                        logprobs,
+                        old,
+                        m.ref_logprobs,
+                        m.advantages,
+                        mask,
+                        clip_eps=clip_eps,
+                        clip_eps_high=clip_eps_high,
+                        beta=beta,
+                        aggregation=aggregation,
+                        max_response_length=max_length,
+                        normalizer=norm,
+                        dual_clip=dual_clip,
+                    )
+                else:
+                    if objective == "cispo":
+                        high = clip_eps if clip_eps_high is None else clip_eps_high
+                        pg, st = cispo_policy_loss(
+                            logprobs, old, m.advantages, mask, high, clip_eps, normalizer=norm
+                        )
+                    else:
+                        pg, st = gspo_policy_loss(
+                            logprobs,
+                            old,
+                            m.advantages,
+                            mask,
+                            clip_eps,
+                            clip_eps_high,
+                            token_level=objective == "gspo_token",
+                            normalizer=norm,
+                        )
+                    kl_loss, kl_ref = torch.zeros_like(pg), torch.zeros_like(pg)
+                    if m.ref_logprobs is not None:
+                        kl_loss, kl_ref = reference_kl_loss(
+                            logprobs,
+                            m.ref_logprobs,
+                            mask,
+                            beta,
+                            aggregation,
+                            max_length=max_length,
+                            normalizer=norm,
+                        )
+                    loss = pg + kl_loss
+                    st = {**st, "kl_loss": kl_loss.detach(), "kl_ref": kl_ref}
+                if entropy_coef > 0:  # the bonus: −c·S, aggregated like the loss
+                    loss = loss - entropy_coef * masked_aggregate(
+                        token_ent, mask, aggregation, max_length=max_length, normalizer=norm
+                    )
                 loss.backward()
-                entropy = masked_sum(token_ent, mask)
+                entropy = masked_sum(token_ent.detach(), mask)
                 n_tok = mask.sum().double()
+                n_unit = mask.any(1).sum().double() if per_response else n_tok
                 return {
                     "n_tokens": n_tok,
+                    "n_units": n_unit,
                     "entropy_sum": entropy,
                     "seen_tokens": m.rollout.attention_mask.sum(),
                     "seen_squares": m.rollout.attention_mask.sum(1).square().sum(),
                     "scored_tokens": mask.sum(),
-                    **{name: st[k] * n_tok for name, k in _TOKEN_STATS},
+                    **{
+                        name: st[k] * (n_tok if k == "kl_ref" else n_unit)
+                        for name, k in token_stats
+                    },
                     **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
                     **{name: st[k] for name, k in _MAX_STATS + _MIN_STATS},
                 }
@@ -446,7 +530,10 @@ def grpo_update(
                 minima=[name for name, _ in _MIN_STATS],
             )
             n = sums["n_tokens"]
-            row = {name: sums[name] / n for name, _ in _TOKEN_STATS}
+            row = {
+                name: sums[name] / (n if k == "kl_ref" else sums["n_units"])
+                for name, k in token_stats
+            }
             row.update({name: sums[name] / W for name, _ in _LOSS_STATS})
             row["policy/entropy"] = sums["entropy_sum"] / n
             row.update({name: sums[name] for name, _ in _MAX_STATS + _MIN_STATS})
@@ -464,9 +551,9 @@ def grpo_update(
     pick = {name: max for name, _ in _MAX_STATS} | {name: min for name, _ in _MIN_STATS}
     # A step whose every row was left out takes no optimiser step: its update statistics are NaN (null
     # in metrics.jsonl), so every line has the same keys.
-    stats = {k: math.nan for k in _UPDATE_KEYS}
+    stats = {k: math.nan for k in _UPDATE_KEYS + [name for name, _ in token_stats]}
     stats.update({k: pick[k](v) if k in pick else sum(v) / len(v) for k, v in history.items()})
-    if beta == 0:
+    if exp.ref_logprobs is None:
         del stats["kl/ref_k3"]  # no reference was loaded: there is nothing to report
     stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))
     return {"stats": stats, "tokens": tokens, "trained": trained}

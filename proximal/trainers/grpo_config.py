@@ -33,6 +33,19 @@ LOSSES = {
 #: ``grpo.advantage`` → the ``scale`` of core.group_advantages, or None for RLOO's leave-one-out baseline.
 #: (Dr. GRPO's "no scaling" is spelled ``unscaled`` here: the config loader reads a bare ``none`` as null.)
 ADVANTAGES = {"group": "group", "batch": "batch", "unscaled": "none", "rloo": None}
+#: ``grpo.advantage`` of REINFORCE++ (Hu et al. 2025) → core.reinforce_pp_advantages' ``baseline``:
+#: per-token returns-to-go whitened over the batch, after (``_baseline``) subtracting the group mean.
+REINFORCE_PP = {"reinforce_pp": False, "reinforce_pp_baseline": True}
+#: ``grpo.objective`` → the ``grpo.loss`` values it can use (the first is its own, what null means).
+#: clip: GRPO's clipped token ratio (core.grpo_policy_loss) under any aggregation; gspo / gspo_token:
+#: the sequence ratio of core.gspo_policy_loss, a mean over responses (= grpo's aggregation); cispo:
+#: core.cispo_policy_loss, a mean over every token (= dapo's).
+OBJECTIVES = {
+    "clip": ("grpo", "dr_grpo", "dapo"),
+    "gspo": ("grpo",),
+    "gspo_token": ("grpo",),
+    "cispo": ("dapo",),
+}
 
 
 @dataclass
@@ -45,11 +58,8 @@ class GroupRolloutSection(RolloutSection):
 
     def problems(self, name: str = "rollout") -> list[str]:
         e = super().problems(name)
-        if self.group_size < 2:
-            e.append(
-                f"{name}.group_size = {self.group_size} must be ≥ 2: each response's advantage compares it "
-                "with the other responses to its prompt"
-            )
+        if self.group_size < 1:  # ≥ 2 unless grpo.advantage is reinforce_pp: GRPOConfig.validate
+            e.append(f"{name}.group_size = {self.group_size} must be ≥ 1")
         return e
 
 
@@ -71,34 +81,64 @@ class GRPOLossConfig:
         "Responses per forward/backward on one process (gradient accumulation within a "
         "mini-batch); also the micro-batch of the experience and of the reward model.",
     )
-    loss: str = option(
-        "grpo",
+    objective: str = option(
+        "clip",
+        "Policy objective: clip (GRPO's clipped token ratio, with DAPO's clip-higher and "
+        "grpo.dual_clip), gspo (GSPO's length-normalised sequence ratio, clipped per response; "
+        "its paper's grpo.clip_eps 3e-4, clip_eps_high 4e-4), gspo_token (GSPO-token, the "
+        "same ratio with a per-token gradient) or cispo (CISPO: REINFORCE with the clipped ratio "
+        "as a stop-gradient weight, no token dropped; grpo.clip_eps_high caps it, grpo.clip_eps "
+        "null = no lower clip).",
+        choices=tuple(OBJECTIVES),
+    )
+    loss: str | None = option(
+        None,
         "Loss aggregation: grpo (mean over each response's tokens, then over responses), "
         "dr_grpo (Σ over tokens ÷ rollout.max_new_tokens: no length bias) or dapo (mean over "
-        "every token of the mini-batch).",
-        choices=tuple(LOSSES),
+        "every token of the mini-batch); null = the objective's own (clip: grpo, gspo and "
+        "gspo_token: grpo, cispo: dapo — the only one each of those three takes).",
+        choices=(*LOSSES, None),
     )
     advantage: str = option(
         "group",
         "Advantage: group ((r − group mean) / group std, GRPO), batch (÷ the batch's "
-        "std), unscaled (r − group mean, Dr. GRPO) or rloo (r − mean of the other "
-        "responses, RLOO).",
-        choices=tuple(ADVANTAGES),
+        "std), unscaled (r − group mean, Dr. GRPO), rloo (r − mean of the other "
+        "responses, RLOO), reinforce_pp (REINFORCE++: per-token returns of the score and "
+        "the KL reward, whitened over the batch; rollout.group_size may be 1) or "
+        "reinforce_pp_baseline (the group mean subtracted from the scores first).",
+        choices=tuple(ADVANTAGES) + tuple(REINFORCE_PP),
     )
     advantage_eps: float = option(1e-4, "ε added to the std in grpo.advantage group and batch.")
-    clip_eps: float = option(
+    clip_eps: float | None = option(
         0.2,
         "ε: the ratio is clipped below at 1 − ε (and above at 1 + ε unless "
-        "grpo.clip_eps_high is set).",
+        "grpo.clip_eps_high is set). null only with grpo.objective cispo: no lower clip.",
     )
     clip_eps_high: float | None = option(
         None,
         "ε_high: the upper clip at 1 + ε_high (DAPO's clip-higher: 0.28); null = grpo.clip_eps.",
     )
+    dual_clip: float | None = option(
+        None,
+        "c > 1: dual-clip PPO's bound (Ye et al. 2020; verl's clip_ratio_c, 3): a token with "
+        "Â < 0 loses at most c·|Â| however far its ratio grows (objective clip only); null = off.",
+    )
     beta: float = option(
         0.04,
-        "β of the k3 KL term to the reference in the loss (DeepSeekMath: 0.04). 0 loads no "
-        "reference model at all.",
+        "β of the KL to the reference (DeepSeekMath: 0.04). 0 loads no reference model at all.",
+    )
+    kl: str = option(
+        "loss",
+        "Where the KL to the reference goes: loss (β·k3 per token in the loss, GRPO's) or "
+        "reward (a per-token penalty β·(log π_old − log π_ref) in the rewards, REINFORCE++'s: "
+        "in the returns before whitening with grpo.advantage reinforce_pp*, else added to each "
+        "response's group advantage as Â_i − β·Σ_{t' ≥ t} k1_{t'}).",
+        choices=("loss", "reward"),
+    )
+    entropy_coef: float = option(
+        0.0,
+        "c_ent ≥ 0: an entropy bonus, −c_ent·S[π_θ] added to the loss (aggregated like it); "
+        "0 = none (the entropy is then only logged).",
     )
     mask_truncated: bool = option(
         False,
@@ -170,8 +210,68 @@ class GRPOConfig:
             ("beta", "grpo.beta", g.beta),
             ("group_eps", "grpo.advantage_eps", g.advantage_eps),
             ("clip_eps_high", "grpo.clip_eps_high", g.clip_eps_high),
+            ("dual_clip", "grpo.dual_clip", g.dual_clip),
+            ("beta", "grpo.entropy_coef", g.entropy_coef),  # the same range: [0, ∞)
         ):
             msg = problem(key, value, field) if value is not None else None
             if msg:
                 e.append(msg)
+        e += self._objective_problems()
         return e
+
+    def _objective_problems(self) -> list[str]:
+        """What grpo.objective, grpo.loss, grpo.advantage and grpo.kl allow together."""
+        e, r, g = [], self.rollout, self.grpo
+        if g.objective not in OBJECTIVES:
+            return e  # the loader already named the choices
+        usable = OBJECTIVES[g.objective]
+        if g.loss is not None and g.loss not in usable:
+            e.append(
+                f"grpo.loss = {g.loss!r} cannot be used with grpo.objective {g.objective}, whose "
+                f"loss is a mean {'over every token' if usable == ('dapo',) else 'over responses'}: "
+                f"set grpo.loss to null (or {usable[0]})"
+            )
+        if g.clip_eps is None and g.objective != "cispo":
+            e.append(
+                f"grpo.clip_eps = null (no lower clip) is only for grpo.objective cispo, not "
+                f"{g.objective}: set grpo.clip_eps (e.g. 0.2)"
+            )
+        per_token = g.advantage in REINFORCE_PP or g.kl == "reward"
+        if g.objective == "gspo" and per_token:
+            why = (
+                f"grpo.advantage {g.advantage}" if g.advantage in REINFORCE_PP else "grpo.kl reward"
+            )
+            e.append(
+                f"grpo.objective gspo takes one advantage per response, but {why} gives one per "
+                "token: use grpo.objective gspo_token (GSPO's per-token form)"
+            )
+        if g.objective == "cispo" and g.clip_eps is None and g.clip_eps_high is None:
+            e.append(
+                "grpo.objective cispo needs grpo.clip_eps_high (the cap 1 + ε_high of its weight)"
+            )
+        if g.dual_clip is not None and g.objective != "clip":
+            e.append(
+                f"grpo.dual_clip bounds the clipped token surrogate of grpo.objective clip, not "
+                f"{g.objective}: set grpo.dual_clip to null"
+            )
+        if r.group_size < 2 and g.advantage != "reinforce_pp":
+            e.append(
+                f"rollout.group_size = {r.group_size} must be ≥ 2 with grpo.advantage "
+                f"{g.advantage}: each response's advantage compares it with the other responses "
+                "to its prompt (only reinforce_pp, whose baseline is the batch, takes 1)"
+            )
+        if g.skip_uniform_groups and r.group_size < 2:
+            e.append(
+                "grpo.skip_uniform_groups needs rollout.group_size ≥ 2 (a group of one is always "
+                "uniform): set it to false"
+            )
+        if g.kl == "reward" and g.beta == 0:
+            e.append(
+                "grpo.kl = reward with grpo.beta = 0 adds nothing: set grpo.beta > 0 or kl: loss"
+            )
+        return e
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation (core.masked_aggregate's name): grpo.loss, or the objective's own."""
+        return LOSSES[self.grpo.loss or OBJECTIVES[self.grpo.objective][0]]
