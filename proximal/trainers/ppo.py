@@ -268,6 +268,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 micro_batch_size=p.micro_batch_size,
                 aggregation=p.aggregation,
                 clip_eps=p.clip_eps,
+                dual_clip=p.dual_clip,
                 value_clip_eps=p.value_clip_eps,
                 entropy_coef=p.entropy_coef,
                 vf_coef=p.vf_coef,
@@ -460,6 +461,7 @@ def ppo_update(
     clip_eps: float,
     value_clip_eps: float,
     entropy_coef: float,
+    dual_clip: float | None = None,
     vf_coef: float,
     target_kl: float | None,
     temperature: float,
@@ -531,6 +533,7 @@ def ppo_update(
                 micro,
                 actor.module,
                 clip_eps=clip_eps,
+                dual_clip=dual_clip,
                 entropy_coef=entropy_coef,
                 aggregation=aggregation,
                 norm=norm,
@@ -596,6 +599,7 @@ def actor_pass(
     actor,
     *,
     clip_eps: float,
+    dual_clip: float | None = None,
     entropy_coef: float,
     aggregation: str,
     norm: float,
@@ -635,10 +639,12 @@ def actor_pass(
             aggregation,
             max_length=max_length,
             normalizer=norm,
+            dual_clip=dual_clip,
         )
         (pg_loss - entropy_coef * entropy).backward()
         return {
             "clipfrac": pg["clipfrac"].double() * n,  # token means, weighted by their count
+            "clipfrac_dual": pg["clipfrac_dual"].double() * n,
             "approx_kl": pg["approx_kl_k3"].double() * n,
             "approx_kl_k1": pg["approx_kl_k1"].double() * n,
             "n_tokens": n,
@@ -652,7 +658,9 @@ def actor_pass(
     given = given if given is not None else [None] * len(micro)
     s = accumulate(list(zip(micro, given)), 1, step, device, maxima=("ratio_max",))
     W = dist.world_size()
+    dual = {"policy/clipfrac_dual": s["clipfrac_dual"] / s["n_tokens"]} if dual_clip else {}
     return {
+        **dual,
         "policy/clipfrac": s["clipfrac"] / s["n_tokens"],
         "policy/approx_kl": s["approx_kl"] / s["n_tokens"],
         "policy/approx_kl_k1": s["approx_kl_k1"] / s["n_tokens"],

@@ -72,6 +72,11 @@ class PPOLossConfig:
         "a mini-batch); also the batch of the experience and reward-model forwards.",
     )
     clip_eps: float = option(0.2, "ε of the clipped surrogate (typically 0.1–0.2).")
+    dual_clip: float | None = option(
+        None,
+        "c > 1: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, 3): a token with Â < 0 "
+        "loses at most c·|Â| however far its ratio grows; null = off (the seed's L^CLIP).",
+    )
     value_clip_eps: float = option(0.2, "ε_v of the clipped value loss.")
     gamma: float = option(
         1.0, "γ, the discount (1.0 for language: every token of the horizon counts alike)."
@@ -204,6 +209,8 @@ class PPOConfig:
             msg = problem(key, getattr(p, key) if key != "beta" else k.beta, field)
             if msg:
                 e.append(msg)
+        if p.dual_clip is not None and (msg := problem("dual_clip", p.dual_clip, "ppo.dual_clip")):
+            e.append(msg)
         if p.vf_coef < 0 or p.entropy_coef < 0 or p.ptx_coef < 0:
             e.append("ppo.vf_coef, ppo.entropy_coef and ppo.ptx_coef must be ≥ 0")
         if p.target_kl is not None and not p.target_kl > 0:

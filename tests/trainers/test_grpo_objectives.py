@@ -152,3 +152,17 @@ def test_loss_values_keep_their_meaning():
     ):
         cfg.grpo.objective = objective
         assert cfg.aggregation == agg
+
+
+def test_ppo_dual_clip_runs_and_is_logged(assets, tmp_path, capsys):
+    from ppo_support import ppo_main, tiny_config
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(
+        assets.policy("llama"), assets.prompts, run_dir, ppo={"epochs": 2, "mini_batch_size": 2}
+    )
+    assert ppo_main(cfg, "--ppo.dual_clip", "3") == 0, capsys.readouterr().err
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
+        assert 0 <= r["policy/clipfrac_dual"] <= 1
+    assert ppo_main(cfg, "--ppo.dual_clip", "0.5", "--output.overwrite", "true") == 2
+    assert "ppo.dual_clip = 0.5 must lie in (1, ∞)" in capsys.readouterr().err
