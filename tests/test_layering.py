@@ -32,8 +32,9 @@ LAYERS: dict[str, int] = {
     # what is built from them: rollouts, and the built-in tasks with their gold scores
     "rollout": 2,
     "tasks": 2,
-    # what every trainer shares
+    # what every trainer shares; multi-turn rollouts (environments, tools), built on rollout
     "train": 3,
+    "agents": 3,
     # evaluations a trainer may run (so they never import a trainer)
     "evaluation": 4,
     "trainers": 5,

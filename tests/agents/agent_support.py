@@ -1,0 +1,121 @@
+"""Tools and environments for the agent tests: importable by name, so worker processes load them
+(this directory is on ``sys.path`` under pytest, and workers inherit the parent's path)."""
+
+from __future__ import annotations
+
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """The text in capitals.
+
+    Args:
+        text: anything.
+    """
+    return text.upper()
+
+
+def table(n: int) -> dict:
+    """A non-text result: a dict.
+
+    Args:
+        n: a number.
+    """
+    return {"n": n, "square": n * n}
+
+
+def fail(x: int) -> int:
+    """Always raises.
+
+    Args:
+        x: ignored.
+    """
+    raise ValueError(f"no good: {x}")
+
+
+def hang(x: int) -> int:
+    """Never returns (sleeps for a minute).
+
+    Args:
+        x: ignored.
+    """
+    time.sleep(60)
+    return x
+
+
+class Echo:
+    """The step form: each turn's observation is the fixed text ``reply`` (in the tiny alphabet),
+    with reward 0.5 per turn; done after ``turns`` turns; outcome reward = the number of steps."""
+
+    reply = "ab"
+
+    def reset(self, turns: int = 3, **row):
+        self.left = int(turns)
+        self.steps = 0
+        return None
+
+    def step(self, text: str):
+        self.steps += 1
+        self.left -= 1
+        return self.reply, 0.5, self.left <= 0
+
+    def get_reward(self) -> float:
+        return float(self.steps)
+
+
+class OneTurn:
+    """The step form, done after the first turn with no reward: a single-turn rollout."""
+
+    def reset(self, **row):
+        return None
+
+    def step(self, text: str):
+        return None, 0.0, True
+
+
+class Counter:
+    """The tool form: one tool, a counter, and the outcome reward = how often it was called."""
+
+    def reset(self, **row):
+        self.calls = 0
+
+    def bump(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much.
+        """
+        self.calls += 1
+        return self.calls * by
+
+    def stall(self, x: int) -> int:
+        """Never returns.
+
+        Args:
+            x: ignored.
+        """
+        time.sleep(60)
+        return x
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+class Greeter:
+    """``reset`` gives a first observation (appended to the prompt); done after one turn."""
+
+    def reset(self, **row):
+        return "ab"
+
+    def step(self, text: str):
+        return None, 0.0, True
