@@ -256,6 +256,9 @@ class Environments:
                         r.counts["tool_errors"] += 1
                     elif status == "timeout":
                         r.counts["tool_timeouts"] += 1
+                        if jobs[what].env:  # the environment went with the killed worker
+                            r.counts["env_errors"] += 1
+                            r.done = r.failed = True
                     elif status == "lost" and jobs[what].env:  # no state left to go on from
                         r.counts["env_errors"] += 1
                         r.done = r.failed = True
