@@ -234,6 +234,43 @@ def correction_weights(
     return None, {}
 
 
+def sequence_correction_weights(
+    mode: str,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float = DEFAULT_CAP,
+    band: tuple[float, float] | None = None,
+) -> Tensor | None:
+    """The same corrections for a sequence-level objective (GSPO, whose ratio is the geometric mean
+    of the token ratios), one weight per response from the geometric-mean ratio
+    ρ̄_i = exp(1/|o_i| Σ_t log ρ_{i,t}), (B,), detached, 0 for a row without a valid token::
+
+        tis:         w_i = min(ρ̄_i, C)
+        token_mask:  w_i = ρ̄_i · 1[lo ≤ ρ̄_i ≤ hi]     (band default: the token band [0.5, 2])
+        seq_mask:    w_i = 1[lo ≤ ρ̄_i ≤ hi]           (band default: [0.999, 1.001])
+
+    None for ``none`` and ``bypass``."""
+    if mode not in CORRECTIONS:
+        raise ValueError(f"rollout correction {mode!r}: expected one of {', '.join(CORRECTIONS)}")
+    if mode in ("none", "bypass"):
+        return None
+    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    n = response_mask.sum(1)
+    mean_lr = lr.sum(1) / n.clamp_min(1).to(lr.dtype)  # (B,)
+    rows = n > 0
+    if mode == "tis":
+        check("correction_cap", cap)
+        return torch.where(rows, torch.exp(torch.clamp(mean_lr, max=math.log(cap))), 0.0)
+    lo, hi = check_band(
+        band or (DEFAULT_TOKEN_BAND if mode == "token_mask" else DEFAULT_SEQUENCE_BAND)
+    )
+    inside = (mean_lr >= math.log(lo)) & (mean_lr <= math.log(hi)) & rows
+    value = torch.exp(torch.where(inside, mean_lr, 0.0)) if mode == "token_mask" else 1.0
+    return torch.where(inside, value, 0.0).to(lr.dtype)
+
+
 def _weight_stats(w: Tensor, response_mask: Tensor, **fractions: Tensor) -> dict[str, Tensor]:
     """``weight_mean`` and each bool (B, T) of ``fractions`` as its mean over valid tokens
     (float64; 0 for an empty mask)."""

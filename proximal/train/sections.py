@@ -12,7 +12,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from proximal import dist
 from proximal.config import check_divides, option, reworded
+from proximal.core.correction import CORRECTIONS, check_band
 from proximal.core.ranges import problem
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 from proximal.data.sources import columns_problems, source_problem
@@ -591,6 +593,62 @@ class RolloutSection:
         "small model); false uses the model's own forward at every token. Other "
         "architectures always use their own forward.",
     )
+    precision: str | None = option(
+        None,
+        "The precision the engine samples in, as a serving engine's would: null = train.precision "
+        "(the policy as it trains); bf16-mixed = under bfloat16 autocast; bf16-true = with an "
+        "engine-held bfloat16 copy of the policy's weights, refreshed after every update (one "
+        "process only; half the policy's float32 bytes more memory). The gap it opens between the "
+        "engine's log-probabilities μ and the trainer's π_old is logged every step as rollout/* "
+        "(docs/rollout-correction.md).",
+        choices=(None, "bf16-mixed", "bf16-true"),
+    )
+    correction: str | None = option(
+        None,
+        "What the policy loss does about μ ≠ π_old: none (null); tis (each token's policy-gradient term "
+        "weighted by min(π_old/μ, rollout.correction_cap), Yao et al. 2025); token_mask (IcePop: "
+        "weight π_old/μ inside rollout.correction_band, 0 outside); seq_mask (a response leaves the "
+        "policy loss when its geometric-mean ratio exp(mean log π_old/μ) is outside the band); "
+        "bypass (π_old := μ: the ratio is π_θ/μ and π_old's forward pass is skipped). "
+        "docs/rollout-correction.md.",
+        choices=(None, *(c for c in CORRECTIONS if c != "none")),
+    )
+    correction_cap: float = option(
+        2.0, "C of rollout.correction tis: the weight min(π_old/μ, C) (verl's default 2)."
+    )
+    correction_band: list[float] | None = option(
+        None,
+        "[lo, hi] with 0 < lo ≤ 1 ≤ hi: the ratio band of rollout.correction token_mask (per "
+        "token) or seq_mask (per response's geometric mean), and of the rollout/outside_band_frac "
+        "metric; null = [0.5, 2] for tokens (IcePop), [0.999, 1.001] for seq_mask (verl's Geo-RS).",
+    )
+
+    @property
+    def correction_mode(self) -> str:
+        """``rollout.correction`` as :mod:`proximal.core.correction` names it ("none" for null: the
+        config loader reads a bare ``none`` as null)."""
+        return self.correction or "none"
+
+    def engine_precision(self, train_precision: str) -> str | None:
+        """The engine's own sampling precision, or None where it is the policy's (null, or the
+        same as ``train_precision``)."""
+        return None if self.precision in (None, train_precision) else self.precision
+
+    def precision_problems(self, train_precision: str, name: str = "rollout") -> list[str]:
+        """``rollout.precision`` against ``train.precision`` and the process count."""
+        e = []
+        if self.precision == "bf16-mixed" and train_precision == "bf16-true":
+            e.append(
+                f"{name}.precision = bf16-mixed with train.precision = bf16-true: the weights are "
+                f"bfloat16 already (set {name}.precision: null)"
+            )
+        if self.engine_precision(train_precision) == "bf16-true":
+            if dist.launched_world_size() > 1:
+                e.append(
+                    f"{name}.precision = bf16-true needs one process: a sharded (FSDP2) policy has "
+                    f"no whole copy for the engine to hold (use {name}.precision: bf16-mixed)"
+                )
+        return e
 
     def problems(self, name: str = "rollout") -> list[str]:
         e = []
@@ -605,6 +663,13 @@ class RolloutSection:
             e.append(f"{name}.top_p = {self.top_p} must lie in (0, 1]")
         if self.top_k < 0:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
+        if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
+            e.append(msg)
+        if self.correction_band is not None:
+            try:
+                check_band(tuple(self.correction_band))
+            except ValueError as err:
+                e.append(f"{name}.correction_band = {list(self.correction_band)}: {err}")
         return e
 
     def collect_kwargs(self) -> dict:

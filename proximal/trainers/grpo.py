@@ -35,6 +35,7 @@ from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
     cispo_policy_loss,
+    correction_weights,
     grpo_advantages,
     grpo_policy_loss,
     gspo_policy_loss,
@@ -44,6 +45,7 @@ from proximal.core import (
     masked_sum,
     reference_kl_loss,
     reinforce_pp_advantages,
+    sequence_correction_weights,
 )
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
@@ -59,6 +61,7 @@ from proximal.rollout.scoring import build_scorer
 from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
+from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
 from proximal.train.run import due, open_run
@@ -118,11 +121,19 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     G, mini = r.group_size, cfg.mini_batch_size
     one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
     kl_reward = g.kl == "reward"  # β·k1 in the rewards: needs log π_old before the update
+    bypass = r.correction_mode == "bypass"  # π_old := μ, the engine's log-probabilities
+    # π_old is computed in the experience unless the update's forward is it (one optimiser step per
+    # batch) or bypass replaces it; then the rollout/* metrics read the update's first forward.
+    old_in_experience = (not one_step_per_batch or kl_reward) and not bypass
     opt, sched = optimizer_and_scheduler(
         actor, cfg.optim, total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini)
     )
     engine = HFEngine(
-        actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode
+        actor,
+        tokenizer.pad_token_id,
+        gather_weights=r.gather_weights,
+        lean_decode=r.lean_decode,
+        precision=r.engine_precision(t.precision),
     )
     trained = {"actor": (actor, opt)}
     stateful = {"actor_scheduler": sched, "sampler": sampler}
@@ -184,7 +195,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it — not
         # computed when the batch gets one optimiser step: π_old is then the policy in the update's own
-        # forward) and, with β > 0, log π_ref — no critic. Gathered: every rank holds the whole batch from here on.
+        # forward) and, with β > 0, log π_ref — no critic; log μ, the engine's, came with the rollout
+        # (rollout.correction bypass: π_old := μ). Gathered: every rank holds the whole batch from here on.
         exp = gather(
             compute_experience(
                 got.rollout,
@@ -194,10 +206,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 reference=models.reference,
                 temperature=r.temperature,
                 micro_batch_size=g.micro_batch_size,
-                old_logprobs=not one_step_per_batch or kl_reward,
+                old_logprobs=old_in_experience,
                 logprobs_path=t.logprobs,
             )
         )
+        if bypass:
+            exp = exp.replace(logprobs=exp.rollout_logprobs)
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
@@ -255,9 +269,24 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
                 logprobs_path=t.logprobs,
+                correction=r.correction_mode,
+                correction_cap=r.correction_cap,
+                correction_band=r.correction_band,
+                record_first_step=not old_in_experience,
             )
         engine.after_update()
         t_train = time.perf_counter() - t1
+        # μ against π_old on the trained tokens (those of the update's first mini-batch when π_old was
+        # its forward: all of them by default)
+        old, rows = (exp.logprobs, exp.valid) if old_in_experience else update.pop("first_step")
+        mismatch = mismatch_metrics(
+            old,
+            exp.rollout_logprobs,
+            exp.mask & rows[:, None],
+            mode=r.correction_mode,
+            cap=r.correction_cap,
+            band=r.correction_band,
+        )
 
         # 7. Log, sample rows, checkpoint. Means over the rows with a finite score go through the
         # distributed helpers, from each rank's own rows; the std and what the filters decided are
@@ -281,6 +310,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             "data/uniform_group_frac": float(uniform.float().mean()),
             "data/trained_frac": float(exp.valid.float().mean()),
             **update.pop("stats"),
+            **mismatch,
             "response/length_mean": dist.global_mean(lengths, w),
             "response/eos_frac": dist.global_mean(got.rollout.ended.float(), w),
             "data/skipped_nonfinite": counters["skipped_nonfinite"],
@@ -391,6 +421,10 @@ def grpo_update(
     max_grad_norm: float,
     shuffle_seed: int,
     logprobs_path: str = "fused",
+    correction: str = "none",
+    correction_cap: float = 2.0,
+    correction_band: list[float] | None = None,
+    record_first_step: bool = False,
 ) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
     (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
@@ -413,12 +447,25 @@ def grpo_update(
     loss) and trains through the entropy. GSPO's statistics are means over responses and are
     averaged over them; the others' (and every objective's KL to the reference) over tokens.
 
+    ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
+    detached weights of :func:`proximal.core.correction_weights` from π_old (the ``old`` each micro
+    step ratios against) and μ (``exp.rollout_logprobs``) on each token's policy-gradient term — for
+    GSPO one per response, :func:`proximal.core.sequence_correction_weights`; ``bypass`` has
+    ``exp.logprobs`` = μ already and no weights.
+
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``: statistics averaged over the
     optimiser steps, and the tokens this update passed through the actor (all ranks): their count,
-    and with their lengths and scored positions for the FLOP count.
+    and with their lengths and scored positions for the FLOP count. With ``record_first_step``
+    also ``"first_step"``: the forward's log-probabilities of each row it saw before the first
+    optimiser step, (B, T), and those rows, (B,) bool — log π_old there
+    (:class:`proximal.train.correction.FirstStepLogprobs`), every rank's.
     """
     W, rank = dist.world_size(), dist.rank()
     B = len(exp)
+    corrected = correction not in ("none", "bypass")
+    if corrected and exp.rollout_logprobs is None:
+        raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
+    band = None if correction_band is None else tuple(correction_band)
     token_stats = _TOKEN_STATS + (
         (("policy/clipfrac_dual", "clipfrac_dual"),) if dual_clip is not None else ()
     )
@@ -428,6 +475,11 @@ def grpo_update(
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
     tokens, trained = 0, Tokens()
+    first = (
+        FirstStepLogprobs(B, exp.rollout.response_ids.shape[1], device)
+        if record_first_step
+        else None
+    )
     for _iteration in range(iterations):
         order = torch.randperm(B, generator=gen).to(device)
         for start in range(0, B, mini_batch_size):
@@ -453,6 +505,17 @@ def grpo_update(
                 old = (
                     m.logprobs if m.logprobs is not None else logprobs.detach()
                 )  # one step: π_old = π_θ
+                if first is not None and not history:  # no optimiser step yet: π_θ = π_old
+                    first.put(idx, logprobs)
+                w = None  # the rollout correction's weights from π_old/μ (bypass: old is μ, none)
+                if corrected and per_response:
+                    w = sequence_correction_weights(
+                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                    )
+                elif corrected:
+                    w, _ = correction_weights(
+                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                    )
                 if objective == "clip":
                     loss, st = grpo_policy_loss(
                         logprobs,
@@ -467,12 +530,20 @@ def grpo_update(
                         max_response_length=max_length,
                         normalizer=norm,
                         dual_clip=dual_clip,
+                        is_weights=w,
                     )
                 else:
                     if objective == "cispo":
                         high = clip_eps if clip_eps_high is None else clip_eps_high
                         pg, st = cispo_policy_loss(
-                            logprobs, old, m.advantages, mask, high, clip_eps, normalizer=norm
+                            logprobs,
+                            old,
+                            m.advantages,
+                            mask,
+                            high,
+                            clip_eps,
+                            normalizer=norm,
+                            is_weights=w,
                         )
                     else:
                         pg, st = gspo_policy_loss(
@@ -484,6 +555,7 @@ def grpo_update(
                             clip_eps_high,
                             token_level=objective == "gspo_token",
                             normalizer=norm,
+                            is_weights=w,
                         )
                     kl_loss, kl_ref = torch.zeros_like(pg), torch.zeros_like(pg)
                     if m.ref_logprobs is not None:
@@ -556,7 +628,10 @@ def grpo_update(
     if exp.ref_logprobs is None:
         del stats["kl/ref_k3"]  # no reference was loaded: there is nothing to report
     stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))
-    return {"stats": stats, "tokens": tokens, "trained": trained}
+    out = {"stats": stats, "tokens": tokens, "trained": trained}
+    if first is not None:
+        out["first_step"] = first.gathered()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

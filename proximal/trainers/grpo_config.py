@@ -185,6 +185,7 @@ class GRPOConfig:
     def validate(self) -> list[str]:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
+        e += self.rollout.precision_problems(self.train.precision)
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")

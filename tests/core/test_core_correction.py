@@ -13,6 +13,7 @@ from proximal.core import (
     correction_weights,
     grpo_policy_loss,
     mismatch_stats,
+    sequence_correction_weights,
     sequence_mask_weights,
     tis_weights,
     token_mask_weights,
@@ -82,6 +83,19 @@ def test_sequence_mask_weights_by_hand():
     close(st["masked_seq_frac"], 0.0)
     w, st = sequence_mask_weights(old, mu, mask)  # verl's Geo-RS default [0.999, 1.001]
     close(st["masked_seq_frac"], 1.0)
+
+
+def test_sequence_level_weights_for_gspo_by_hand():
+    old, mu, mask = batch()
+    g0, g1 = 1.125**0.25, 1.5**0.5  # the rows' geometric-mean ratios; row 2 has no valid token
+    close(sequence_correction_weights("tis", old, mu, mask, cap=1.2), [g0, 1.2, 0.0])
+    close(sequence_correction_weights("tis", old, mu, mask, cap=2.0), [g0, g1, 0.0])
+    close(sequence_correction_weights("token_mask", old, mu, mask, band=(0.9, 1.1)), [g0, 0.0, 0.0])
+    close(sequence_correction_weights("token_mask", old, mu, mask), [g0, g1, 0.0])  # [0.5, 2]
+    close(sequence_correction_weights("seq_mask", old, mu, mask, band=(1.0, 1.1)), [1.0, 0.0, 0.0])
+    close(sequence_correction_weights("seq_mask", old, mu, mask), [0.0, 0.0, 0.0])
+    assert sequence_correction_weights("none", old, mu, mask) is None
+    assert sequence_correction_weights("bypass", old, mu, mask) is None
 
 
 def test_band_edges_are_inside():
