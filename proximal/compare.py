@@ -86,9 +86,10 @@ class CompareSection:
         "errors; no pairs, no reward model). The arithmetic task's configs are <configs>/arithmetic/.",
     )
     methods: list[str] = option(
-        help="Methods to train: ppo, dpo, simpo, grpo, rloo; 'name@source' sets an online "
+        help="Methods to train: ppo, dpo, simpo, grpo, rloo, and (never by default) gspo, cispo, "
+        "reinforce_pp, reinforce_pp_baseline; 'name@source' sets an online "
         "method's reward source, reward_model or verifier (default: ppo the reward "
-        "model; grpo and rloo the verifier when there is one). A method may be listed "
+        "model; grpo, rloo and the other grpo-command methods the verifier when there is one). A method may be listed "
         "with several sources. Empty: the task's, ppo, dpo, simpo, grpo, rloo "
         "(digits, or your data) or ppo@verifier, grpo, rloo (arithmetic).",
         default_factory=list,
@@ -302,7 +303,8 @@ class CompareConfig:
                 if source != VERIFIER:
                     e.append(
                         f"compare.methods: {spec!r}: the arithmetic task has a verifier only (no "
-                        "preference pairs, no reward model); compare ppo@verifier, grpo or rloo"
+                        "preference pairs, no reward model); compare ppo@verifier, grpo, rloo, gspo, cispo, "
+                        "reinforce_pp or reinforce_pp_baseline"
                     )
         if self.data.sft_model is not None:
             for spec in self.compare.method_specs():

@@ -1,4 +1,5 @@
-"""The post-training methods that start from one SFT model — PPO, DPO, SimPO, GRPO and RLOO — as
+"""The post-training methods that start from one SFT model — PPO, DPO, SimPO, GRPO and RLOO, and GSPO,
+CISPO, REINFORCE++ and REINFORCE++-baseline (``proximal grpo`` configs) — as
 ``proximal demo`` and ``proximal compare`` run them.
 
 Each :class:`Method` says which command trains it, whether it samples its own responses (online) or
@@ -54,6 +55,13 @@ METHODS: dict[str, Method] = {
         Method("simpo", "SimPO", "simpo", False, (PAIRS,)),
         Method("grpo", "GRPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
         Method("rloo", "RLOO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+        # issue 25's objectives, each a `proximal grpo` config (not in compare's default list)
+        Method("gspo", "GSPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+        Method("cispo", "CISPO", "grpo", True, (VERIFIER, REWARD_MODEL)),
+        Method("reinforce_pp", "REINFORCE++", "grpo", True, (VERIFIER, REWARD_MODEL)),
+        Method(
+            "reinforce_pp_baseline", "REINFORCE++-baseline", "grpo", True, (VERIFIER, REWARD_MODEL)
+        ),
     )
 }
 
