@@ -28,6 +28,7 @@ from proximal import dist
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
+    correction_weights,
     explained_variance,
     gae,
     make_kl_controller,
@@ -57,6 +58,7 @@ from proximal.rollout.scoring import build_scorer, same_tokenizer
 from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
+from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import global_tokens, online_step_flops
 from proximal.train.run import due, open_run
@@ -143,8 +145,13 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         horizon=cfg.kl.horizon,
     )
     engine = HFEngine(
-        actor, tokenizer.pad_token_id, gather_weights=r.gather_weights, lean_decode=r.lean_decode
+        actor,
+        tokenizer.pad_token_id,
+        gather_weights=r.gather_weights,
+        lean_decode=r.lean_decode,
+        precision=r.engine_precision(t.precision),
     )
+    bypass = r.correction_mode == "bypass"  # π_old := μ, the engine's log-probabilities
     trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
     stateful = {
         "actor_scheduler": actor_sched,
@@ -210,9 +217,10 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
-        # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients). When the first
-        # epoch's actor forward sees exactly this batch (one process, one mini-batch, one micro-batch), that
-        # pass runs now, with gradients, and its detached log-probabilities are log π_old.
+        # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients); log μ, the
+        # engine's, came with the rollout (rollout.correction bypass: π_old := μ, not computed). When the
+        # first epoch's actor forward sees exactly this batch (one process, one mini-batch, one micro-batch),
+        # that pass runs now, with gradients, and its detached log-probabilities are log π_old.
         first = (
             first_pass(rollout, actor, r.temperature, entropy_coef=p.entropy_coef, path=t.logprobs)
             if reuses_first_pass(
@@ -232,11 +240,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             critic=critic,
             temperature=r.temperature,
             micro_batch_size=p.micro_batch_size,
-            old_logprobs=first is None,
+            old_logprobs=first is None and not bypass,
             logprobs_path=t.logprobs,
         )
         if first is not None:
             exp = exp.replace(logprobs=first.old_logprobs)
+        pi_old = exp.logprobs  # this rank's rows; None with bypass and no first pass
+        if bypass:
+            exp = exp.replace(logprobs=exp.rollout_logprobs)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
@@ -258,9 +269,10 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 6. PPO epochs on the whole batch: clipped surrogate for the actor, clipped value loss for the critic.
         t1 = time.perf_counter()
+        full = gather(exp)
         with at_step(step):
             update = ppo_update(
-                gather(exp),
+                full,
                 actor=Trained(actor, actor_opt, actor_sched),
                 critic=Trained(critic, critic_opt, critic_sched),
                 epochs=p.epochs,
@@ -281,9 +293,27 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 tokenizer=tokenizer,
                 first=first,
                 logprobs_path=t.logprobs,
+                correction=r.correction_mode,
+                correction_cap=r.correction_cap,
+                correction_band=r.correction_band,
+                record_first_step=pi_old is None,
             )
         engine.after_update()
         t_train = time.perf_counter() - t1
+        # μ against π_old on the trained tokens: the experience's π_old (the first pass's: one process),
+        # or with bypass the rows of the update's first mini-batch (all of them by default)
+        if pi_old is not None:
+            old, rows = (full.logprobs if not bypass else pi_old), full.valid
+        else:
+            old, rows = update.pop("first_step")
+        mismatch = mismatch_metrics(
+            old,
+            full.rollout_logprobs,
+            full.mask & rows[:, None],
+            mode=r.correction_mode,
+            cap=r.correction_cap,
+            band=r.correction_band,
+        )
 
         # 7. The KL controller sees the batch's mean sequence KL, d = mean_b Σ_t KL_t.
         seq_kl = dist.global_mean(kl.sum(dim=1), weights=valid.float())
@@ -312,6 +342,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             "kl/beta": beta_used,
             "kl/beta_next": kl_ctl.beta,
             **update.pop("stats"),
+            **mismatch,
             "value/explained_variance": explained_var,
             "response/length_mean": dist.global_mean(lengths, w),
             "response/eos_frac": dist.global_mean(rollout.ended.float(), w),
@@ -472,6 +503,10 @@ def ppo_update(
     tokenizer=None,
     first: FirstPass | None = None,
     logprobs_path: str = "fused",
+    correction: str = "none",
+    correction_cap: float = 2.0,
+    correction_band: list[float] | None = None,
+    record_first_step: bool = False,
 ) -> dict:
     """``epochs`` passes over shuffled mini-batches of ``mini_batch_size`` rows of the **whole** batch
     ``exp`` (every rank holds it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th
@@ -496,9 +531,17 @@ def ppo_update(
     ``logprobs_path``: ``train.logprobs`` for the actor's and PTX's log-probabilities
     (:func:`proximal.models.output.token_logprobs`).
 
+    ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
+    detached weights of :func:`proximal.core.correction_weights` from π_old (``exp.logprobs``) and μ
+    (``exp.rollout_logprobs``) on each token's clipped-surrogate term; ``bypass`` has
+    ``exp.logprobs`` = μ already and no weights.
+
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens, "ptx": Tokens}``: mean losses and
     statistics over the optimiser steps, and the tokens this update passed through the models (all
-    ranks): their count, those of the rollout's rows for the FLOP count, and PTX's.
+    ranks): their count, those of the rollout's rows for the FLOP count, and PTX's. With
+    ``record_first_step`` also ``"first_step"``: the actor forward's log-probabilities of the rows it
+    saw before the first optimiser step (so log π_old there), (B, T), and those rows, (B,) bool —
+    every rank's (:class:`proximal.train.correction.FirstStepLogprobs`).
     """
     W, rank = dist.world_size(), dist.rank()
     B, mb = len(exp), min(mini_batch_size, len(exp))
@@ -508,6 +551,13 @@ def ppo_update(
     history: dict[str, list[float]] = {}
     tokens, trained, ptx_tokens = 0, Tokens(), Tokens()
     stopped, epochs_run = False, 0
+    if correction not in ("none", "bypass") and exp.rollout_logprobs is None:
+        raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
+    recorder = (
+        FirstStepLogprobs(B, exp.rollout.response_ids.shape[1], device)
+        if record_first_step
+        else None
+    )
     for epoch in range(epochs):
         epochs_run += 1
         order = torch.randperm(B, generator=g).to(device)
@@ -519,10 +569,11 @@ def ppo_update(
             norm = units / W
             if first is not None and epoch == 0:
                 # one mini-batch of one micro-batch: the rollout itself
-                micro, given = [exp], [first.take()]
+                micro, given, rows = [exp], [first.take()], [torch.arange(B, device=device)]
             else:
                 own = mini[rank * per_rank : (rank + 1) * per_rank]
-                micro, given = [exp.select(idx) for idx in own.split(micro_batch_size)], None
+                rows = list(own.split(micro_batch_size))
+                micro, given = [exp.select(idx) for idx in rows], None
             lrs = (
                 actor.scheduler.get_last_lr()[0],
                 critic.scheduler.get_last_lr()[0],
@@ -541,6 +592,11 @@ def ppo_update(
                 max_length=max_length,
                 given=given,
                 path=logprobs_path,
+                correction=correction,
+                correction_cap=correction_cap,
+                correction_band=correction_band,
+                # no optimiser step yet: the forward is π_old
+                record=(recorder, rows) if recorder is not None and not history else None,
             )
             given = None  # the first pass's graph is not held through the critic's pass
             if ptx is not None:
@@ -586,12 +642,15 @@ def ppo_update(
     stats["policy/early_stopped"] = float(stopped)
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs
-    return {
+    out = {
         "stats": stats,
         "tokens": int(dist.global_sum(tokens)),
         "trained": global_tokens(trained, device),
         "ptx": ptx_tokens,
     }
+    if recorder is not None:
+        out["first_step"] = recorder.gathered()
+    return out
 
 
 def actor_pass(
@@ -607,15 +666,24 @@ def actor_pass(
     max_length: int,
     given: list[TokenScores] | None = None,
     path: str = "fused",
+    correction: str = "none",
+    correction_cap: float = 2.0,
+    correction_band: list[float] | None = None,
+    record: tuple[FirstStepLogprobs, list[torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """Back-propagate the actor's loss −(L^CLIP + c2·S) over this rank's micro-batches of a
     mini-batch; its global stats (token means over the mini-batch's valid tokens; losses summed over
     ranks ÷ W; the largest ratio). ``given``: each micro-batch's log-probabilities and entropies,
-    already computed with gradients (:class:`FirstPass`); ``path``: ``train.logprobs``."""
+    already computed with gradients (:class:`FirstPass`); ``path``: ``train.logprobs``.
+    ``correction``: the rollout correction's weights on each token's surrogate (:func:`ppo_update`).
+    ``record``: a recorder and each micro-batch's rows of the batch, to keep the forward's
+    log-probabilities (:class:`proximal.train.correction.FirstStepLogprobs`)."""
     device = micro[0].rollout.response_ids.device
+    corrected = correction not in ("none", "bypass")
+    band = None if correction_band is None else tuple(correction_band)
 
     def step(part: list) -> dict:
-        [(m, scores)] = part
+        [(m, scores, rows)] = part
         mask, n = m.mask, m.mask.sum().double()
         if scores is None:  # log π_θ and S in one pass (the entropy trained on only when c2 > 0)
             scores = response_logprobs(
@@ -627,6 +695,13 @@ def actor_pass(
                 path=path,
             )
         logprobs = scores.logprobs
+        if record is not None:
+            record[0].put(rows, logprobs)
+        w = None  # the rollout correction's weights from π_old/μ (bypass: m.logprobs is μ, none)
+        if corrected:
+            w, _ = correction_weights(
+                correction, m.logprobs, m.rollout_logprobs, mask, cap=correction_cap, band=band
+            )
         entropy = masked_aggregate(
             scores.entropy, mask, aggregation, max_length=max_length, normalizer=norm
         )
@@ -640,6 +715,7 @@ def actor_pass(
             max_length=max_length,
             normalizer=norm,
             dual_clip=dual_clip,
+            is_weights=w,
         )
         (pg_loss - entropy_coef * entropy).backward()
         return {
@@ -656,7 +732,8 @@ def actor_pass(
     # Each of accumulate's rows is a micro-batch already (cut by index in ppo_update), with its scores
     # when the first pass gave them: it takes them one at a time.
     given = given if given is not None else [None] * len(micro)
-    s = accumulate(list(zip(micro, given)), 1, step, device, maxima=("ratio_max",))
+    rows = record[1] if record is not None else [None] * len(micro)
+    s = accumulate(list(zip(micro, given, rows)), 1, step, device, maxima=("ratio_max",))
     W = dist.world_size()
     dual = {"policy/clipfrac_dual": s["clipfrac_dual"] / s["n_tokens"]} if dual_clip else {}
     return {

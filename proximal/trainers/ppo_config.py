@@ -171,6 +171,7 @@ class PPOConfig:
     def validate(self) -> list[str]:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
+        e += self.rollout.precision_problems(self.train.precision)
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")
