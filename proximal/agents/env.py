@@ -158,6 +158,11 @@ class Environments:
         self.has_reward = cls is not None and callable(getattr(cls, "get_reward", None))
         if cls is None and not self.functions:
             raise ValueError("an agent needs an environment, tools, or both")
+        if self.is_step and self.functions:
+            raise ValueError(
+                f"{cls.__name__} has step(text): it reads each turn itself, so tool functions "
+                "would never be called; give tools to an environment without step, or none"
+            )
         self.parse = call_parser(call_format, open, close)
         self.on_error = on_error
         self.pool = WorkerPool(workers, timeout_s)

@@ -12,11 +12,11 @@ tools): trajectory ``slot`` b is served by worker b mod n, which keeps its envir
 between calls. A worker killed for a timeout loses the environments it held; their later calls
 answer ``"lost"`` and their trajectories end.
 
-**Cost** (docs/agents.md, measured by tests/agents/test_tools.py::test_worker_cost on this
-project's CPU machine): a call's round trip through the pipe is about 0.1 ms on top of the tool's
-own time; starting a worker with the ``spawn`` method (a fresh interpreter importing this module,
-which imports no torch, and the parent's main module) takes a few hundred milliseconds, paid when
-the pool first starts and again for every worker replaced after a timeout.
+**Cost** (docs/agents.md; measured by tests/agents/test_tools.py::test_worker_cost on this
+project's 2-core CPU machine): a call's round trip through a worker is about 50 µs on top of the
+tool's own time; starting a worker (a fresh interpreter importing this module, :class:`_Worker`)
+and its first call about 40 ms, paid when the pool starts and again for every worker replaced
+after a timeout.
 
 This module imports neither torch nor transformers: it is what a worker process imports.
 """

@@ -233,3 +233,27 @@ def test_worker_cost():
         per_call = (time.perf_counter() - t0) / n
     print(f"worker start + first call {start * 1e3:.0f} ms; per call {per_call * 1e6:.0f} µs")
     assert per_call < 0.02 and start < 10
+
+
+def test_environment_mistakes_are_named():
+    with pytest.raises(ValueError, match="Echo has step"):
+        Environments(S.Echo, tools=TOOLS, workers=0)
+
+    class NoKwargs:
+        def reset(self):
+            return None
+
+        def step(self, text):
+            return None, 0.0, True
+
+    with pytest.raises(ValueError, match=r"NoKwargs.reset must accept \*\*kwargs"):
+        Environments(NoKwargs, workers=0)
+
+    class Nothing:
+        def reset(self, **row):
+            return None
+
+    with pytest.raises(ValueError, match="neither step"):
+        Environments(Nothing, workers=0)
+    with pytest.raises(ValueError, match="needs an environment, tools, or both"):
+        Environments(workers=0)
