@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from grpo_support import REQUIRED_METRICS, grpo_config, grpo_main, read_jsonl, record_gradients
 
 from proximal.trainers.grpo_config import GRPOConfig
@@ -166,3 +167,76 @@ def test_ppo_dual_clip_runs_and_is_logged(assets, tmp_path, capsys):
         assert 0 <= r["policy/clipfrac_dual"] <= 1
     assert ppo_main(cfg, "--ppo.dual_clip", "0.5", "--output.overwrite", "true") == 2
     assert "ppo.dual_clip = 0.5 must lie in (1, ∞)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# 1 process vs 2 (the pattern of test_grpo_update.py's test_one_and_two_processes_compute_the_same_steps)
+# ----------------------------------------------------------------------------------------------
+
+INVARIANCE = {
+    "gspo": {"objective": "gspo", "clip_eps": 3e-4, "clip_eps_high": 4e-4},
+    "gspo_token-reinforce_pp-kl_reward": {
+        "objective": "gspo_token",
+        "advantage": "reinforce_pp",
+        "kl": "reward",
+    },
+    "cispo": {"objective": "cispo", "clip_eps": None, "clip_eps_high": 0.005},
+    "reinforce_pp_baseline": {"advantage": "reinforce_pp_baseline"},
+    "clip-dual_clip-entropy": {"dual_clip": 1.01, "clip_eps": 0.005, "entropy_coef": 0.01},
+}
+
+
+@pytest.mark.parametrize("name", list(INVARIANCE))
+def test_one_and_two_processes_compute_the_same_steps(name, assets, tmp_path, monkeypatch):
+    """Each new objective's two steps (μ = 2 iterations of 2 mini-batches, responses of many
+    lengths, tight clips so the second pass clips) on one process and on two forked gloo ranks with
+    FSDP2: every optimiser step's full gradient at rtol 1e-4 and the logged metrics at rel 1e-4, the
+    tolerances of the GRPO test."""
+    from multiproc import run_ranks
+    from ppo_support import TIMING_PREFIXES
+    from test_grpo_update import VARIED_LENGTHS, _train_on_rank
+
+    from proximal.trainers import grpo
+
+    grads = record_gradients(monkeypatch)
+    grpo.clip_and_step.grads = grads
+
+    def config(run):
+        return grpo_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / run / "run",
+            grpo={
+                "iterations": 2,
+                "mini_batch_size": 4,
+                "micro_batch_size": 1,
+                "beta": 0.1,
+                **INVARIANCE[name],
+            },
+            rollout=VARIED_LENGTHS,
+            model={"reward_functions": ["ppo_support:length"]},  # scores that differ in a group
+            optim={"lr": 1e-2},
+            train={"steps": 2},
+        )
+
+    (tmp_path / "one").mkdir()
+    one_grads, one_rows = _train_on_rank(config("one"), tmp_path / "one")
+    (tmp_path / "two").mkdir()
+    [(two_grads, two_rows), (other_grads, _)] = run_ranks(
+        2, _train_on_rank, config("two"), tmp_path / "two", timeout_s=180
+    )
+    assert len(one_grads) == len(two_grads) == len(other_grads) == 2 * 2 * 2
+    for i, (a, b, c) in enumerate(zip(one_grads, two_grads, other_grads)):
+        for x, y, z in zip(a, b, c):
+            assert torch.equal(y, z)
+            torch.testing.assert_close(
+                x, y, rtol=1e-4, atol=1e-6, msg=lambda m: f"optimiser step {i}: {m}"
+            )
+    assert (
+        max(r["policy/clipfrac"] for r in one_rows) > 0
+    )  # the second pass is off-policy and clips
+    for r1, r2 in zip(one_rows, two_rows):
+        for k, v in r1.items():
+            if k.startswith(TIMING_PREFIXES) or not isinstance(v, (int, float)):
+                continue
+            assert r2[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
