@@ -211,6 +211,15 @@ def test_relative_links_point_to_existing_files(page):
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_no_page_holds_control_characters(page):
+    """A LaTeX command written through a Python string unescaped (\\text, \\frac, \\right) turns into
+    a tab, form feed or carriage return and breaks the equation."""
+    lines = (DOCS / page).read_bytes().split(b"\n")
+    found = [(n, line) for n, line in enumerate(lines, 1) if re.search(rb"[\x00-\x1f]", line)]
+    assert not found, found
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
 def test_no_page_cites_the_design_document(page):
     text = (DOCS / page).read_text()
     hits = [m.group(0) for m in re.finditer(r"seed(?:'s|’s)?\s*\(?§", text)]
