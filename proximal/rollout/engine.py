@@ -355,10 +355,12 @@ class HFEngine:
     @torch.no_grad()
     def after_update(self) -> None:
         """With bf16-true sampling, the engine's bfloat16 copy takes the updated weights (rounded to
-        bfloat16); otherwise nothing to do: this engine decodes with the live model."""
+        bfloat16) — the trained ones: a frozen parameter (LoRA's base weights) never changes, so
+        its copy is not refreshed; otherwise nothing to do: this engine decodes with the live model."""
         if self.decoder is not self.model:
             for held, live in zip(self.decoder.parameters(), self.model.parameters(), strict=True):
-                held.copy_(live)
+                if live.requires_grad:
+                    held.copy_(live)
 
 
 #: ``rollout.precision`` values an engine takes (None: the policy's own, train.precision).

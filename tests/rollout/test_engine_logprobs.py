@@ -169,3 +169,36 @@ def test_a_sharded_policy_has_no_bf16_copy(model, monkeypatch):
     monkeypatch.setattr(engine_module, "is_sharded", lambda m: True)
     with pytest.raises(ConfigError, match="bf16-true needs one process"):
         bfloat16_copy(model)
+
+
+def test_bf16_true_copies_a_lora_policy_and_refreshes_its_adapters(tmp_path):
+    """A LoRA actor: the copy holds the adapters (bfloat16) and decodes the lean way; after an update
+    the trained adapters are copied, the frozen base (never changed) is not touched."""
+    from proximal.models.policy import lora_config, with_adapters
+
+    lora = with_adapters(
+        tiny_lm("llama", tmp_path),
+        lora_config("CAUSAL_LM", r=4, alpha=8, target_modules=["all-linear"]),
+    ).eval()
+    engine = HFEngine(lora, 0, precision="bf16-true")
+    assert engine.decode_path()["path"] == "lean"
+    held = dict(engine.decoder.named_parameters())
+    live = dict(lora.named_parameters())
+    assert held.keys() == live.keys() and any("lora_B" in k for k in held)
+    with torch.no_grad():
+        for name, p in live.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    base = next(k for k in held if "base_layer" in k)
+    held[base].data.fill_(7.0)  # a frozen weight: after_update leaves it as it is
+    engine.after_update()
+    for name, p in live.items():
+        if "lora_" in name:
+            assert torch.equal(held[name], p.detach().to(torch.bfloat16)), name
+    assert bool((held[base] == 7.0).all())
+    held[base].data.copy_(live[base].detach())
+    r = _rollout(engine)  # the adapters now matter: μ follows the LoRA policy, in bfloat16
+    with torch.no_grad():
+        old = response_logprobs(lora, r, TAU).logprobs
+    st = mismatch_stats(old, r.logprobs, r.response_mask)
+    assert 1e-7 < float(st["mismatch_k3"]) < 1e-2
