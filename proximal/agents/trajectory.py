@@ -33,13 +33,13 @@ The result converts to today's :class:`~proximal.rollout.sampling.Rollout`
 mask — True exactly on the policy's own sampled tokens — so KL shaping, GAE
 (:func:`proximal.core.advantages.gae` carries the next agent token's value and advantage across
 each observation span), whitening, the losses and every normaliser count agent tokens only, with
-no change to the core. The observation tokens stay in the attention mask (:class:`AgentRollout`):
+no change to the core. The observation tokens stay in the attention mask (``Rollout.context_mask``):
 the later agent tokens attend to them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -300,49 +300,12 @@ def _finish(t: Trajectory, stop: str, *, ended: bool, failed: bool = False) -> N
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class AgentRollout(Rollout):
-    """A :class:`Rollout` whose response has holes: ``response_mask`` is the agent mask (True on
-    the policy's own sampled tokens), ``token_mask`` (B, T) bool marks every real token of the
-    response — agent and observation — which is what attention sees (None: the response mask)."""
-
-    token_mask: torch.Tensor | None = None
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        response = self.response_mask if self.token_mask is None else self.token_mask
-        return torch.cat([self.prompt_mask.bool(), response], dim=1).long()
-
-    def select(self, idx: torch.Tensor) -> AgentRollout:
-        """The rows ``idx``, trimmed as :meth:`Rollout.select` does — the prompt's unused left
-        padding, and the response after its last *real* token (trimming by the count of agent
-        tokens, as a response without holes allows, would cut into the last turn)."""
-        rows = {f.name: _rows(getattr(self, f.name), idx) for f in fields(self)}
-        r = AgentRollout(**rows)
-        if len(r) == 0:
-            return r
-        p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
-        real = r.attention_mask[:, r.prompt_ids.shape[1] :].bool()
-        cols = torch.arange(real.shape[1], device=real.device)
-        t1 = max(1, int(torch.where(real, cols + 1, 0).max()))
-        for name, v in rows.items():
-            if v is None or v.dim() != 2:
-                continue
-            rows[name] = v[:, p0:] if name in _PROMPT_SIDE else v[:, :t1]
-        return AgentRollout(**rows)
-
-
-_PROMPT_SIDE = ("prompt_ids", "prompt_mask")
-
-
-def _rows(v, idx):
-    return None if v is None else v[idx]
-
-
-def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> AgentRollout:
-    """The trajectories as an :class:`AgentRollout`: prompts left-padded (P), responses — every
-    token after the prompt — right-padded (T); ``response_mask`` = the agent mask; ``logprobs`` the
-    engine's log μ when the trajectories kept them."""
+def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> Rollout:
+    """The trajectories as a :class:`~proximal.rollout.sampling.Rollout` with holes: prompts
+    left-padded (P), responses — every token after the prompt — right-padded (T);
+    ``response_mask`` = the agent mask, ``context_mask`` every real token (agent and observation:
+    what attention sees, carried by ``select`` and ``experience.gather``); ``logprobs`` the engine's
+    log μ when the trajectories kept them."""
     prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in trajs], pad_id, device)
     response_ids, token_mask = pad_right([t.ids for t in trajs], pad_id, device)
     agent = torch.zeros_like(token_mask, dtype=torch.bool)
@@ -359,14 +322,14 @@ def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> AgentRollo
         for b, t in enumerate(trajs):
             mu[b, : len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float32)
         mu = mu.to(device)
-    return AgentRollout(
+    return Rollout(
         prompt_ids,
         prompt_mask,
         response_ids,
         agent,
         ended,
         logprobs=mu,
-        token_mask=token_mask.bool(),
+        context_mask=token_mask.bool(),
     )
 
 

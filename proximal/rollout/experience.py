@@ -187,6 +187,7 @@ def gather(exp: Experience) -> Experience:
             )
         ),
         logprobs=None if r.logprobs is None else dist.all_gather_cat(right(r.logprobs)),
+        context_mask=None if r.context_mask is None else dist.all_gather_cat(right(r.context_mask)),
     )
     out = {}
     for f in dataclasses.fields(exp):

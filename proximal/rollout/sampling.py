@@ -31,6 +31,13 @@ class Rollout:
     logprobs: (B, T) float32 log μ(y_t | s_t), each token's log-probability under the distribution
     the engine sampled it from (tempered, before top-k/top-p: :meth:`RolloutEngine.generate`), 0
     after the stop; None unless asked for (:func:`sample`'s ``logprobs``).
+    context_mask: (B, T) bool or None. A multi-turn rollout (:mod:`proximal.agents.trajectory`) has
+    holes in its response: the observations (tool results, an environment's replies) written
+    between the policy's turns. ``response_mask`` is then the *agent* mask — True on the policy's
+    own sampled tokens only, what every loss, normaliser and advantage reads — and
+    ``context_mask`` marks every real response token, agent and observation: what attention sees,
+    for the later agent tokens were sampled reading the observations. None: no holes (the
+    response mask is the context mask).
     """
 
     prompt_ids: torch.Tensor
@@ -39,21 +46,29 @@ class Rollout:
     response_mask: torch.Tensor
     ended: torch.Tensor
     logprobs: torch.Tensor | None = None
+    context_mask: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def real_mask(self) -> torch.Tensor:
+        """(B, T) bool: every real response token — the context mask, or the response mask when the
+        response has no holes."""
+        return self.response_mask if self.context_mask is None else self.context_mask
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask.bool(), self.response_mask], dim=1).long()
+        return torch.cat([self.prompt_mask.bool(), self.real_mask], dim=1).long()
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
     def select(self, idx: torch.Tensor) -> Rollout:
         """The rows ``idx``, with the columns no selected row uses trimmed (left padding of the prompt,
-        right padding of the response)."""
+        right padding of the response: after the last *real* token — with holes, counting the agent
+        tokens would cut into the last turn)."""
         r = Rollout(
             *(
                 None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
@@ -63,7 +78,9 @@ class Rollout:
         if len(r) == 0:
             return r
         p0 = int((r.prompt_mask.sum(0) > 0).long().argmax())
-        t1 = max(1, int(r.response_mask.sum(1).max()))
+        real = r.real_mask
+        cols = torch.arange(1, real.shape[1] + 1, device=real.device)
+        t1 = max(1, int(torch.where(real, cols, 0).max())) if real.numel() else 1
         return Rollout(
             r.prompt_ids[:, p0:],
             r.prompt_mask[:, p0:],
@@ -71,6 +88,7 @@ class Rollout:
             r.response_mask[:, :t1],
             r.ended,
             None if r.logprobs is None else r.logprobs[:, :t1],
+            None if r.context_mask is None else r.context_mask[:, :t1],
         )
 
 
