@@ -172,6 +172,9 @@ class HFEngine:
         self.lean_decode = lean_decode
         self.precision = precision
         self.decoder = bfloat16_copy(model) if precision == "bf16-true" else model
+        # the copy takes the policy's weights before each rollout that follows a change: the first
+        # (the policy may have been restored from a checkpoint since) and every one after an update
+        self._stale = True
         self._keep_last = accepts_logits_to_keep(model)
         self._cache_kw = cache_argument(model)
         # Once, before any rollout (never per token): whether the lean step can decode this model.
@@ -190,6 +193,9 @@ class HFEngine:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`RolloutEngine.generate`: the ids, and with ``logprobs`` each sampled token's
         log softmax(z / τ) from the logits z it was drawn with (0 after a row's stop)."""
+        if self._stale and self.decoder is not self.model:
+            self._refresh()
+        self._stale = False
         B = prompt_ids.shape[0]
         if len(seeds) != B:
             raise ValueError(f"generate: {len(seeds)} seeds for {B} prompts")
@@ -352,15 +358,18 @@ class HFEngine:
         self._lean_reason = reason
         self._say(reason)
 
-    @torch.no_grad()
     def after_update(self) -> None:
-        """With bf16-true sampling, the engine's bfloat16 copy takes the updated weights (rounded to
-        bfloat16) — the trained ones: a frozen parameter (LoRA's base weights) never changes, so
-        its copy is not refreshed; otherwise nothing to do: this engine decodes with the live model."""
-        if self.decoder is not self.model:
-            for held, live in zip(self.decoder.parameters(), self.model.parameters(), strict=True):
-                if live.requires_grad:
-                    held.copy_(live)
+        """With bf16-true sampling, the engine's bfloat16 copy is refreshed from the updated policy
+        before the next rollout; otherwise nothing to do: this engine decodes with the live model."""
+        self._stale = True
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        """The bfloat16 copy takes the policy's trained weights (rounded to bfloat16): a frozen
+        parameter (LoRA's base weights) never changes, so its copy is left as it is."""
+        for held, live in zip(self.decoder.parameters(), self.model.parameters(), strict=True):
+            if live.requires_grad:
+                held.copy_(live)
 
 
 #: ``rollout.precision`` values an engine takes (None: the policy's own, train.precision).

@@ -137,12 +137,25 @@ def test_bf16_true_holds_a_bfloat16_copy_and_refreshes_it(model):
     assert path["precision"] == "bf16-true" and path["path"] == "lean"
     assert path["copy_bytes"] == sum(2 * p.numel() for p in model.parameters())
     assert "bfloat16 copy" in engine.describe_decode()
+    ids, mask = prompts()
     try:
+        # the policy restored from a checkpoint after the engine was built (the trainers' order):
+        # the first rollout samples from the restored weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        engine.generate(ids, mask, SEEDS, PARAMS)
+        for h, p in zip(held.parameters(), model.parameters()):
+            assert torch.equal(h, p.detach().to(torch.bfloat16))
+        # an update: refreshed before the next rollout, not before
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
         before = [p.clone() for p in held.parameters()]
+        engine.generate(ids, mask, SEEDS, PARAMS)
+        assert all(torch.equal(h, b) for h, b in zip(held.parameters(), before))
         engine.after_update()
+        engine.generate(ids, mask, SEEDS, PARAMS)
         for h, p, b in zip(held.parameters(), model.parameters(), before):
             assert torch.equal(h, p.detach().to(torch.bfloat16))
             assert not torch.equal(h, b)
@@ -190,8 +203,9 @@ def test_bf16_true_copies_a_lora_policy_and_refreshes_its_adapters(tmp_path):
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     base = next(k for k in held if "base_layer" in k)
-    held[base].data.fill_(7.0)  # a frozen weight: after_update leaves it as it is
+    held[base].data.fill_(7.0)  # a frozen weight: the refresh leaves it as it is
     engine.after_update()
+    engine.generate(*prompts(), SEEDS, PARAMS)  # the refresh comes before the next rollout
     for name, p in live.items():
         if "lora_" in name:
             assert torch.equal(held[name], p.detach().to(torch.bfloat16)), name

@@ -284,3 +284,37 @@ def test_bf16_true_with_several_processes_is_refused(monkeypatch):
     )
     cfg.rollout.precision = "bf16-mixed"
     assert not any("rollout.precision" in p for p in cfg.validate())
+
+
+def test_bf16_true_resume_samples_from_the_restored_weights(assets, tmp_path, capsys):
+    """The engine's bfloat16 copy is built before the checkpoint is restored: the resumed run's first
+    rollout must come from the restored policy, so the run after the checkpoint matches the
+    uninterrupted one (CPU, float32 training: bitwise)."""
+    from ppo_support import without_timing
+
+    def run(name: str, steps: int) -> list[dict]:
+        cfg = grpo_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name,
+            rollout={"precision": "bf16-true", "correction": "tis"},
+            train={"steps": steps, "save_every": 1},
+            optim={"lr": 1e-2},
+        )
+        assert grpo_main(cfg) == 0, capsys.readouterr().err
+        return read_jsonl(tmp_path / name / "metrics.jsonl")
+
+    full = run("full", 2)
+    run("part", 1)
+    cfg = grpo_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "part",
+        rollout={"precision": "bf16-true", "correction": "tis"},
+        train={"steps": 2, "save_every": 1},
+        optim={"lr": 1e-2},
+    )
+    assert grpo_main(cfg, "--resume", str(tmp_path / "part")) == 0, capsys.readouterr().err
+    resumed = read_jsonl(tmp_path / "part" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2]
+    assert without_timing(resumed[1]) == without_timing(full[1])
