@@ -318,3 +318,51 @@ def test_bf16_true_resume_samples_from_the_restored_weights(assets, tmp_path, ca
     resumed = read_jsonl(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2]
     assert without_timing(resumed[1]) == without_timing(full[1])
+
+
+def _rollout_rows_on_rank(cfg: dict, tmp) -> list[dict]:
+    from grpo_support import train_config
+
+    from proximal import dist
+    from proximal.trainers import grpo
+
+    grpo.train(train_config(cfg, tmp / f"rank{dist.rank()}.yaml"))
+    return read_jsonl(tmp / "run" / "metrics.jsonl") if dist.rank() == 0 else []
+
+
+def _gather_on_rank() -> tuple:
+    import torch
+
+    from proximal import dist
+    from proximal.train.correction import FirstStepLogprobs
+
+    rec = FirstStepLogprobs(4, 3, torch.device("cpu"))
+    r = dist.rank()  # rank r passes rows r and r + 2, two of their positions (as trimmed)
+    rec.put(torch.tensor([r, r + 2]), torch.tensor([[-1.0 - r, -2.0], [-3.0, -4.0 - r]]))
+    lp, rows = rec.gathered()
+    return lp, rows
+
+
+def test_first_step_logprobs_are_gathered_over_processes(assets, tmp_path):
+    """Each rank writes the rows it passed; every rank gets all of them, exactly. And GRPO's one-step
+    path with bypass (the rollout/* metrics read the update's first forward) runs on 2 processes."""
+    from multiproc import run_ranks
+
+    want = torch.tensor(
+        [[-1.0, -2.0, 0.0], [-2.0, -2.0, 0.0], [-3.0, -4.0, 0.0], [-3.0, -5.0, 0.0]]
+    )
+    for lp, rows in run_ranks(2, _gather_on_rank):
+        assert torch.equal(lp, want) and bool(rows.all())
+    [lp, rows] = run_ranks(1, _gather_on_rank)[0]
+    assert rows.tolist() == [True, False, True, False]
+
+    cfg = grpo_config(
+        assets.policy("llama"),
+        assets.prompts,
+        tmp_path / "run",
+        rollout={"correction": "bypass", "precision": "bf16-mixed"},
+        grpo={"micro_batch_size": 2},
+        train={"steps": 1},
+    )
+    rows = run_ranks(2, _rollout_rows_on_rank, cfg, tmp_path, timeout_s=120)[0]
+    _check_rows(rows, "bypass", "bf16-mixed")
