@@ -121,9 +121,11 @@ def write_samples(
     components: dict,
     valid,
     n: int,
+    extra: list[dict] | None = None,
 ) -> None:
     """The first ``n`` trained-on (valid) rows of a rollout, appended to ``run_dir/samples.jsonl``:
-    step, prompt, response, total score and each reward source's score."""
+    step, prompt, response, total score and each reward source's score (and ``extra[i]``'s keys:
+    a multi-turn row's ``trajectory``, its turns)."""
     rows = [i for i, ok in enumerate(valid.tolist()) if ok][:n]
     if not rows:
         return
@@ -135,5 +137,6 @@ def write_samples(
                 "response": completions[i],
                 "score": float(scores[i]),
                 **{f"score/{k}": float(v[i]) for k, v in components.items()},
+                **(extra[i] if extra is not None else {}),
             }
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -501,17 +501,18 @@ class Scorer:
         )
 
     def completions(self, rollout: Rollout) -> list[str]:
-        """The response texts, special tokens (EOS, pad) removed."""
+        """The response texts, special tokens (EOS, pad) removed: every real token, so a multi-turn
+        response's observations too (``Rollout.real_mask``)."""
         return [
             self.policy_tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-            for ids, m in zip(rollout.response_ids, rollout.response_mask)
+            for ids, m in zip(rollout.response_ids, rollout.real_mask)
         ]
 
     def _reward_model_inputs(self, rollout: Rollout, prompts: list[str], messages: list | None):
         rows = []
         if self.reuse_ids:
             for p_ids, p_m, r_ids, r_m in zip(
-                rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask
+                rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.real_mask
             ):
                 rows.append(p_ids[p_m.bool()].tolist() + r_ids[r_m].tolist())
         else:
@@ -538,21 +539,25 @@ class Scorer:
         messages: list | None = None,
         columns: Sequence[Mapping[str, Any]] | None = None,
         step: int | None = None,
+        completions: list | None = None,
     ) -> dict[str, Any]:
         """Everything a reward function may be given for this rollout (:data:`PASSED` and the columns),
         one entry per completion: a conversational row's prompt as its messages and its completion as
-        ``[{"role": "assistant", "content": text}]``, TRL's form; ``completion_ids`` the response's
-        tokens, the stop token included."""
+        ``[{"role": "assistant", "content": text}]``, TRL's form (``completions``: given as they are
+        instead — a multi-turn trajectory's, :mod:`proximal.agents.collect`); ``completion_ids`` the
+        response's tokens, the stop token included (a multi-turn one's observations too)."""
         texts = self.completions(rollout)
         messages = messages if messages is not None else [None] * len(texts)
-        return {
-            "prompts": [p if m is None else m for p, m in zip(prompts, messages)],
-            "completions": [
+        if completions is None:
+            completions = [
                 t if m is None else [{"role": "assistant", "content": t}]
                 for t, m in zip(texts, messages)
-            ],
+            ]
+        return {
+            "prompts": [p if m is None else m for p, m in zip(prompts, messages)],
+            "completions": completions,
             "completion_ids": [
-                ids[m].tolist() for ids, m in zip(rollout.response_ids, rollout.response_mask)
+                ids[m].tolist() for ids, m in zip(rollout.response_ids, rollout.real_mask)
             ],
             **column_lists(columns, len(texts)),
             "step": step,
@@ -568,12 +573,15 @@ class Scorer:
         *,
         columns: Sequence[Mapping[str, Any]] | None = None,
         step: int | None = None,
+        completions: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total score (B,) float32 and each component (B,) by name ("reward_model", function names).
 
         ``prompts``: the rendered prompt texts; ``messages``: each row's messages (None for a text
         prompt); ``columns``: each row's other fields, handed to the reward functions as keywords;
-        ``step``: the step, handed to them and named in a failing function's message."""
+        ``step``: the step, handed to them and named in a failing function's message;
+        ``completions``: what the reward functions get as completions, when not the decoded
+        responses (a multi-turn trajectory's text or messages)."""
         device = rollout.response_ids.device
         components: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(rollout), dtype=torch.float32, device=device)
@@ -587,7 +595,9 @@ class Scorer:
             components["reward_model"] = torch.cat(scores)
             total = total + self.reward_model_weight * components["reward_model"]
         if self.functions:
-            values = self.function_arguments(rollout, list(prompts), messages, columns, step)
+            values = self.function_arguments(
+                rollout, list(prompts), messages, columns, step, completions
+            )
             scored = call_reward_functions(
                 self.functions, values, n=len(rollout), step=step, timeout_s=self.timeout_s
             )

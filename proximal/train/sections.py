@@ -463,9 +463,7 @@ class OnlineModelSection(PolicyModelSection):
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)
         if self.reward_model is None and not self.reward_functions:
-            e.append(
-                f"{name}.reward_model / {name}.reward_functions: give at least one source of reward"
-            )
+            e.append(f"{name}.reward_model / {name}.reward_functions: {NO_REWARD}")
         if self.reward_function_weights and len(self.reward_function_weights) != len(
             self.reward_functions
         ):
@@ -497,6 +495,10 @@ class OnlineModelSection(PolicyModelSection):
             )
         )
 
+
+#: The end of the message for an online run without a reward source (an environment's get_reward
+#: is one: :func:`agent_problems` drops the message when ``env.factory`` is set).
+NO_REWARD = "give at least one source of reward"
 
 #: What every data path reads (proximal.data.sources.read_rows; docs/data.md).
 DATA_SOURCES = (
@@ -756,6 +758,140 @@ class EvalSection:
                 e.append(f"{name}.scores.{key} = {spec!r}: expected 'module:function'")
         e += columns_problems(self.columns, f"{name}.columns")
         return e
+
+
+# ----------------------------------------------------------------------------------------------
+# Agents: environments and tools (ppo, grpo; docs/agents.md)
+# ----------------------------------------------------------------------------------------------
+
+#: ``tools.format``: how a tool call is read from the policy's turn (proximal.agents.tools).
+CALL_FORMATS = ("hermes", "minimal")
+#: ``tools.on_error`` (proximal.agents.env.ON_ERROR; repeated so reading a config needs no agents).
+ON_TOOL_ERROR = ("observe", "end")
+
+
+def _spec_problem(spec, field: str) -> str | None:
+    if callable(getattr(spec, "value", spec)) or (isinstance(spec, str) and ":" in spec):
+        return None
+    return f"{field} = {spec!r}: expected 'module:name' (an importable module)"
+
+
+@dataclass
+class EnvSection:
+    """A multi-turn environment (docs/agents.md): set ``env.factory``, ``tools.functions`` or both
+    to train on multi-turn trajectories; with neither, a rollout is one response per prompt."""
+
+    factory: str | None = option(
+        None,
+        "The environment class, 'module:Class' (TRL's environment_factory: one instance per "
+        "trajectory, reset(**row) given the prompt's row; step(text) -> (observation, reward, "
+        "done), or public methods as tools; optional get_reward()). It runs in worker processes, "
+        "so it must be importable (not defined in __main__). null = no environment.",
+    )
+    max_turns: int = option(
+        4,
+        "Agent turns per trajectory at most (with an environment or tools); each turn is at most "
+        "rollout.max_new_tokens tokens.",
+    )
+    max_tokens: int | None = option(
+        None,
+        "Response budget of a trajectory: agent and observation tokens after the prompt; a turn "
+        "that would pass it is not started. null = env.max_turns × rollout.max_new_tokens.",
+    )
+
+    def problems(self, name: str = "env") -> list[str]:
+        e = []
+        if self.factory is not None and (msg := _spec_problem(self.factory, f"{name}.factory")):
+            e.append(msg)
+        if self.max_turns < 1:
+            e.append(f"{name}.max_turns = {self.max_turns} must be ≥ 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            e.append(f"{name}.max_tokens = {self.max_tokens} must be ≥ 1 (or null)")
+        return e
+
+
+@dataclass
+class ToolsSection:
+    """Tool functions the policy may call (docs/agents.md), with or without an environment."""
+
+    functions: list[str] = option(
+        help="Tool functions 'module:function' (typed, with Google-style docstrings: their JSON "
+        "schemas reach the chat template's tools=), called by the name of the function. They run "
+        "in worker processes, so they must be importable (not defined in __main__). Empty = none.",
+        default_factory=list,
+    )
+    format: str = option(
+        "hermes",
+        'How a call is read from the policy\'s turn: hermes (<tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call>, Qwen/Hermes models) or minimal ([name arg ...], '
+        "for character-level tiny models).",
+        choices=CALL_FORMATS,
+    )
+    timeout_s: float | None = option(
+        10.0,
+        "Seconds one call into a tool or the environment may run; past it its worker process is "
+        "killed and replaced (a tool: an error observation; an environment: its trajectory "
+        "fails). null = no limit.",
+    )
+    on_error: str = option(
+        "observe",
+        "A tool that raises or times out, or a malformed call: observe (the error text is the "
+        "tool message, the trajectory goes on) or end (the trajectory ends, outcome reward 0).",
+        choices=ON_TOOL_ERROR,
+    )
+    workers: int = option(
+        4,
+        "Worker processes per training process running tools and environments (trajectory b "
+        "on worker b mod n); 0 = in the training process, no timeout (for debugging).",
+    )
+
+    def problems(self, name: str = "tools") -> list[str]:
+        e = []
+        for i, spec in enumerate(self.functions):
+            if msg := _spec_problem(spec, f"{name}.functions[{i}]"):
+                e.append(msg)
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            e.append(f"{name}.timeout_s = {self.timeout_s} must be > 0 seconds, or null")
+        if self.workers < 0:
+            e.append(f"{name}.workers = {self.workers} must be ≥ 0 (0 = in this process)")
+        return e
+
+
+def agent_problems(
+    problems: list[str],
+    env: EnvSection,
+    tools: ToolsSection,
+    rollout: RolloutSection,
+    has_eval: bool,
+) -> list[str]:
+    """``problems`` (a config's so far) with an agent run's own: what an agent run (``env.factory``
+    or ``tools.functions`` set) cannot take together. An environment may be the only source of
+    reward (its ``get_reward``, checked when it loads), so the missing-reward problem is dropped."""
+    if env.factory is None and not tools.functions:
+        return problems
+    e = [p for p in problems if not (env.factory is not None and p.endswith(NO_REWARD))]
+    if has_eval:
+        e.append(
+            "eval.prompts with env/tools: the held-out evaluation samples one response per prompt, "
+            "not trajectories (not wired yet); set eval.prompts: null"
+        )
+    if rollout.stop_strings:
+        e.append(
+            "rollout.stop_strings cannot be used with env/tools: a turn ends at EOS (the end of "
+            "an assistant turn) or rollout.stop_token_ids; set rollout.stop_strings: []"
+        )
+    budget = agent_max_tokens(env, rollout)
+    if budget < rollout.max_new_tokens:
+        e.append(
+            f"env.max_tokens = {budget} is smaller than one turn (rollout.max_new_tokens = "
+            f"{rollout.max_new_tokens})"
+        )
+    return e
+
+
+def agent_max_tokens(env: EnvSection, rollout: RolloutSection) -> int:
+    """A trajectory's response budget: ``env.max_tokens``, or ``env.max_turns`` turns."""
+    return env.max_tokens if env.max_tokens is not None else env.max_turns * rollout.max_new_tokens
 
 
 def keep_best_problems(output: OutputSection, has_eval: bool, what: str) -> list[str]:

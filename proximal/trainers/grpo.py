@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from proximal import dist
+from proximal.agents.collect import agent_collect, build_environments, context_length
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -65,6 +66,7 @@ from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
 from proximal.train.run import due, open_run
+from proximal.train.sections import agent_max_tokens
 from proximal.trainers.grpo_config import ADVANTAGES, REINFORCE_PP, GRPOConfig
 
 __all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
@@ -98,6 +100,19 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         split=d.split,
         columns=d.columns,
     )
+    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
+    envs = None
+    if cfg.env.factory is not None or cfg.tools.functions:
+        envs = build_environments(
+            cfg.env.factory,
+            cfg.tools.functions,
+            call_format=cfg.tools.format,
+            timeout_s=cfg.tools.timeout_s,
+            on_error=cfg.tools.on_error,
+            workers=cfg.tools.workers,
+            has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
+        )
+    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
     evaluation = training_eval(
@@ -179,8 +194,10 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         # 1–3. A global batch of prompts q; G responses o_1 … o_G ~ π_θ(·|q) to each (rows b·G … b·G + G − 1),
         # each row from its own seeded generator; scores r_i from the reward model and/or verifiers. A row
         # with a non-finite score is masked out of training, not dropped (rollout/collect.py).
-        got = collect(
-            step,
+        # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
+        # (agents/collect.py), and its score its outcome plus its turn rewards: the group's baseline
+        # is over whole trajectories.
+        source = dict(
             prompt_set=prompts,
             sampler=sampler,
             engine=engine,
@@ -191,6 +208,18 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             group_size=G,
             **r.collect_kwargs(),
         )
+        if envs is None:
+            got = collect(step, **source)
+        else:
+            got = agent_collect(
+                step,
+                envs=envs,
+                max_turns=cfg.env.max_turns,
+                max_tokens=max_length,
+                max_context=context_length(actor),
+                **source,
+            )
+            got.scores = got.scores + got.turn_rewards.sum(1)
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~got.valid).sum())))
 
         # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it — not
@@ -265,7 +294,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 clip_eps_high=g.clip_eps_high,
                 beta=0.0 if kl_reward else g.beta,
                 temperature=r.temperature,
-                max_length=r.max_new_tokens,
+                max_length=max_length,
                 max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
                 logprobs_path=t.logprobs,
@@ -296,7 +325,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         flops = online_step_flops(
             run.shapes,
             prompt_mask=got.rollout.prompt_mask,
-            response_mask=got.rollout.response_mask,
+            response_mask=got.rollout.real_mask,
             policy="actor",
             forward=("reference", "reward_model") + (() if one_step_per_batch else ("actor",)),
             trained={"actor": update["trained"]},
@@ -324,6 +353,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             **run.utilisation(step_s, flops=flops, tokens=update["tokens"]),
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
+            **(got.metrics() if envs is not None else {}),
         }
         metrics.update(held_out(step))
         run.log(
@@ -333,6 +363,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 "score": metrics["score/mean"],
                 "uniform": metrics["data/uniform_group_frac"],
                 **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
+                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
                 **eval_postfix(metrics, cfg.output.keep_best),
             },
         )
@@ -346,6 +377,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.components,
                 got.valid,
                 cfg.output.samples_per_step,
+                extra=got.records() if envs is not None else None,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
         if step == t.steps:
@@ -367,6 +399,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     if start == t.steps:  # --resume of a finished run: its policy written again
         export_final(run.dir, actor, tokenizer)
+    if envs is not None:
+        envs.close()
     run.finish()
     return run.dir
 

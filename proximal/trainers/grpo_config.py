@@ -14,6 +14,7 @@ from proximal.config import check_divides, option, section, section_problems
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
+    EnvSection,
     EvalSection,
     OnlineModelSection,
     OptimSection,
@@ -21,6 +22,8 @@ from proximal.train.sections import (
     RLOutputSection,
     RLTrainSection,
     RolloutSection,
+    ToolsSection,
+    agent_problems,
     keep_best_problems,
 )
 
@@ -168,6 +171,12 @@ class GRPOConfig:
     eval: EvalSection = section(
         EvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
     )
+    env: EnvSection = section(
+        EnvSection, "A multi-turn environment (docs/agents.md); null factory = none."
+    )
+    tools: ToolsSection = section(
+        ToolsSection, "Tool functions the policy calls (docs/agents.md); empty = none."
+    )
 
     @property
     def responses_per_step(self) -> int:
@@ -186,6 +195,9 @@ class GRPOConfig:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         e += self.rollout.precision_problems(self.train.precision)
+        e = agent_problems(
+            e, self.env, self.tools, self.rollout, has_eval=self.eval.prompts is not None
+        )
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")

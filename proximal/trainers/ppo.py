@@ -25,6 +25,11 @@ from pathlib import Path
 import torch
 
 from proximal import dist
+from proximal.agents.collect import (
+    agent_collect,
+    build_environments,
+    context_length,
+)
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -62,6 +67,7 @@ from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import global_tokens, online_step_flops
 from proximal.train.run import due, open_run
+from proximal.train.sections import agent_max_tokens
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
@@ -96,6 +102,19 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         split=d.split,
         columns=d.columns,
     )
+    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
+    envs = None
+    if cfg.env.factory is not None or cfg.tools.functions:
+        envs = build_environments(
+            cfg.env.factory,
+            cfg.tools.functions,
+            call_format=cfg.tools.format,
+            timeout_s=cfg.tools.timeout_s,
+            on_error=cfg.tools.on_error,
+            workers=cfg.tools.workers,
+            has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
+        )
+    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
@@ -203,8 +222,9 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # 1–3. A global batch of prompts x (the initial states s_1 = x); responses y ~ π_θ(·|x) until EOS, a
         # stop or T tokens, each row from its own seeded generator; scores r_ψ(x, y) (+ reward functions).
         # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
-        got = collect(
-            step,
+        # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
+        # (the observations attended to, never trained on: agents/collect.py).
+        source = dict(
             prompt_set=prompts,
             sampler=sampler,
             engine=engine,
@@ -214,6 +234,17 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             device=run.device,
             **r.collect_kwargs(),
         )
+        if envs is None:
+            got = collect(step, **source)
+        else:
+            got = agent_collect(
+                step,
+                envs=envs,
+                max_turns=cfg.env.max_turns,
+                max_tokens=max_length,
+                max_context=context_length(actor),
+                **source,
+            )
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
 
@@ -259,6 +290,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             kl_ctl.beta,
             p.kl_estimator,
         )
+        if envs is not None:  # per-turn rewards on the last agent token of their turn
+            rewards = rewards + got.turn_rewards
         advantages, returns = gae(rewards, exp.values, mask, p.gamma, p.lam)
         explained_var = float(
             explained_variance(exp.values, returns, mask, all_reduce=dist.all_reduce_sum)
@@ -286,7 +319,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 vf_coef=p.vf_coef,
                 target_kl=p.target_kl,
                 temperature=r.temperature,
-                max_length=r.max_new_tokens,
+                max_length=max_length,
                 max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
                 ptx=ptx,
@@ -326,7 +359,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         flops = online_step_flops(
             run.shapes,
             prompt_mask=rollout.prompt_mask,
-            response_mask=rollout.response_mask,
+            response_mask=rollout.real_mask,
             policy="actor",
             forward=("reference", "critic", "reward_model") + (("actor",) if first is None else ()),
             trained={"actor": update["trained"] + update["ptx"], "critic": update["trained"]},
@@ -356,6 +389,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             **run.utilisation(step_s, flops=flops, tokens=update["tokens"] + update["ptx"].body),
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
+            **(got.metrics() if envs is not None else {}),
         }
         metrics.update(held_out(step))
         run.log(
@@ -365,6 +399,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 "score": metrics["score/mean"],
                 "kl": seq_kl,
                 "beta": kl_ctl.beta,
+                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
                 **eval_postfix(metrics, cfg.output.keep_best),
             },
         )
@@ -378,6 +413,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.components,
                 valid,
                 cfg.output.samples_per_step,
+                extra=got.records() if envs is not None else None,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
         if step == t.steps:
@@ -399,6 +435,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     if start == t.steps:  # --resume of a finished run: its models written again
         export_models(run.dir, actor, critic, tokenizer)
+    if envs is not None:
+        envs.close()
     run.finish()
     return run.dir
 

@@ -15,6 +15,7 @@ from proximal.core import AGGREGATIONS, ESTIMATORS, KL_CONTROLLERS
 from proximal.core.ranges import problem
 from proximal.train.run import check_per_rank
 from proximal.train.sections import (
+    EnvSection,
     EvalSection,
     OnlineModelSection,
     OptimSection,
@@ -22,6 +23,8 @@ from proximal.train.sections import (
     RLOutputSection,
     RLTrainSection,
     RolloutSection,
+    ToolsSection,
+    agent_problems,
     keep_best_problems,
 )
 
@@ -160,6 +163,12 @@ class PPOConfig:
     eval: EvalSection = section(
         EvalSection, "Held-out prompts sampled while the policy trains (eval/* metrics)."
     )
+    env: EnvSection = section(
+        EnvSection, "A multi-turn environment (docs/agents.md); null factory = none."
+    )
+    tools: ToolsSection = section(
+        ToolsSection, "Tool functions the policy calls (docs/agents.md); empty = none."
+    )
 
     RENAMED: ClassVar[dict[str, str]] = {
         "model.policy": "the policy's checkpoint is model.path (the same field in every command)",
@@ -172,6 +181,9 @@ class PPOConfig:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         e += self.rollout.precision_problems(self.train.precision)
+        e = agent_problems(
+            e, self.env, self.tools, self.rollout, has_eval=self.eval.prompts is not None
+        )
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")

@@ -119,3 +119,41 @@ class Greeter:
 
     def step(self, text: str):
         return None, 0.0, True
+
+
+def frac_a_text(text: str) -> float:
+    """``ppo_support.frac_a`` of a turn's text as the reward functions see it (special tokens left
+    out: a random tiny policy samples ``<pad>`` and ``<unk>`` too)."""
+    for special in ("<pad>", "<bos>", "<unk>", "<eos>"):
+        text = text.replace(special, "")
+    return text.count("a") / max(1, len(text))
+
+
+class FracA:
+    """A one-turn environment that scores its turn as the ``ppo_support:frac_a`` verifier would."""
+
+    def reset(self, **row):
+        self.text = ""
+
+    def step(self, text: str):
+        self.text = text
+        return None, 0.0, True
+
+    def get_reward(self) -> float:
+        return frac_a_text(self.text)
+
+
+class Talk:
+    """The step form over ``turns`` turns (a row column, default 2): the reply "ab", a per-turn
+    reward of 0.1·(the turn's 'a' count); outcome = frac_a of the last turn."""
+
+    def reset(self, turns: int = 2, **row):
+        self.left, self.last = int(turns), ""
+
+    def step(self, text: str):
+        self.left -= 1
+        self.last = text
+        return "ab", 0.1 * text.count("a"), self.left <= 0
+
+    def get_reward(self) -> float:
+        return frac_a_text(self.last)
