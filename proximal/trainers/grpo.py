@@ -327,7 +327,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             prompt_mask=got.rollout.prompt_mask,
             response_mask=got.rollout.real_mask,
             policy="actor",
-            forward=("reference", "reward_model") + (() if one_step_per_batch else ("actor",)),
+            forward=("reference", "reward_model") + (("actor",) if old_in_experience else ()),
             trained={"actor": update["trained"]},
             device=run.device,
         )

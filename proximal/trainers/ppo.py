@@ -361,7 +361,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             prompt_mask=rollout.prompt_mask,
             response_mask=rollout.real_mask,
             policy="actor",
-            forward=("reference", "critic", "reward_model") + (("actor",) if first is None else ()),
+            forward=("reference", "critic", "reward_model")
+            + (("actor",) if first is None and not bypass else ()),
             trained={"actor": update["trained"] + update["ptx"], "critic": update["trained"]},
             device=run.device,
         )
