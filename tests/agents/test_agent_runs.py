@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from ppo_support import (
     checkpoint_dirs,
@@ -120,3 +123,211 @@ def test_ppo_one_turn_environment_is_todays_run_bit_for_bit(assets, tmp_path, ca
     assert ppo_main(plain) == 0, capsys.readouterr().err
     assert ppo_main(agent) == 0, capsys.readouterr().err
     _same_runs(tmp_path / "plain", tmp_path / "agent")
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-turn runs
+# ----------------------------------------------------------------------------------------------
+
+TALK = {"factory": "agent_support:Talk", "max_turns": 3}
+
+
+def _multi_turn_checks(run_dir, steps: int):
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert 1.0 <= r["agent/turns"] <= 3.0 and r["agent/observation_tokens"] >= 0
+        assert (
+            abs(sum(r[f"agent/stop_{s}"] for s in ("done", "max_turns", "turn_length")) - 1) < 1e-9
+        )
+        assert r["agent/tool_calls"] == 0 and "score/env" in r
+    assert any(r["agent/turns"] > 1 for r in rows), "no row had a second turn: pick other seeds"
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    multi = [s for s in samples if len(s["trajectory"]["turns"]) > 1]
+    assert multi
+    for s in multi:
+        turns = s["trajectory"]["turns"]
+        # the observation after each turn but the last is the environment's reply, in the response
+        assert all(t["observation"] == [{"role": "user", "content": "ab"}] for t in turns[:-1])
+        assert s["response"].startswith(turns[0]["agent"].replace("<bos>", "").replace("<unk>", ""))
+        want = [0.1 * t["agent"].count("a") for t in turns]
+        if s["trajectory"]["stop"] == "turn_length":  # a turn cut by the limit is never stepped
+            want[-1] = 0.0
+        assert [t["reward"] for t in turns] == pytest.approx(want, abs=1e-12)
+
+
+def test_grpo_multi_turn_run(assets, tmp_path, capsys):
+    """GRPO over a two-turn environment (the step form: a reply, per-turn rewards, an outcome):
+    agent/* every step, each trajectory's turns in samples.jsonl, and the score = the outcome +
+    the per-turn rewards (GRPO's baseline over whole trajectories)."""
+    prompts = _prompts(tmp_path, turns=2)
+    cfg = grpo_config(
+        assets.policy("llama"),
+        prompts,
+        tmp_path / "run",
+        model={"reward_functions": []},
+        rollout={"stop_token_ids": [11, 12, 13]},  # a few digits end a turn too: turns stop early
+        env=TALK,
+        tools={"workers": 1},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    _multi_turn_checks(tmp_path / "run", 2)
+    for s in read_jsonl(tmp_path / "run" / "samples.jsonl"):
+        turn_sum = sum(t["reward"] for t in s["trajectory"]["turns"])
+        assert s["score"] == pytest.approx(s["score/env"] + turn_sum, abs=1e-6)
+
+
+def test_ppo_multi_turn_run(assets, tmp_path, capsys):
+    """PPO with the critic across turns over the same environment: the per-turn rewards reach the
+    shaped rewards (reward/total_mean = the score + the turn rewards − β·KL, so it moves with them)."""
+    prompts = _prompts(tmp_path, turns=2)
+    cfg = tiny_config(
+        assets.policy("llama"),
+        prompts,
+        tmp_path / "run",
+        model={"reward_functions": []},
+        rollout={"stop_token_ids": [11, 12, 13]},
+        env=TALK,
+        tools={"workers": 1},
+        output={"samples_per_step": 8},
+    )
+    assert ppo_main(cfg) == 0, capsys.readouterr().err
+    _multi_turn_checks(tmp_path / "run", 2)
+    for s in read_jsonl(tmp_path / "run" / "samples.jsonl"):
+        assert s["score"] == pytest.approx(s["score/env"], abs=1e-6)  # turn rewards not in it
+
+
+def test_grpo_multi_turn_resume_continues_exactly(assets, tmp_path, monkeypatch, capsys):
+    from proximal.train import run
+
+    prompts = _prompts(tmp_path, 6, turns=2)
+
+    def cfg(name):
+        return grpo_config(
+            assets.policy("llama"),
+            prompts,
+            tmp_path / name,
+            model={"reward_functions": ["ppo_support:length"]},
+            rollout={"stop_token_ids": [11, 12, 13], "group_size": 2},
+            grpo={"iterations": 2, "mini_batch_size": 2, "micro_batch_size": 1},
+            env=TALK,
+            tools={"workers": 1},
+            train={"steps": 3, "save_every": 1, "keep_checkpoints": 3},
+        )
+
+    assert grpo_main(cfg("full")) == 0, capsys.readouterr().err
+    save = run.save_checkpoint
+
+    def save_then_die(root, step, **kwargs):
+        out = save(root, step, **kwargs)
+        if step == 2:
+            raise SystemExit("killed after step 2")
+        return out
+
+    with monkeypatch.context() as mp:
+        mp.setattr(run, "save_checkpoint", save_then_die)
+        with pytest.raises(SystemExit, match="killed after step 2"):
+            grpo_main(cfg("crashed"))
+    assert grpo_main(None, "--resume", str(tmp_path / "crashed")) == 0, capsys.readouterr().err
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_jsonl(tmp_path / "crashed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(full, resumed):
+        a, b = without_timing(a), without_timing(b)
+        assert a == b, {k: (a.get(k), b.get(k)) for k in a if a.get(k) != b.get(k)}
+    assert any(r["agent/turns"] > 1 for r in full[2:])
+    assert read_jsonl(tmp_path / "full" / "samples.jsonl") == read_jsonl(
+        tmp_path / "crashed" / "samples.jsonl"
+    )
+    _same_runs(tmp_path / "full", tmp_path / "crashed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tools in a run
+# ----------------------------------------------------------------------------------------------
+
+#: What the policy "writes" in its first turn, row by row (a random tiny model would not write a
+#: call): a raising tool, a hanging one, a call naming no tool, an unreadable one, a non-text result.
+SCRIPT = [
+    "[fail 1]",
+    "[hang 2]",
+    "[nope 3]",
+    "[table",
+    "[table 3]",
+    "[fail 4]",
+    "[hang 5]",
+    "[table 6]",
+]
+
+
+def _scripted(monkeypatch, tok):
+    """Make every engine write SCRIPT[row] as a row's first turn (then sample as it would)."""
+    from proximal.rollout.engine import HFEngine
+
+    generate = HFEngine.generate
+    eos = tok.eos_token_id
+
+    def scripted(self, ids, mask, seeds, params, *, logprobs=False):
+        out, mu = generate(self, ids, mask, seeds, params, logprobs=True)
+        rows = [
+            tok(SCRIPT[i % len(SCRIPT)], add_special_tokens=False)["input_ids"] + [eos]
+            for i in range(len(ids))
+        ]
+        width = max(out.shape[1], *(len(r) for r in rows))
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=eos)
+        mu = torch.nn.functional.pad(mu, (0, width - mu.shape[1]))
+        for i in range(len(ids)):
+            if not (ids[i][mask[i].bool()] == eos).any():  # the first turn: no agent turn ended yet
+                out[i, : len(rows[i])] = torch.tensor(rows[i])
+        return (out, mu) if logprobs else out
+
+    monkeypatch.setattr(HFEngine, "generate", scripted)
+
+
+def test_tools_in_a_run_are_counted_and_never_hang(tmp_path, monkeypatch, capsys):
+    from proximal.tasks.calculator import build_tokenizer, make_task_data
+
+    make_task_data(
+        tmp_path / "data", n_sft_train=4, n_sft_eval=2, n_prompts_train=8, n_prompts_eval=2
+    )
+    tok = build_tokenizer()
+    _scripted(monkeypatch, tok)
+    cfg = grpo_config(
+        tmp_path / "data" / "base_model",
+        tmp_path / "data" / "prompts_train.jsonl",
+        tmp_path / "run",
+        model={"reward_functions": ["proximal.tasks.calculator:verify"]},
+        rollout={"batch_size": 4, "group_size": 2, "max_new_tokens": 12},
+        grpo={"micro_batch_size": 4},
+        env={"max_turns": 2, "max_tokens": 80},  # room for the error texts (the context is 96)
+        tools={
+            "functions": ["agent_support:fail", "agent_support:hang", "agent_support:table"],
+            "format": "minimal",
+            "timeout_s": 1.0,
+            "workers": 2,
+        },
+        train={"steps": 1},
+        output={"samples_per_step": 8},
+    )
+    t0 = time.perf_counter()
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    took = time.perf_counter() - t0
+    [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    # 8 rows: 2 fail, 2 hang, 1 unknown name + 1 unreadable, 2 table (and whatever turn 2 wrote)
+    assert row["agent/tool_calls"] >= 8
+    assert row["agent/tool_errors"] >= 2
+    assert row["agent/tool_timeouts"] >= 2
+    assert row["agent/malformed_calls"] >= 2
+    assert row["agent/failed"] == 0.0  # on_error observe: every trajectory goes on
+    assert took < 2 * 1.0 + 60, f"the hanging tool held the run: {took:.1f} s"
+    observations = [
+        t["observation"]
+        for s in read_jsonl(tmp_path / "run" / "samples.jsonl")
+        for t in s["trajectory"]["turns"][:1]
+    ]
+    texts = [m["content"] for o in observations for m in o]
+    assert any(x.startswith("error: ValueError: no good: 1") for x in texts)
+    assert any("timeout_s" in x for x in texts)
+    assert any(x.startswith("error: malformed tool call") for x in texts)
+    assert '{"n": 3, "square": 9}' in texts  # a non-text result written as JSON
