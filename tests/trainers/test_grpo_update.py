@@ -212,9 +212,10 @@ def _train_on_rank(cfg: dict, tmp) -> tuple[list, list]:
 
 def test_one_and_two_processes_compute_the_same_steps(assets, tmp_path, monkeypatch):
     """The same two steps (μ = 2 iterations of 2 mini-batches; DAPO's token-mean, whose normaliser a
-    per-rank count would get wrong) on one process and on two forked gloo ranks with FSDP2. The
-    rollouts agree exactly (per-row seeded sampling), so does every count; gradients and losses
-    agree to float32 round-off of different reduction orders. Compared: every optimiser step's full
+    per-rank count would get wrong; the length reward, so the advantages are not zero) on one process
+    and on two forked gloo ranks with FSDP2. The rollouts agree exactly (per-row seeded sampling),
+    so does every count; gradients and losses agree to float32 round-off of different reduction
+    orders. Compared: every optimiser step's full
     gradient (sharper than the weights, which AdamW's 1/√v makes sensitive to round-off on
     near-zero gradients) at rtol 1e-4, and the logged losses and norms at rel 1e-4."""
     from multiproc import run_ranks
@@ -237,6 +238,9 @@ def test_one_and_two_processes_compute_the_same_steps(assets, tmp_path, monkeypa
                 "beta": 0.1,
             },
             rollout=VARIED_LENGTHS,
+            # scores that differ within a group: under frac_a and these stop strings every group was
+            # uniform (every advantage 0) and only the KL term reached the gradient
+            model={"reward_functions": ["ppo_support:length"]},
             optim={"lr": 1e-2},
             train={"steps": 2},
         )
@@ -257,6 +261,10 @@ def test_one_and_two_processes_compute_the_same_steps(assets, tmp_path, monkeypa
     assert (
         1.5 < one_rows[0]["response/length_mean"] < 6
     )  # responses of many lengths: the normaliser matters
+    # The policy term is in every step's gradient (measured: no uniform group, clipfrac 0.24, 0.43).
+    for r in one_rows:
+        assert r["data/uniform_group_frac"] < 1 and r["advantage/max"] > 0, r
+        assert r["policy/clipfrac"] > 0, r  # the second iteration is off-policy and clips
     for r1, r2 in zip(one_rows, two_rows):
         for k, v in r1.items():
             if k.startswith(TIMING_PREFIXES) or not isinstance(v, (int, float)):
