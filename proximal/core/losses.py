@@ -66,7 +66,7 @@ def ppo_policy_loss(
             :func:`~proximal.core.stats.masked_aggregate`, which also explains ``max_length``).
         normalizer: the aggregation's unit count summed over the whole batch when this call sees
             only a micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
-        dual_clip: c > 1, the bound for Â < 0; None = off (the seed's L^CLIP).
+        dual_clip: c > 1, the bound for Â < 0; None = off (Schulman et al.'s L^CLIP).
         is_weights: w ≥ 0, (B, T), detached per-token weights; None = all 1.
 
     Returns:

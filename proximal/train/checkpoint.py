@@ -16,8 +16,8 @@ and every file has been hashed; ``checkpoints/latest`` (a one-line text file, th
 reads) then names it. The loadable models are the exports: ``step_NNNNNN/policy``;
 ``checkpoints/newest``, a symbolic link to the newest checkpoint's first export (``from_pretrained``
 opens it: ``--model.path runs/ppo/checkpoints/newest``); and, with ``output.keep_best``,
-``checkpoints/best``, a symbolic link to the best checkpoint's export, which pruning never deletes. The final model is exported into the run directory itself
-(:func:`export_final`). On resume the manifest is
+``checkpoints/best``, a symbolic link to the best checkpoint's export, which pruning never
+deletes. The final model is exported into the run directory itself (:func:`export_final`). On resume the manifest is
 checked file by file; a damaged checkpoint is reported (which file, how) and the newest intact one
 is used instead. Temporary directories a killed run left behind are removed at the next start.
 
@@ -242,9 +242,11 @@ def save_checkpoint(
         best_dir = None if best is None else step_name(best) + first
         newest_dir = final.name + first if exports else None
         _agree(
-            lambda: _publish(root, tmp, final, manifest, keep, best_dir, newest_dir)
-            if dist.is_main()
-            else None
+            lambda: (
+                _publish(root, tmp, final, manifest, keep, best_dir, newest_dir)
+                if dist.is_main()
+                else None
+            )
         )
     except BaseException as e:
         if dist.is_main():
@@ -304,10 +306,14 @@ def _publish(
 
 def symlink(path: Path, target: str) -> None:
     """``path`` → ``target`` (relative to ``path``'s directory) as a symbolic link, replacing what
-    was there in one rename: a reader sees the old link or the new one, never none."""
+    was there in one rename: a reader sees the old link or the new one, never none. A run directory
+    copied without its links (``cp -r``, ``shutil.copytree``) holds a plain copy of the linked model
+    there instead: that copy is removed first (a rename cannot replace a directory)."""
     tmp = path.with_name(f".{path.name}.link-{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
     os.symlink(target, tmp)
     os.replace(tmp, path)
 

@@ -78,7 +78,7 @@ class PPOLossConfig:
     dual_clip: float | None = option(
         None,
         "c > 1: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, 3): a token with Â < 0 "
-        "loses at most c·|Â| however far its ratio grows; null = off (the seed's L^CLIP).",
+        "loses at most c·|Â| however far its ratio grows; null = off (Schulman et al.'s L^CLIP).",
     )
     value_clip_eps: float = option(0.2, "ε_v of the clipped value loss.")
     gamma: float = option(
@@ -181,9 +181,7 @@ class PPOConfig:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         e += self.rollout.precision_problems(self.train.precision)
-        e = agent_problems(
-            e, self.env, self.tools, self.rollout, has_eval=self.eval.prompts is not None
-        )
+        e = agent_problems(e, self.env, self.tools, self.rollout)
         d, r, p, k = self.data, self.rollout, self.ppo, self.kl
         if p.ptx_coef > 0 and not d.ptx_file:
             e.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_file")

@@ -138,7 +138,8 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_latest(
     assert "stopped at once by a second stop signal (SIGTERM after SIGTERM)" in err
     assert err.count("\n") == 1, err
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert ckpts == ["latest", "step_000002"]  # no step_000003, no half-written .step_000003.tmp
+    # no step_000003, no half-written .step_000003.tmp
+    assert ckpts == ["latest", "newest", "step_000002"]
     assert (run / "checkpoints" / "latest").read_text() == "step_000002\n"
     assert main(argv) == 0, capsys.readouterr().err
     assert measured_out(metrics(run)) == measured_out(metrics(full))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -338,3 +340,34 @@ def test_newest_is_a_model_directory_that_follows_each_save(tmp_path):
 
 def test_without_an_export_there_is_no_newest(three):
     assert not (three / "newest").exists()
+
+
+def test_a_copied_run_whose_links_became_directories_saves_again(tmp_path):
+    """``shutil.copytree`` (like ``cp -r``) copies ``newest`` as a plain directory: the next save
+    replaces it with a link again instead of failing on a rename over a directory."""
+    tok = build_char_tokenizer(list("ab "))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_causal_lm(tmp_path / "src", tok))
+    opt = build_optimizer(model, lr=0.1, weight_decay=0.0)
+
+    def save(root, step):
+        save_checkpoint(
+            root,
+            step,
+            trained={"policy": (model, opt)},
+            state={},
+            exports={"policy": (model, tok)},
+            keep=2,
+        )
+
+    save(tmp_path / "a" / "checkpoints", 1)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copied = tmp_path / "b" / "checkpoints" / "newest"
+    assert copied.is_dir() and not copied.is_symlink()
+    save(tmp_path / "b" / "checkpoints", 2)
+    assert copied.is_symlink() and os.readlink(copied) == "step_000002/policy"
+    assert sorted(p.name for p in copied.parent.iterdir()) == [
+        "latest",
+        "newest",
+        "step_000001",
+        "step_000002",
+    ]
