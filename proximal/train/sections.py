@@ -862,7 +862,6 @@ def agent_problems(
     env: EnvSection,
     tools: ToolsSection,
     rollout: RolloutSection,
-    has_eval: bool,
 ) -> list[str]:
     """``problems`` (a config's so far) with an agent run's own: what an agent run (``env.factory``
     or ``tools.functions`` set) cannot take together. An environment may be the only source of
@@ -870,11 +869,6 @@ def agent_problems(
     if env.factory is None and not tools.functions:
         return problems
     e = [p for p in problems if not (env.factory is not None and p.endswith(NO_REWARD))]
-    if has_eval:
-        e.append(
-            "eval.prompts with env/tools: the held-out evaluation samples one response per prompt, "
-            "not trajectories (not wired yet); set eval.prompts: null"
-        )
     if rollout.stop_strings:
         e.append(
             "rollout.stop_strings cannot be used with env/tools: a turn ends at EOS (the end of "

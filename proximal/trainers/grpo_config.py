@@ -195,9 +195,7 @@ class GRPOConfig:
         e = section_problems(self)
         e += keep_best_problems(self.output, self.eval.prompts is not None, "eval.prompts")
         e += self.rollout.precision_problems(self.train.precision)
-        e = agent_problems(
-            e, self.env, self.tools, self.rollout, has_eval=self.eval.prompts is not None
-        )
+        e = agent_problems(e, self.env, self.tools, self.rollout)
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")
