@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from proximal.agents.collect import build_environments, context_length, trajectory_completion
+from proximal.agents.env import COUNTS, Environments, check_offered
+from proximal.agents.trajectory import Trajectory, run_trajectories, to_rollout
 from proximal.config import ConfigError
 from proximal.data.collate import pad_left
 from proximal.data.preferences import collate_pairs, load_preference_pairs
@@ -26,7 +29,7 @@ from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer
 from proximal.models.output import token_kl
 from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
-from proximal.rollout.engine import RolloutEngine, row_seed
+from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams, row_seed
 from proximal.rollout.sampling import response_kl, sample
 from proximal.rollout.scoring import (
     DEFAULT_TIMEOUT_S,
@@ -38,6 +41,23 @@ from proximal.rollout.scoring import (
 from proximal.tasks.digits import gold as digits_gold
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
+
+#: A trajectory's per-row columns beside the scores (multi-turn evaluation): its agent turns, the
+#: tool calls it wrote, those that raised, timed out or could not be read, and whether it failed.
+AGENT_COLUMNS = ("turns", *COUNTS, "failed")
+
+
+@dataclass
+class AgentEval:
+    """How the held-out evaluation runs a multi-turn trajectory per prompt, as the run's rollouts do
+    (:func:`proximal.agents.trajectory.run_trajectories`): the run's environments and tools
+    (``envs``; its worker processes), ``env.max_turns``, the response budget ``max_tokens`` (agent
+    + observation tokens) and the model's context ``max_context`` (None: no limit)."""
+
+    envs: Environments
+    max_turns: int
+    max_tokens: int
+    max_context: int | None = None
 
 
 @torch.no_grad()
@@ -59,6 +79,8 @@ def evaluate_policy(
     split: str | None = None,
     columns: dict[str, str] | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    env: dict | None = None,
+    tools: dict | None = None,
 ) -> dict:
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
@@ -82,6 +104,13 @@ def evaluate_policy(
     the policy's own at temperature 1 either way. ``split`` and ``columns`` are the prompt loader's
     (docs/data.md). Returns the means under ``mean`` and every response under ``rows``. A run's
     ``eval`` section (:class:`TrainingEval`) computes the same numbers from the live models.
+
+    ``env`` and ``tools`` — a run's ``env:`` and ``tools:`` sections as dicts (``factory``,
+    ``max_turns``, ``max_tokens``; ``functions``, ``format``, ``timeout_s``, ``on_error``,
+    ``workers``; missing keys take the sections' defaults) — make each response a multi-turn
+    trajectory, the run's way (:class:`AgentEval`; ``max_new_tokens`` is one turn's limit). The
+    functions then score the whole trajectory, ``kl`` and ``length`` count the policy's own tokens,
+    and each row has :data:`AGENT_COLUMNS` (and ``env``, the environment's ``get_reward()``).
     """
     if scores is None:
         scores = {"gold": "proximal.tasks.digits:gold_score"}
@@ -101,9 +130,13 @@ def evaluate_policy(
     prompts = load_prompts(
         str(prompts_file), tokenizer, max_length=max_prompt_length, split=split, columns=columns
     )
-    return {
-        "policy": str(policy),
-        **evaluate_loaded(
+    agent = None
+    if env or tools:
+        agent = agent_eval(
+            env or {}, tools or {}, max_new_tokens, context_length(actor), has_reward_source=True
+        )
+    try:
+        measured = evaluate_loaded(
             actor,
             reference=ref,
             tokenizer=tokenizer,
@@ -119,8 +152,40 @@ def evaluate_policy(
             temperature=temperature,
             greedy=greedy,
             timeout_s=timeout_s,
-        ),
-    }
+            agent=agent,
+        )
+    finally:
+        if agent is not None:
+            agent.envs.close()
+    return {"policy": str(policy), **measured}
+
+
+def agent_eval(
+    env: dict,
+    tools: dict,
+    max_new_tokens: int,
+    max_context: int | None,
+    *,
+    has_reward_source: bool,
+) -> AgentEval:
+    """An :class:`AgentEval` from a run's ``env`` and ``tools`` sections given as dicts (missing
+    keys: the sections' defaults, :class:`proximal.train.sections.EnvSection` and ``ToolsSection``),
+    its environments built and their workers started. ``max_new_tokens`` is one turn's limit
+    (``env.max_tokens`` null: ``env.max_turns`` of them)."""
+    max_turns = env.get("max_turns", 4)
+    envs = build_environments(
+        env.get("factory"),
+        list(tools.get("functions", [])),
+        call_format=tools.get("format", "hermes"),
+        timeout_s=tools.get("timeout_s", 10.0),
+        on_error=tools.get("on_error", "observe"),
+        workers=tools.get("workers", 4),
+        has_reward_source=has_reward_source,
+    )
+    budget = env.get("max_tokens")
+    return AgentEval(
+        envs, max_turns, budget if budget is not None else max_turns * max_new_tokens, max_context
+    )
 
 
 @torch.no_grad()
@@ -143,6 +208,7 @@ def evaluate_loaded(
     engine: RolloutEngine | None = None,
     step: int | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    agent: AgentEval | None = None,
 ) -> dict:
     """:func:`evaluate_policy` on models already loaded: ``actor`` (sampled through ``engine``, or
     an :class:`~proximal.rollout.engine.HFEngine` over it), ``reference`` (a module, a
@@ -150,7 +216,10 @@ def evaluate_loaded(
     ``kl``), the rendered ``prompts``, the score ``functions`` and the ``reward_model``. Response j
     (prompt j // samples_per_prompt) draws from the generator seeded ``row_seed(seed, 0, j)``,
     whatever the batch it falls in. ``step`` names the step in a failing function's message;
-    ``timeout_s`` bounds each call of the functions (``model.reward_timeout_s``).
+    ``timeout_s`` bounds each call of the functions (``model.reward_timeout_s``). ``agent``: a
+    multi-turn trajectory per response (:class:`AgentEval`), turn 0 drawn from that seed and turn
+    k from ``row_seed`` of it and k, as a run's rollouts draw them; the environments' counts are
+    left as they were (a run's ``agent/*`` metrics never see the evaluation's calls).
     Returns ``{"n", "samples_per_prompt", "seed", "mean", "rows"}``."""
     scorer = Scorer(  # the reward model's scores as the trainers compute them
         tokenizer,
@@ -165,30 +234,57 @@ def evaluate_loaded(
         idx = order[start : start + batch_size]
         ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id, device)
         seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one per response
-        r = sample(
-            engine if engine is not None else actor,
-            tokenizer,
-            ids,
-            mask,
-            seeds=seeds,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=1 if greedy else 0,
-        )
         texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
-        completions = scorer.completions(r)
         columns = prompts.columns_of(idx)
+        trajs = given = None
+        if agent is None:
+            r = sample(
+                engine if engine is not None else actor,
+                tokenizer,
+                ids,
+                mask,
+                seeds=seeds,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=1 if greedy else 0,
+            )
+        else:
+            if engine is None:
+                engine = HFEngine(actor, tokenizer.pad_token_id)
+            r, trajs = _trajectories(
+                agent,
+                engine,
+                tokenizer,
+                prompts,
+                idx,
+                texts,
+                messages,
+                columns,
+                seeds,
+                device,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                greedy=greedy,
+            )
+            given = [
+                trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)
+            ]
+        completions = scorer.completions(r)
         scored = {}
         if reward_model is not None:
-            _, components = scorer(r, texts, messages, columns=columns, step=step)
+            _, components = scorer(
+                r, texts, messages, columns=columns, step=step, completions=given
+            )
             scored["proxy"] = [float(x) for x in components["reward_model"]]
         # The functions called as the trainers call them (their arguments, the time limit), their
         # scores kept in float64: a gold score's mean is exact, not float32's.
-        arguments = scorer.function_arguments(r, texts, messages, columns, step)
+        arguments = scorer.function_arguments(r, texts, messages, columns, step, given)
         values = call_reward_functions(
             functions, arguments, n=len(idx), step=step, timeout_s=timeout_s, dtype=torch.float64
         )
         scored.update({k: [float(x) for x in v] for k, v in values.items()})
+        if trajs is not None and agent.envs.has_reward:  # the environment's outcome, as in a run
+            scored["env"] = [0.0 if t.failed else float(t.env_reward or 0.0) for t in trajs]
         if weights is not None:
             scored["score"] = [
                 sum(w * scored[k][j] for k, w in weights.items()) for j in range(len(idx))
@@ -203,9 +299,12 @@ def evaluate_loaded(
                     **({"kl": float(kl[j])} if kl is not None else {}),
                     "length": int(r.response_mask[j].sum()),
                     "eos": bool(r.ended[j]),
+                    **(_trajectory_columns(trajs[j]) if trajs is not None else {}),
                 }
             )
     keys = [*scored, *(["kl"] if reference is not None else []), "length", "eos"]
+    if agent is not None:
+        keys += AGENT_COLUMNS
     mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in keys}
     return {
         "n": len(rows),
@@ -213,6 +312,66 @@ def evaluate_loaded(
         "seed": seed,
         "mean": mean,
         "rows": rows,
+    }
+
+
+def _trajectories(
+    agent: AgentEval,
+    engine: RolloutEngine,
+    tokenizer,
+    prompts: PromptSet,
+    idx: list[int],
+    texts: list[str],
+    messages: list,
+    columns: list[dict] | None,
+    seeds: list[int],
+    device,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool,
+):
+    """``(rollout, trajectories)``: one multi-turn trajectory per prompt of ``idx`` (the rows as a
+    run hands them to ``reset``), the environments' counts restored afterwards."""
+    rows = [
+        {"prompt": m if m is not None else p, **(c or {})}
+        for p, m, c in zip(texts, messages, columns or [None] * len(idx))
+    ]
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        temperature=temperature,
+        top_k=1 if greedy else 0,
+    )
+    counts = agent.envs.counts.copy()
+    try:
+        trajs = run_trajectories(
+            engine,
+            tokenizer,
+            agent.envs,
+            [list(prompts.token_ids[i]) for i in idx],
+            rows,
+            seeds=seeds,
+            params=params,
+            max_turns=agent.max_turns,
+            max_tokens=agent.max_tokens,
+            max_context=agent.max_context,
+            messages=messages,
+            device=device,
+        )
+    finally:
+        agent.envs.counts = counts
+    return to_rollout(trajs, tokenizer.pad_token_id, device), trajs
+
+
+def _trajectory_columns(t: Trajectory) -> dict:
+    """A trajectory's :data:`AGENT_COLUMNS` and its turns (``trajectory``, as samples.jsonl keeps
+    them)."""
+    return {
+        "turns": len(t.turns),
+        **{k: int(t.counts.get(k, 0)) for k in COUNTS},
+        "failed": bool(t.failed),
+        "trajectory": t.record(),
     }
 
 
@@ -263,6 +422,7 @@ class TrainingEval:
     temperature: float
     greedy: bool
     timeout_s: float | None = DEFAULT_TIMEOUT_S
+    agent: AgentEval | None = None  # env/tools: a multi-turn trajectory per response
 
     def due(self, step: int, total: int) -> bool:
         """Before the first step (step 0), every ``every`` steps, after the last."""
@@ -297,6 +457,7 @@ class TrainingEval:
             engine=engine,
             step=step,
             timeout_s=self.timeout_s,
+            agent=self.agent,
         )
         return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
 
@@ -329,12 +490,15 @@ def training_eval(
     seed: int,
     max_prompt_length: int,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    agent: AgentEval | None = None,
 ) -> TrainingEval | None:
     """A run's :class:`TrainingEval` from its ``eval`` section (None when ``eval.prompts`` is null):
     the prompts read and rendered now, before any model loads, with the loader every command uses
     (prompts longer than ``max_prompt_length`` keep their end); the run's reward ``functions`` and
     their ``weights`` (the reward model's as ``"proxy"``) plus ``eval.scores``. ``max_new_tokens``
-    and ``seed`` stand in for the section's nulls; ``timeout_s`` bounds each call of a function."""
+    and ``seed`` stand in for the section's nulls; ``timeout_s`` bounds each call of a function.
+    ``agent``: the run's environments and limits (env/tools), so each held-out response is a
+    multi-turn trajectory as in its rollouts; the rows' ``tools`` columns are checked against them."""
     if section.prompts is None:
         return None
     prompts = load_prompts(
@@ -350,6 +514,10 @@ def training_eval(
     problems = reward_argument_problems(functions, prompts.column_names(), str(section.prompts))
     if problems:
         raise ConfigError(f"eval.prompts: {problems[0]}")
+    if agent is not None and (
+        problem := check_offered(prompts.columns, agent.envs.tools, str(section.prompts))
+    ):
+        raise ConfigError(f"eval.prompts: {problem}")
     return TrainingEval(
         prompts=prompts,
         functions=functions,
@@ -362,6 +530,7 @@ def training_eval(
         temperature=section.temperature,
         greedy=section.greedy,
         timeout_s=timeout_s,
+        agent=agent,
     )
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from proximal import dist
-from proximal.agents.env import COUNTS, Environments, environment_class
+from proximal.agents.env import COUNTS, Environments, check_offered, environment_class
 from proximal.agents.tools import load_tools
 from proximal.agents.trajectory import STOPS, Trajectory, run_trajectories, to_rollout, turn_rewards
 from proximal.config import ConfigError
@@ -96,12 +96,15 @@ def build_environments(
     on_error: str,
     workers: int,
     has_reward_source: bool,
+    columns: list[dict] | None = None,
+    source: str = "data.prompts",
 ) -> Environments:
     """The run's :class:`~proximal.agents.env.Environments` from ``env.factory`` and
     ``tools.functions`` (imported and checked here, before any model loads), its workers started.
     ConfigError for a mistake in either, or when nothing scores the trajectories
     (``has_reward_source``: a reward model or reward functions; else the environment must have
-    ``get_reward``)."""
+    ``get_reward``), or when a prompt row's ``tools`` column (``columns``, the rows of
+    ``source``) names a tool that is not registered."""
     factory = load_environment(factory_spec) if factory_spec is not None else None
     tools = load_tools(tool_specs)
     try:
@@ -115,6 +118,9 @@ def build_environments(
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"env/tools: {e}") from None
+    if problem := check_offered(columns, envs.tools, str(source)):
+        envs.close()
+        raise ConfigError(problem)
     if not has_reward_source and not envs.has_reward:
         envs.close()
         name = environment_class(factory).__name__

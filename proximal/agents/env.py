@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,15 +168,24 @@ class Environments:
         self.pool = WorkerPool(workers, timeout_s)
         self.counts: Counter = Counter()
         self._live: set[int] = set()  # slots whose environment is alive
+        self._offered: dict[int, list[str] | None] = {}  # slot -> its row's tools (None: all)
 
     @property
     def tools(self) -> dict[str, Callable]:
         """Every tool the policy may call: the functions and the environment's methods."""
         return {**self.functions, **self.methods}
 
-    def schemas(self) -> list[dict]:
-        """The tools' JSON schemas, for the chat template's ``tools=``."""
-        return tool_schemas(self.tools)
+    def tools_of(self, slot: int) -> dict[str, Callable]:
+        """The tools trajectory ``slot`` may call: those its row's ``tools`` column names
+        (:func:`offered_tools`, read in :meth:`reset`), or every tool when it names none."""
+        names = self._offered.get(slot)
+        tools = self.tools
+        return tools if names is None else {n: tools[n] for n in names}
+
+    def schemas(self, slot: int | None = None) -> list[dict]:
+        """The tools' JSON schemas, for the chat template's ``tools=``: every tool's, or (``slot``)
+        those trajectory ``slot`` is offered."""
+        return tool_schemas(self.tools if slot is None else self.tools_of(slot))
 
     # ------------------------------------------------------------------------------------------
 
@@ -184,6 +193,9 @@ class Environments:
         """A fresh environment for each row (slot b = row b) and its first observation (None: the
         prompt is the first turn). Without an environment class, every observation is None."""
         self.release()
+        self._offered = {
+            b: offered_tools(row.get("tools"), self.tools) for b, row in enumerate(rows)
+        }
         if self.factory is None:
             return [None] * len(rows)
         jobs = [Job(b, ("new", b, self.factory, dict(row)), env=True) for b, row in enumerate(rows)]
@@ -222,11 +234,11 @@ class Environments:
         return out
 
     def _tool_steps(self, texts: dict[int, str]) -> dict[int, StepResult]:
-        tools = self.tools
         out: dict[int, StepResult] = {}
         jobs: list[Job] = []
         plans: dict[int, list] = {}  # slot -> [(name, job index | Malformed)]
         for b, text in texts.items():
+            tools = self.tools_of(b)  # a call to a tool its row does not offer names no tool
             calls = self.parse(text, tools)
             if not calls:
                 out[b] = StepResult([], done=True)
@@ -316,6 +328,49 @@ class Environments:
     def _count(self, results: dict[int, StepResult]) -> None:
         for r in results.values():
             self.counts.update(r.counts)
+
+
+def offered_tools(value, registered: dict[str, Callable] | Sequence[str]) -> list[str] | None:
+    """The names of the tools a prompt row offers, from its ``tools`` column (docs/agents.md).
+
+    ``value`` is the column's value: None (no column) offers every registered tool; a list names a
+    subset, each entry a tool's name or its JSON schema (TRL's ``tools`` column,
+    ``{"type": "function", "function": {"name": ...}}``, or ``{"name": ...}``). With no tools
+    registered the column is only data (the reward functions still get it): None. ValueError for
+    an entry that names no registered tool, or a value that is not a list.
+    """
+    if value is None or not registered:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"the row's 'tools' column must be a list of tool names or schemas, got "
+            f"{type(value).__name__} {value!r:.60}"
+        )
+    names = []
+    for entry in value:
+        name = entry
+        if isinstance(entry, dict):
+            name = (entry.get("function") or entry).get("name")
+        if not isinstance(name, str) or name not in registered:
+            shown = name if isinstance(name, str) else repr(entry)[:60]
+            raise ValueError(
+                f"the row's 'tools' column names {shown}, which is not a registered tool "
+                f"(tools: {', '.join(sorted(registered))})"
+            )
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def check_offered(columns: Sequence[dict] | None, registered: dict[str, Callable], where: str):
+    """The first problem (a string naming the row) with the rows' ``tools`` columns, or None; read
+    before any model loads."""
+    for i, row in enumerate(columns or []):
+        try:
+            offered_tools(row.get("tools"), registered)
+        except ValueError as e:
+            return f"{where}[row {i}]: {e}"
+    return None
 
 
 def check_environment(cls: type) -> list[str]:

@@ -39,6 +39,7 @@ the later agent tokens attend to them.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -78,7 +79,9 @@ class Trajectory:
     the policy's own sampled tokens. logprobs: same length, the engine's log μ of each sampled
     token (0 at observations); empty unless asked for. ended: it finished (done, a turn with no call, or a failure)
     rather than being cut by a limit. stop: one of :data:`STOPS`. failed: its outcome reward is 0.
-    env_reward: the environment's ``get_reward()``, or None.
+    env_reward: the environment's ``get_reward()``, or None. counts: its tool calls, tool errors,
+    timeouts, malformed calls (:data:`~proximal.agents.env.COUNTS`; the held-out evaluation's
+    per-trajectory columns).
     """
 
     prompt_ids: list[int]
@@ -90,6 +93,7 @@ class Trajectory:
     stop: str = ""
     failed: bool = False
     env_reward: float | None = None
+    counts: Counter = field(default_factory=Counter)  # its turns' share of agent/* COUNTS
 
     def agent_tokens(self) -> int:
         return sum(self.agent_mask)
@@ -148,10 +152,14 @@ def observation_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def first_prompt(tokenizer, prompt_ids: list[int], messages: list[dict] | None, observation, tools):
     """The prompt ids once ``reset()``'s observation is added (TRL's rule: appended to the last
-    user message, or to a text prompt as it is). Nothing has been sampled yet, so the prompt is
-    rendered again here."""
-    if observation is None:
+    user message, or to a text prompt as it is), and a conversational prompt rendered with the
+    schemas of the ``tools`` its trajectory is offered (the row's ``tools`` column names a subset;
+    :meth:`~proximal.agents.env.Environments.schemas`). Nothing has been sampled yet, so the prompt
+    is rendered again here; ``prompt_ids`` are kept when there is neither."""
+    if observation is None and (messages is None or not tools):
         return prompt_ids
+    if observation is None:
+        return encode_prompt(apply_template(messages, tokenizer, "prompt", tools=tools), tokenizer)
     if messages is None:
         if not isinstance(observation, str):
             raise TypeError("a text prompt's first observation must be a string")
@@ -206,10 +214,14 @@ def run_trajectories(
     if max_turns < 1 or max_tokens < 1:
         raise ValueError(f"max_turns = {max_turns} and max_tokens = {max_tokens} must be ≥ 1")
     stops = set(params.stop_token_ids)
-    schemas = envs.schemas() if envs.tools else None
-    firsts = envs.reset(rows)
+    firsts = envs.reset(rows)  # reads each row's tools column: the tools its trajectory is offered
+    messages = messages or [None] * B
     trajs = [
-        Trajectory(first_prompt(tokenizer, p, (messages or [None] * B)[b], firsts[b], schemas))
+        Trajectory(
+            first_prompt(
+                tokenizer, p, messages[b], firsts[b], envs.schemas(b) if envs.tools else None
+            )
+        )
         for b, p in enumerate(prompt_ids)
     ]
     running = list(range(B))
@@ -261,6 +273,7 @@ def run_trajectories(
         for b, r in results.items():
             t = trajs[b]
             t.turns[-1].reward = r.reward
+            t.counts.update(r.counts)
             if r.done:
                 _finish(t, "failed" if r.failed else "done", ended=True, failed=r.failed)
                 continue

@@ -50,7 +50,7 @@ from proximal.core import (
 )
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
-from proximal.evaluation import eval_postfix, reward_weights, training_eval
+from proximal.evaluation import AgentEval, eval_postfix, reward_weights, training_eval
 from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
@@ -111,6 +111,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             on_error=cfg.tools.on_error,
             workers=cfg.tools.workers,
             has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
+            columns=prompts.columns,
+            source=str(d.prompts),
         )
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
     models = build_models(cfg, run.device, run.world_size, functions)
@@ -124,6 +126,10 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         seed=t.seed,
         max_prompt_length=d.max_prompt_length,
         timeout_s=mc.reward_timeout_s,
+        # env/tools: the held-out responses are trajectories, with the run's environments and limits
+        agent=None
+        if envs is None
+        else AgentEval(envs, cfg.env.max_turns, max_length, context_length(actor)),
     )
     sampler = Sampler(
         len(prompts),
