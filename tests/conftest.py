@@ -29,6 +29,14 @@ from ppo_support import ALPHABET, prompt_texts  # noqa: E402
 # subprocesses); tests/train/test_perf.py clears it to test the probe itself.
 os.environ.setdefault("PROXIMAL_PEAK_FLOPS", "1e11")
 
+# train.cpu_matmul: auto measures oneDNN against torch's BLAS when a run starts (issue 27,
+# proximal.models.kernels), so where the two are close its choice could change from one process to
+# the next — and a test comparing two runs' numbers would compare two backends' roundings. The suite
+# pins torch's BLAS here, in one place (the subprocesses inherit it); the tests of the choice itself
+# unset it and inject the probe's timings (tests/models/test_kernels.py,
+# tests/train/test_train_run_records.py).
+os.environ.setdefault("PROXIMAL_CPU_MATMUL", "blas")
+
 # A second tokenizer for a reward model: other special-token strings, the alphabet reversed (so every
 # id differs from the policy's) and a few characters the policy never writes.
 OTHER_ALPHABET = "9876543210 hgfedcbaxyz"

@@ -20,10 +20,14 @@ when all of these hold, and is ``torch.nn.functional.linear`` otherwise:
   step, LoRA's rank-r factors) its per-call set-up costs more than MKL's (measured: a 1 × 256 ·
   256 × 1024 product takes 28 µs in oneDNN, 22 µs in MKL);
 - the process's backend is "onednn" (:func:`configure`, once, before models are prepared:
-  ``train.cpu_matmul`` through :func:`proximal.train.run.open_run`). "auto" takes it on x86-64 CPUs
-  with AVX-512 that are not Intel's (where MKL's AVX2 path is what was measured to lose half the
-  speed; on Intel CPUs MKL runs AVX-512 itself, and on ARM — Apple's laptops — torch's BLAS is the
-  platform's own); ``PROXIMAL_CPU_MATMUL`` (onednn, blas, auto) overrides the choice.
+  ``train.cpu_matmul`` through :func:`proximal.train.run.open_run`). "auto" measures, not guesses
+  by vendor (issue 27): a probe of the two libraries on a small transformer block's products
+  (:data:`PROBE_SHAPES`, some tens of milliseconds, :func:`probe_seconds`) takes oneDNN where it is
+  faster than torch's BLAS by more than the probe's noise (:func:`decide`), and the result is kept
+  per machine — CPU model, torch version, thread count — in ``~/.cache/proximal/cpu_matmul.json``
+  (:func:`auto_backend`), so later runs read it instead; ``PROXIMAL_CPU_MATMUL`` (onednn, blas,
+  auto) overrides the choice. (Measured: MKL takes its AVX2 path on AMD's AVX-512 CPUs, half
+  oneDNN's rate there; on Intel's, MKL runs AVX-512 itself; the probe needs no list of either.)
 
 The oneDNN operators are torch internals (``torch.ops.mkldnn._linear_pointwise`` and, for the
 weights packed for decoding, ``_reorder_linear_weight``): :func:`configure` looks each one up and
@@ -36,10 +40,14 @@ Parameters, state dicts and checkpoints are untouched: only the modules' ``forwa
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import re
+import statistics
+import time
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -76,29 +84,140 @@ _REORDER = _mkldnn_op("_reorder_linear_weight")  # (W, rows) -> W in oneDNN's bl
 _BACKEND: tuple[str, str] | None = None
 
 
-def cpu_default(machine: str, cpuinfo: str) -> tuple[str, str]:
-    """``("onednn" | "blas", why)``: "auto"'s choice from ``platform.machine()`` and
-    ``/proc/cpuinfo``'s text — oneDNN on x86-64 with AVX-512 (``avx512f``) from a vendor other than
-    Intel, torch's BLAS elsewhere."""
-    if machine.lower() not in ("x86_64", "amd64"):
-        return "blas", f"a {machine} CPU, not x86-64 (nothing measured to gain there)"
-    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.M)
-    flags = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
-    if vendor is None or flags is None:
-        return "blas", "no /proc/cpuinfo to tell the CPU by"
-    if vendor.group(1) == "GenuineIntel":
-        return "blas", "an Intel CPU, where MKL runs AVX-512 itself"
-    if "avx512f" not in flags.group(1).split():
-        return "blas", f"{vendor.group(1)} CPU without AVX-512"
-    return "onednn", f"{vendor.group(1)} CPU with AVX-512, where MKL takes its AVX2 path"
+#: "auto"'s probe: the products (M, K, N) of a small transformer block at 512 tokens — a 256-wide
+#: attention projection, a 256 → 1024 and a 1024 → 256 MLP product (the tiny benchmark work's shapes
+#: at half its batch). About 0.6 GFLOP a round; at 50–500 GFLOP/s the probe takes 10–70 ms.
+PROBE_SHAPES = ((512, 256, 256), (512, 256, 1024), (512, 1024, 256))
+#: Timed rounds of each backend (after one warm-up round each), alternating so that a slow spell of
+#: the machine hits both.
+PROBE_ROUNDS = 4
+#: The smallest relative difference taken as real, whatever the rounds' spread says.
+PROBE_MIN_MARGIN = 0.05
+#: A measurement noisier than this (a busy machine: rounds of one backend apart by more) decides
+#: for the process but is not kept, so the next run measures again.
+PROBE_CACHE_NOISE = 0.25
+#: Where "auto"'s measurements are kept (:func:`cache_path`): one entry per :func:`machine_key`.
+CACHE_NAME = "cpu_matmul.json"
+
+#: This process's "auto" measurement (:func:`auto_backend`'s record), or None.
+_PROBED: dict | None = None
 
 
-def _read_cpuinfo() -> str:
+def probe_flops() -> int:
+    """The FLOPs of one probe round: 2·M·K·N summed over :data:`PROBE_SHAPES`."""
+    return sum(2 * m * k * n for m, k, n in PROBE_SHAPES)
+
+
+def decide(seconds: dict[str, list[float]]) -> tuple[str, dict]:
+    """ "auto"'s choice from the probe's round times: ``seconds["blas"]`` and ``seconds["onednn"]``,
+    each round one product of every :data:`PROBE_SHAPES` shape. A backend's time is its fastest
+    round, and the noise the larger relative gap between a backend's median and fastest round
+    (at least :data:`PROBE_MIN_MARGIN`); oneDNN is taken when its time is below BLAS's by more than
+    the noise, torch's BLAS otherwise — the public path, where nothing is measured to gain.
+
+    Returns ``(backend, record)``, record ``{"backend", "rates": {"onednn", "blas"} in FLOP/s,
+    "noise"}``."""
+    best = {b: min(seconds[b]) for b in ("blas", "onednn")}
+    noise = max(statistics.median(seconds[b]) / best[b] - 1 for b in best)
+    margin = max(noise, PROBE_MIN_MARGIN)
+    backend = "onednn" if best["onednn"] * (1 + margin) < best["blas"] else "blas"
+    rates = {b: probe_flops() / t for b, t in best.items()}
+    return backend, {"backend": backend, "rates": rates, "noise": noise}
+
+
+def describe(record: dict) -> str:
+    """``decide``'s record in words: "oneDNN 412, BLAS 201 GFLOP/s (noise 3 %)"."""
+    r = record["rates"]
+    return (
+        f"oneDNN {r['onednn'] / 1e9:.0f}, BLAS {r['blas'] / 1e9:.0f} GFLOP/s on "
+        f"{record.get('threads', '?')} threads (noise {100 * record['noise']:.0f} %)"
+    )
+
+
+def probe_seconds(rounds: int = PROBE_ROUNDS) -> dict[str, list[float]]:
+    """Time ``rounds`` rounds of :data:`PROBE_SHAPES` through torch's BLAS (``F.linear``) and through
+    oneDNN, alternating, after a warm-up round of each, on this process's threads; float32 operands
+    of N(0, 1) values. ``{"blas": [s, …], "onednn": [s, …]}``. Needs the oneDNN operator (:func:`configure`
+    tried it)."""
+    gen = torch.Generator().manual_seed(0)
+    operands = [
+        (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen))
+        for m, k, n in PROBE_SHAPES
+    ]
+    fns = {
+        "blas": torch.nn.functional.linear,
+        "onednn": lambda x, w: _OP(x, w, None, "none", [], ""),
+    }
+    out: dict[str, list[float]] = {b: [] for b in fns}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for b, fn in fns.items():
+                t0 = time.perf_counter()
+                for x, w in operands:
+                    fn(x, w)
+                if r:  # round 0 warms up the thread pool, the caches and oneDNN's kernels
+                    out[b].append(time.perf_counter() - t0)
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:  # not Linux: "auto" is torch's BLAS
-        return ""
+        with open("/proc/cpuinfo") as fh:
+            found = re.search(r"^model name\s*:\s*(.+)$", fh.read(), re.M)
+        if found:
+            return found.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key() -> str:
+    """What the probe's result holds for: the CPU model, torch's version and the thread count."""
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def cache_path() -> Path:
+    """``$XDG_CACHE_HOME/proximal/cpu_matmul.json`` (``~/.cache`` without the variable)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "proximal" / CACHE_NAME
+
+
+def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
+    """ "auto"'s backend on this machine: the cached measurement for :func:`machine_key` when
+    ``path`` (:func:`cache_path`) has one, else ``probe()``'s (:func:`decide`), written there — other
+    machines' entries kept, the file replaced whole; a cache that cannot be read is measured again,
+    one that cannot be written is left (the choice stands for this process), and so is a measurement
+    noisier than :data:`PROBE_CACHE_NOISE`. Returns ``(backend,
+    record)`` with the record's ``key``, ``threads`` and ``cached`` (whether it was read)."""
+    path = cache_path() if path is None else path
+    key = machine_key()
+    try:
+        entries = json.loads(path.read_text())
+        entries = entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        entries = {}
+    hit = entries.get(key)
+    if (
+        isinstance(hit, dict)
+        and hit.get("backend") in ("onednn", "blas")
+        and isinstance(hit.get("rates"), dict)
+        and isinstance(hit.get("noise"), (int, float))
+    ):
+        return hit["backend"], {**hit, "cached": True}
+    backend, record = decide((probe or probe_seconds)())
+    record.update(key=key, threads=torch.get_num_threads())
+    if record["noise"] > PROBE_CACHE_NOISE:
+        return backend, {**record, "cached": False}
+    entries[key] = record
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return backend, {**record, "cached": False}
 
 
 def _op_problems() -> tuple[str | None, str | None]:
@@ -147,20 +266,44 @@ def configure(choice: str = "auto") -> tuple[str, str]:
             raise ConfigError(f"{ENV}={env!r} is not one of {', '.join(CHOICES)}")
         if env != choice:
             choice, source = env, f"{ENV}={env} overrides train.cpu_matmul = {choice}"
-    if choice == "auto":
-        backend, why = cpu_default(platform.machine(), _read_cpuinfo())
-        why = f"{source}: {why}"
-    else:
-        backend, why = choice, source
-    if backend == "onednn":
+    global _PROBED
+    _PROBED = None
+    backend, why = choice, source
+    if choice in ("auto", "onednn"):
         linear, packing = _op_problems()
         if linear is not None:
-            backend, why = "blas", f"{why}; but {linear}: torch's F.linear instead"
-        elif packing is not None:
-            _REORDER = None  # packed_weights packs nothing: each product reorders its weight
-            why = f"{why}; decode weights are not packed ({packing})"
+            backend = "blas"
+            why = (
+                f"{source}: {linear}"
+                if choice == "auto"
+                else f"{why}; but {linear}: torch's F.linear instead"
+            )
+        else:
+            if choice == "auto":
+                backend, _PROBED = auto_backend()
+                how = "cached measurement" if _PROBED["cached"] else "measured"
+                why = f"{source}: {how}, {describe(_PROBED)}"
+            if backend == "onednn" and packing is not None:
+                _REORDER = None  # packed_weights packs nothing: each product reorders its weight
+                why = f"{why}; decode weights are not packed ({packing})"
     _BACKEND = backend, why
     return _BACKEND
+
+
+def adopt(backend: str, why: str) -> tuple[str, str]:
+    """Take another process's :func:`configure` result (a job's rank 0's, so that every rank
+    computes its products alike); "onednn" where this process's operator fails is "blas"."""
+    global _BACKEND
+    if backend == "onednn" and _OP is None:
+        backend, why = "blas", f"{why}; but this process has no oneDNN product"
+    _BACKEND = backend, why
+    return _BACKEND
+
+
+def probed() -> dict | None:
+    """The measurement behind this process's "auto" choice (:func:`auto_backend`'s record), or None
+    where the backend was given or no probe could run."""
+    return _PROBED
 
 
 def backend() -> tuple[str, str]:

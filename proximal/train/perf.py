@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,16 +165,7 @@ def probe(
     return max(rates.values()), how
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            found = re.search(r"^model name\s*:\s*(.+)$", fh.read(), re.M)
-        if found:
-            return found.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+cpu_name = kernels.cpu_name  # the CPU's model name, as the matmul probe's cache keys it
 
 
 def measure_peak(device: torch.device, precision: str, run_dir: Path | None = None) -> dict:

@@ -35,11 +35,14 @@ class Config:
 
 
 @pytest.fixture
-def backend(monkeypatch):
-    """This process's CPU backend comes back after the test; ``PROXIMAL_CPU_MATMUL`` starts unset."""
+def backend(monkeypatch, tmp_path):
+    """This process's CPU backend comes back after the test; ``PROXIMAL_CPU_MATMUL`` starts unset;
+    "auto"'s measurement is in ``tmp_path`` and its rounds are given: oneDNN 1.0 s, BLAS 2.0 s."""
     monkeypatch.delenv(kernels.ENV, raising=False)
-    for name in ("_BACKEND", "_OP", "_REORDER"):
+    for name in ("_BACKEND", "_OP", "_REORDER", "_PROBED"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    monkeypatch.setattr(kernels, "cache_path", lambda: tmp_path / "cache" / "cpu_matmul.json")
+    monkeypatch.setattr(kernels, "probe_seconds", lambda: {"blas": [2.0] * 4, "onednn": [1.0] * 4})
 
 
 def test_the_field_its_values_and_its_errors(tmp_path):
@@ -101,10 +104,24 @@ def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch,
         f"proximal test: cpu matmul: {want} (PROXIMAL_CPU_MATMUL=onednn overrides "
         "train.cpu_matmul = blas"
     )
-    # the default is auto, the CPU's own rule
+    # the default is auto, measured (here: the fixture's rounds, oneDNN twice BLAS's rate), and the
+    # measurement is recorded beside the choice; the next run reads it from the cache
     monkeypatch.delenv(kernels.ENV)
-    run = _open(tmp_path / "c")
-    assert run.cpu_matmul["why"].startswith("train.cpu_matmul = auto: ")
+    flops = kernels.probe_flops()
+    for c, how in (("c", "measured"), ("d", "cached measurement")):
+        run = _open(tmp_path / c)
+        if kernels._OP is None:
+            assert run.cpu_matmul["backend"] == "blas" and "probe" not in run.cpu_matmul
+            continue
+        assert run.cpu_matmul["backend"] == "onednn"
+        assert run.cpu_matmul["why"] == (
+            f"train.cpu_matmul = auto: {how}, oneDNN {flops / 1e9:.0f}, BLAS {flops / 2e9:.0f} "
+            f"GFLOP/s on {torch.get_num_threads()} threads (noise 0 %)"
+        )
+        probe = run.cpu_matmul["probe"]
+        assert probe["rates"] == {"blas": flops / 2.0, "onednn": flops / 1.0}
+        assert probe["cached"] is (c == "d") and probe["noise"] == 0.0
+        assert probe["threads"] == torch.get_num_threads() and probe["key"] == kernels.machine_key()
 
 
 def test_a_wrong_choice_stops_before_anything_is_written(tmp_path, backend, monkeypatch):
