@@ -32,7 +32,7 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -44,9 +44,14 @@ from proximal.demo import (
     ARITHMETIC,
     ARITHMETIC_SCORES,
     ARITHMETIC_VERIFIER,
+    CALCULATOR,
+    CALCULATOR_SCORES,
+    CALCULATOR_VERIFIER,
     DEFAULT_CONFIGS,
     FULL,
     arithmetic_stage_configs,
+    calculator_agent,
+    calculator_stage_configs,
     stage_configs,
 )
 from proximal.evaluation import evaluate_policy
@@ -63,7 +68,7 @@ from proximal.methods import (
     responses_per_step,
     trainer,
 )
-from proximal.tasks import arithmetic
+from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import config_command
 from proximal.trainers import reward, sft
@@ -72,8 +77,19 @@ DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
 BUILTIN_GOLD = "proximal.tasks.digits:gold_score"
 BUILTIN_VERIFIER = "proximal.tasks.digits:exact_sort"
 #: The built-in tasks (data.sft_model unset) and the methods each compares by default: the
-#: arithmetic task has reference answers and a verifier, but no preference pairs or reward model.
-TASKS = {"digits": DEFAULT_METHODS, ARITHMETIC: ["ppo@verifier", "grpo", "rloo"]}
+#: arithmetic and calculator tasks have reference answers and a verifier, but no preference pairs
+#: or reward model. The calculator's methods run with its tool; its table also has the no-tool
+#: baseline's row (:data:`NO_TOOL`).
+TASKS = {
+    "digits": DEFAULT_METHODS,
+    ARITHMETIC: ["ppo@verifier", "grpo", "rloo"],
+    CALCULATOR: ["ppo@verifier", "grpo", "rloo"],
+}
+#: The calculator task's no-tool baseline: GRPO from the SFT model that learned the teacher's
+#: answers without the tool, trained without it (``<configs>/grpo_notool.yaml``), once per seed.
+NO_TOOL = "notool"
+#: A calculator turn's token limit at held-out evaluation (the configs' rollout.max_new_tokens).
+CALCULATOR_TURN_TOKENS = 24
 
 
 @dataclass
@@ -81,9 +97,12 @@ class CompareSection:
     task: str = option(
         "digits",
         "The built-in task compared when data.sft_model is unset: digits (sorting digits: a "
-        "reward model, preference pairs, a verifier and a gold score) or arithmetic (multi-step "
+        "reward model, preference pairs, a verifier and a gold score), arithmetic (multi-step "
         "arithmetic with reference answers: the answer verifier, exact match as gold, format "
-        "errors; no pairs, no reward model). The arithmetic task's configs are <configs>/arithmetic/.",
+        "errors; no pairs, no reward model) or calculator (the tool task: the same columns plus "
+        "tool calls and tool errors per trajectory, every method with the calculator tool, and "
+        "a no-tool baseline row — GRPO from an SFT model without the tool). Their configs are "
+        "<configs>/arithmetic/ and <configs>/calculator/.",
     )
     methods: list[str] = option(
         help="Methods to train: ppo, dpo, simpo, grpo, rloo, and (never by default) gspo, cispo, "
@@ -91,7 +110,7 @@ class CompareSection:
         "method's reward source, reward_model or verifier (default: ppo the reward "
         "model; grpo, rloo and the other grpo-command methods the verifier when there is one). A method may be listed "
         "with several sources. Empty: the task's, ppo, dpo, simpo, grpo, rloo "
-        "(digits, or your data) or ppo@verifier, grpo, rloo (arithmetic).",
+        "(digits, or your data) or ppo@verifier, grpo, rloo (arithmetic, calculator).",
         default_factory=list,
     )
     seeds: int = option(3, "Runs per method, with train.seed = 0, 1, …")
@@ -121,7 +140,8 @@ class CompareSection:
     max_new_tokens: int | None = option(
         None,
         "Response length of the held-out evaluation (the methods' configs set their own "
-        "for training); null: 12 (digits, or your data), 32 (arithmetic).",
+        "for training); null: 12 (digits, or your data), 32 (arithmetic), 24 per turn "
+        "(calculator).",
     )
     reward_timeout_s: float | None = option(
         600.0,
@@ -141,6 +161,8 @@ class CompareSection:
         """``max_new_tokens`` of the held-out evaluation: the option, or the task's."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
+        if self.task == CALCULATOR:
+            return CALCULATOR_TURN_TOKENS
         return arithmetic.MAX_RESPONSE_TOKENS if self.task == ARITHMETIC else 12
 
     def method_specs(self) -> list[str]:
@@ -294,7 +316,8 @@ class CompareConfig:
                 f"compare.task = {self.compare.task} runs a built-in task, which needs "
                 "data.sft_model unset; with your own data leave compare.task at digits"
             )
-        if self.data.sft_model is None and self.compare.task == ARITHMETIC:
+        if self.data.sft_model is None and self.compare.task in (ARITHMETIC, CALCULATOR):
+            task = self.compare.task
             for spec in self.compare.methods:
                 name, _, source = spec.partition("@")
                 if name not in METHODS or (source and source not in METHODS[name].sources):
@@ -302,7 +325,7 @@ class CompareConfig:
                 method, source = resolve(spec, have_verifier=True, have_reward_model=False)
                 if source != VERIFIER:
                     e.append(
-                        f"compare.methods: {spec!r}: the arithmetic task has a verifier only (no "
+                        f"compare.methods: {spec!r}: the {task} task has a verifier only (no "
                         "preference pairs, no reward model); compare ppo@verifier, grpo, rloo, gspo, cispo, "
                         "reinforce_pp or reinforce_pp_baseline"
                     )
@@ -346,11 +369,13 @@ class RunSpec:
     method: Method
     source: str
     seed: int
+    variant: str = ""  # NO_TOOL: the calculator task's no-tool baseline
 
     @property
     def group(self) -> str:
-        """The table row: the method, and its reward source when it has a choice."""
-        return self.method.name if self.source == PAIRS else f"{self.method.name}@{self.source}"
+        """The table row: the method, and its reward source when it has a choice (and the variant)."""
+        name = self.method.name if self.source == PAIRS else f"{self.method.name}@{self.source}"
+        return f"{name}-{self.variant}" if self.variant else name
 
     @property
     def name(self) -> str:
@@ -382,17 +407,34 @@ class Inputs:
     split: str | None = None  # of prompts, pairs and eval_pairs
     columns: dict[str, str] | None = None
     scores: dict = field(default_factory=dict)  # held-out score functions by column name
+    sft_notool: str | None = None  # the calculator task's no-tool SFT model
+    agent: dict = field(default_factory=dict)  # a run's env/tools for evaluate_policy (run_inputs)
+
+
+def run_inputs(inputs: Inputs, r: RunSpec, run_cfg=None) -> Inputs:
+    """The inputs of run ``r``: the no-tool baseline starts from (and is measured against) the
+    no-tool SFT model; a run with env/tools (``run_cfg``'s, or for the calculator task its
+    packaged GRPO stage's) is evaluated as trajectories with them."""
+    if r.variant == NO_TOOL:
+        return replace(inputs, sft=inputs.sft_notool, agent={})
+    if inputs.sft_notool is not None:  # the calculator task: every other run has the tool
+        agent = calculator_agent(run_cfg) if run_cfg is not None else inputs.agent
+        return replace(inputs, agent=agent)
+    return inputs
 
 
 def plan(cfg: CompareConfig) -> list[RunSpec]:
     """Every run, seed-major (seed 0 of every method first: an interrupted comparison has a full row)."""
     have = bool(cfg.data.verifier) or cfg.data.sft_model is None
-    arith = cfg.data.sft_model is None and cfg.compare.task == ARITHMETIC
+    builtin = cfg.data.sft_model is None
+    no_rm = builtin and cfg.compare.task in (ARITHMETIC, CALCULATOR)
     specs = [
-        resolve(s, have_verifier=have, have_reward_model=not arith)
+        (*resolve(s, have_verifier=have, have_reward_model=not no_rm), "")
         for s in cfg.compare.method_specs()
     ]
-    return [RunSpec(m, src, seed) for seed in range(cfg.compare.seeds) for m, src in specs]
+    if builtin and cfg.compare.task == CALCULATOR:
+        specs.append((METHODS["grpo"], VERIFIER, NO_TOOL))
+    return [RunSpec(m, src, seed, v) for seed in range(cfg.compare.seeds) for m, src, v in specs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,8 +448,9 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     main = dist.launched_rank() == 0
     _take_output_dir(out, cfg, main)
     configs = Path(cfg.compare.configs) if cfg.compare.configs else DEFAULT_CONFIGS
-    if cfg.data.sft_model is None and cfg.compare.task == ARITHMETIC and not cfg.compare.configs:
-        configs = DEFAULT_CONFIGS / ARITHMETIC
+    builtin = cfg.data.sft_model is None and cfg.compare.task in (ARITHMETIC, CALCULATOR)
+    if builtin and not cfg.compare.configs:
+        configs = DEFAULT_CONFIGS / cfg.compare.task
     runs = plan(cfg)
     if main:  # what the report reads: every planned run, started or not, in order
         (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
@@ -449,8 +492,12 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
             trainer(r.method.command)(run_cfg)
             status["run_s"] = time.perf_counter() - t0
             if main:
+                variant = run_inputs(inputs, r, run_cfg)
                 evaluate_run(
-                    run_dir, inputs, cfg.compare, sft_eval=_sft_evaluation(out, inputs, cfg.compare)
+                    run_dir,
+                    variant,
+                    cfg.compare,
+                    sft_eval=_sft_evaluation(out, variant, cfg.compare, r.variant),
                 )
             dist.barrier()
             status["eval_s"] = time.perf_counter() - t0 - status["run_s"]
@@ -482,6 +529,27 @@ def prepare_inputs(
 ) -> Inputs:
     """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
     d = cfg.data
+    if d.sft_model is None and cfg.compare.task == CALCULATOR:
+        base = train_builtin_calculator(out / "base", configs, echo=echo)
+        task = base / "task"
+        # Held-out: exact match (gold), format errors, and (with the tool) each trajectory's tool
+        # calls and tool errors; the tool runs are evaluated as trajectories with their own tool
+        # settings (run_inputs); the no-tool baseline against its own SFT model.
+        return Inputs(
+            sft=str(base / "sft"),
+            reward_model=None,
+            prompts=str(task / "prompts_train.jsonl"),
+            pairs=None,
+            eval_pairs=None,
+            eval_prompts=str(task / "prompts_eval.jsonl"),
+            verifier=CALCULATOR_VERIFIER,
+            gold=CALCULATOR_SCORES["exact_match"],
+            scores={
+                "gold": CALCULATOR_SCORES["exact_match"],
+                "format_error": CALCULATOR_SCORES["format_error"],
+            },
+            sft_notool=str(base / "sft_notool"),
+        )
     if d.sft_model is None and cfg.compare.task == ARITHMETIC:
         base = train_builtin_arithmetic(out / "base", configs, echo=echo)
         task = base / "task"
@@ -560,6 +628,35 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
     return base
 
 
+def train_builtin_calculator(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
+    """The calculator task's data and its two SFT models (with the tool; the no-tool baseline's), as
+    ``proximal demo`` makes them (seed 0); kept from an earlier comparison when complete.
+    ``configs`` holds sft.yaml and sft_notool.yaml (else the packaged ones)."""
+    done = base / "base.json"
+    if done.is_file():
+        echo(f"inputs: the calculator task and its SFT models from {base} (trained earlier)")
+        return base
+    echo(f"inputs: the built-in calculator task; training its two SFT models into {base}")
+    t0 = time.perf_counter()
+    if dist.launched_rank() == 0:
+        calculator.make_task_data(base / "task", 0)
+    dist.barrier()
+    names = ("sft", "sft_notool", "ppo", "grpo", "rloo", "grpo_notool")
+    demo_configs = (
+        configs
+        if all((configs / f"{n}.yaml").is_file() for n in names)
+        else DEFAULT_CONFIGS / CALCULATOR
+    )
+    stages = calculator_stage_configs(demo_configs, base, 0, FULL)
+    for name in ("sft", "sft_notool"):
+        stage_cfg, line = stages[name]
+        echo(f"      {name}: {line}")
+        sft.train(stage_cfg)
+    if dist.launched_rank() == 0:
+        done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
+    return base
+
+
 def train_builtin_arithmetic(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
     """The arithmetic task's data and SFT model, as ``proximal demo`` makes them (seed 0); kept from
     an earlier comparison when complete. ``configs`` holds its sft.yaml (else the packaged one's)."""
@@ -589,7 +686,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
     """``(config, steps, budget in words)`` of one run: ``<configs>/<method>.yaml`` with the shared
     inputs, the seed, the budget's step count and a checkpoint every steps/evaluations steps."""
 
-    path = configs / f"{r.method.name}.yaml"
+    path = configs / f"{r.method.name}{'_' + r.variant if r.variant else ''}.yaml"
     if not path.is_file():
         raise ConfigError(
             f"compare.configs: {path} not found (one <method>.yaml per method compared)"
@@ -599,7 +696,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
         **input_overrides(
             r.method,
             r.source,
-            sft=inputs.sft,
+            sft=run_inputs(inputs, r).sft,
             reward_model=inputs.reward_model,
             prompts=inputs.prompts,
             pairs=inputs.pairs,
@@ -649,9 +746,10 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
 # ----------------------------------------------------------------------------------------------
 
 
-def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
-    """The SFT model's held-out evaluation (every curve's first point), computed once."""
-    path = out / "sft_eval.json"
+def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection, variant: str = "") -> dict:
+    """The SFT model's held-out evaluation (every curve's first point), computed once; the no-tool
+    baseline's SFT model's in ``sft_notool_eval.json``."""
+    path = out / f"sft{'_' + variant if variant else ''}_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
     ev = evaluate_policy(
@@ -664,6 +762,7 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection) -> dict:
         max_new_tokens=c.response_limit(),
         seed=0,
         timeout_s=c.reward_timeout_s,
+        **_agent_kwargs(inputs),
     )
     path.write_text(json.dumps(ev) + "\n")
     return ev
@@ -686,6 +785,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             max_new_tokens=c.response_limit(),
             seed=0,
             timeout_s=c.reward_timeout_s,
+            **_agent_kwargs(inputs),
         )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
         final = ev
@@ -701,6 +801,11 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _agent_kwargs(inputs: Inputs) -> dict:
+    """``evaluate_policy``'s ``env`` and ``tools`` for a run with them (trajectories), else none."""
+    return dict(inputs.agent) if inputs.agent else {}
 
 
 def _finished(run_dir: Path) -> bool:

@@ -19,7 +19,9 @@ What each column measures (also in ``docs/compare.md``):
   sampled that step; offline methods generate none;
 * **optimiser steps** — online methods: Σ of ``policy/optimizer_steps`` (PPO: epochs run ×
   mini-batches); DPO/SimPO: one per step;
-* **held-out** — the final policy's means over the held-out prompts (``eval.json``);
+* **held-out** — the final policy's means over the held-out prompts (``eval.json``); for a run
+  with tools (the calculator task) each held-out response is a trajectory, with its tool calls and
+  tool errors per trajectory beside exact match;
 * **stability** — over seeds: the spread (sample std) of the final held-out score; the fraction of
   runs that collapsed (final more than ``collapse_margin`` below the best of its evaluated
   checkpoints, the SFT model counting as the first); the largest change between consecutive
@@ -44,6 +46,8 @@ HELD_OUT = (
     ("kl", "KL to SFT"),
     ("length", "length"),
     ("format_error", "format errors"),
+    ("tool_calls", "tool calls / trajectory"),
+    ("tool_errors", "tool errors / trajectory"),
 )
 
 #: The comparison as it is commonly stated (Rafailov et al. 2023, Meng et al. 2024, Shao et al. 2024
@@ -277,7 +281,11 @@ def _mib(ms):
 def _label(row: dict) -> str:
     m = METHODS.get(row["method"])
     name = m.label if m else row["group"]
-    return name if row["source"] in (PAIRS, None) else f"{name} ({row['source'].replace('_', ' ')})"
+    if row["source"] not in (PAIRS, None):
+        name = f"{name} ({row['source'].replace('_', ' ')})"
+    if row["group"].endswith("-notool"):  # the calculator task's no-tool baseline
+        name += ", no tool"
+    return name
 
 
 def _markdown(rows: list[list[str]], numeric: bool = True) -> str:

@@ -17,9 +17,15 @@ only better at pleasing the reward model. Five stages, each printed as it runs:
    reference answers, SFT on a sloppy teacher's worked solutions, then PPO, GRPO and RLOO from that
    SFT model, each rewarded by the answer verifier (``configs/demo/arithmetic/``, run directories
    under ``<out>/arithmetic/``);
-7. **eval + report** — sample every policy on held-out prompts, score them with the gold score, the
-   reward model (digits), exact match and format errors (arithmetic) and the KL to the SFT model,
-   and write ``<out>/report.md`` with plots.
+7. **calculator** — the built-in tool task (:mod:`proximal.tasks.calculator`): SFT on a sloppy
+   teacher's conversations that call a ``calculator`` tool, then PPO (critic across turns), GRPO
+   and RLOO from that SFT model with the tool, each rewarded by the verifier over the whole
+   trajectory; and the no-tool baseline — SFT on the same teacher's answers alone, then GRPO
+   without the tool (``configs/demo/calculator/``, runs under ``<out>/calculator/``);
+8. **eval + report** — sample every policy on held-out prompts (the tool policies as multi-turn
+   trajectories), score them with the gold score, the reward model (digits), exact match and
+   format errors (arithmetic, calculator), tool calls and tool errors (calculator) and the KL to
+   the SFT model, and write ``<out>/report.md`` with plots.
 
 Every trainer is the one its command (``sft``, ``rm``, ``ppo``, ``dpo``, ``simpo``, ``grpo``) runs,
 loaded from the YAML files
@@ -33,7 +39,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +49,7 @@ from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
 from proximal.logging import read_metrics
 from proximal.methods import METHODS, config_class, final_policy, input_overrides
-from proximal.tasks import arithmetic
+from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import run_reporting
 from proximal.trainers import dpo, grpo, ppo, reward, sft
@@ -68,8 +74,22 @@ ARITHMETIC_SCORES = {
     "exact_match": "proximal.tasks.arithmetic:exact_match",
     "format_error": "proximal.tasks.arithmetic:format_error",
 }
-#: Every stage the demo prints, the two tasks' data and the final evaluation included.
-N_STAGES = 1 + len(STAGES) + len(ARITHMETIC_STAGES) + 1
+#: The calculator tool task's stages, configs in ``<configs>/calculator/``, runs in
+#: ``<out>/calculator/``: SFT on the teacher's tool-using conversations, then PPO (critic across
+#: turns), GRPO and RLOO from it with the calculator tool; and the no-tool baseline — SFT on the
+#: teacher's answers alone, then GRPO without the tool. Every run is rewarded by the verifier.
+CALCULATOR = "calculator"
+CALCULATOR_RUNS = ("ppo", "grpo", "rloo")
+CALCULATOR_NOTOOL = ("sft_notool", "grpo_notool")
+CALCULATOR_STAGES = ("sft", *CALCULATOR_RUNS, *CALCULATOR_NOTOOL)
+CALCULATOR_VERIFIER = "proximal.tasks.calculator:verify"
+#: Held-out columns of the calculator task besides the trajectories' own (tool calls, errors, turns).
+CALCULATOR_SCORES = {
+    "exact_match": "proximal.tasks.calculator:exact_match",
+    "format_error": "proximal.tasks.calculator:format_error",
+}
+#: Every stage the demo prints, the three tasks' data and the final evaluation included.
+N_STAGES = 1 + len(STAGES) + len(ARITHMETIC_STAGES) + len(CALCULATOR_STAGES) + 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,8 @@ class Plan:
     eval_samples_per_prompt: int
     #: The arithmetic task: ``task`` (make_task_data's sizes) and each stage's overrides.
     arithmetic: dict
+    #: The calculator tool task: ``task`` (make_task_data's sizes) and each stage's overrides.
+    calculator: dict
 
 
 FULL = Plan(
@@ -102,6 +124,7 @@ FULL = Plan(
     rloo={},
     eval_samples_per_prompt=4,
     arithmetic={"task": {}, **{name: {} for name in ARITHMETIC_STAGES}},
+    calculator={"task": {}, **{name: {} for name in CALCULATOR_STAGES}},
 )
 
 #: The CI-sized demo: every stage and artifact, a fraction of the data and steps. Its numbers show the
@@ -131,6 +154,29 @@ QUICK = Plan(
         "grpo": {"train.steps": 6},
         "rloo": {"train.steps": 6},
     },
+    # The calculator's quick stages are a few seconds each: the plumbing (tools, trajectories,
+    # the evaluation's columns), not learning.
+    calculator={
+        "task": dict(n_sft_train=128, n_sft_eval=16, n_prompts_train=64, n_prompts_eval=16),
+        "sft": {"train.steps": 20, "optim.warmup_steps": 2, "train.eval_every": 10},
+        "sft_notool": {"train.steps": 20, "optim.warmup_steps": 2, "train.eval_every": 10},
+        "ppo": {
+            "train.steps": 2,
+            "rollout.batch_size": 8,
+            "ppo.mini_batch_size": 8,
+            "ppo.micro_batch_size": 8,
+        },
+        **{
+            name: {
+                "train.steps": 2,
+                "rollout.batch_size": 2,
+                "rollout.group_size": 4,
+                "grpo.mini_batch_size": 8,
+                "grpo.micro_batch_size": 8,
+            }
+            for name in ("grpo", "rloo", "grpo_notool")
+        },
+    },
 )
 
 
@@ -157,9 +203,10 @@ def run_demo(
     out = Path(out_dir)
     configs = Path(configs) if configs is not None else DEFAULT_CONFIGS
     missing = [f"{n}.yaml" for n in STAGES if not (configs / f"{n}.yaml").is_file()] + [
-        f"{ARITHMETIC}/{n}.yaml"
-        for n in ARITHMETIC_STAGES
-        if not (configs / ARITHMETIC / f"{n}.yaml").is_file()
+        f"{task}/{n}.yaml"
+        for task, stages in ((ARITHMETIC, ARITHMETIC_STAGES), (CALCULATOR, CALCULATOR_STAGES))
+        for n in stages
+        if not (configs / task / f"{n}.yaml").is_file()
     ]
     if missing:
         raise FileNotFoundError(
@@ -181,25 +228,29 @@ def run_demo(
         echo(f"      {summary}  ({timings[name]:.0f} s)")
 
     # 1. Task data, tokenizer, random base model.
+    arith, calc = out / ARITHMETIC, out / CALCULATOR
     t0 = stage(
         1,
         "task",
-        f"both tasks' data, tokenizers and random tiny llamas -> {task}, {out / ARITHMETIC}",
+        f"the three tasks' data, tokenizers and random tiny llamas -> {task}, {arith}, {calc}",
     )
     info = make_task_data(task, seed, **plan.task)
-    arith = out / ARITHMETIC
     a_info = arithmetic.make_task_data(arith / "task", seed, **plan.arithmetic["task"])
+    c_info = calculator.make_task_data(calc / "task", seed, **plan.calculator["task"])
     done(
         "task",
         t0,
         f"teacher gold {info['teacher_gold_eval']:.3f}; labeller agrees with gold on "
         f"{info['label_gold_agreement_train']:.1%} of training pairs; arithmetic ({arith / 'task'}): "
         f"the teacher's exact match {a_info['teacher_exact_match_eval']:.3f}, format errors "
-        f"{a_info['teacher_format_errors_train']:.3f}",
+        f"{a_info['teacher_format_errors_train']:.3f}; calculator ({calc / 'task'}): the teacher's "
+        f"exact match {c_info['teacher_exact_match_eval']:.3f}, tool use "
+        f"{c_info['teacher_tool_use_eval']:.3f}",
     )
     # Every config is loaded and validated now, so a mistake in any YAML stops the demo before training.
     cfgs = stage_configs(configs, out, seed, plan)
     arith_cfgs = arithmetic_stage_configs(configs / ARITHMETIC, arith, seed, plan)
+    calc_cfgs = calculator_stage_configs(configs / CALCULATOR, calc, seed, plan)
 
     def run_stage(n: int, name: str, what: str, train) -> None:
         cfg, command = cfgs[name]
@@ -209,6 +260,8 @@ def run_demo(
         rows = _metrics(out / name)
         if name.startswith(f"{ARITHMETIC}/"):
             summary = _arithmetic_summary(name.partition("/")[2], rows)
+        elif name.startswith(f"{CALCULATOR}/"):
+            summary = _calculator_summary(name.partition("/")[2], rows)
         elif name == "sft":
             loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
             summary = f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
@@ -273,7 +326,24 @@ def run_demo(
     ):
         run_stage(n, f"{ARITHMETIC}/{name}", what, train)
 
-    # 14. Held-out evaluation of every policy, with one shared sampling seed; the report.
+    # 14-19. The calculator tool task (its data written in stage 1): SFT on tool-using conversations,
+    # then PPO (critic across turns), GRPO and RLOO from it with the tool; the no-tool baseline: SFT
+    # on the answers alone, GRPO without the tool. Every run rewarded by the verifier.
+    cfgs.update({f"{CALCULATOR}/{k}": v for k, v in calc_cfgs.items()})
+    for n, (name, what, train) in enumerate(
+        (
+            ("sft", "supervised fine-tuning on the teacher's tool-using conversations", sft.train),
+            ("ppo", "PPO with the calculator tool (critic across turns)", ppo.train),
+            ("grpo", "GRPO with the calculator tool", grpo.train),
+            ("rloo", "RLOO with the calculator tool", grpo.train),
+            ("sft_notool", "the no-tool baseline: SFT on the teacher's answers alone", sft.train),
+            ("grpo_notool", "the no-tool baseline: GRPO without the tool", grpo.train),
+        ),
+        start=2 + len(STAGES) + len(ARITHMETIC_STAGES),
+    ):
+        run_stage(n, f"{CALCULATOR}/{name}", what, train)
+
+    # 20. Held-out evaluation of every policy, with one shared sampling seed; the report.
     t0 = stage(
         N_STAGES,
         "eval + report",
@@ -318,6 +388,8 @@ def run_demo(
         for name, path in arith_policies.items()
     }
     (arith / "eval.json").write_text(json.dumps(arith_eval, indent=1) + "\n")
+    calc_eval = evaluate_calculator(calc, calc_cfgs, plan.eval_samples_per_prompt, seed)
+    (calc / "eval.json").write_text(json.dumps(calc_eval, indent=1) + "\n")
     timings["eval"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
     (out / "demo.json").write_text(
@@ -477,6 +549,125 @@ def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
     if errors:
         raise ConfigError("demo configs:\n" + "\n".join(errors))
     return result
+
+
+def calculator_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
+    """``{stage: (config, equivalent command line)}`` of the calculator task's stages: each YAML of
+    ``configs`` (``<configs>/calculator/``) with the paths under ``out`` (``<out>/calculator``), the
+    seed and ``plan``'s overrides filled in; the reward and tool settings stay the YAML's.
+    ConfigError lists what is wrong in any of them: also an RL stage that does not learn from the
+    verifier, a tool stage without the calculator tool, or a no-tool stage with one."""
+    task = out / "task"
+    inputs = {
+        "sft": {
+            "model.path": task / "base_model",
+            "data.train_file": task / "sft_train.jsonl",
+            "data.eval_file": task / "sft_eval.jsonl",
+        },
+        "sft_notool": {
+            "model.path": task / "base_model",
+            "data.train_file": task / "sft_notool_train.jsonl",
+            "data.eval_file": task / "sft_notool_eval.jsonl",
+        },
+        **{
+            name: {"model.path": out / "sft", "data.prompts": task / "prompts_train.jsonl"}
+            for name in CALCULATOR_RUNS
+        },
+        "grpo_notool": {
+            "model.path": out / "sft_notool",
+            "data.prompts": task / "prompts_train.jsonl",
+        },
+    }
+    commands = {"sft": "sft", "sft_notool": "sft", "ppo": "ppo", "grpo_notool": "grpo"}
+    classes = {"sft": sft.SFTConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
+    tool = f"proximal.tasks.calculator:{calculator.TOOL}"
+    result, errors = {}, []
+    for name in CALCULATOR_STAGES:
+        command = commands.get(name, METHODS[name].command if name in METHODS else name)
+        overrides = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in {
+                **inputs[name],
+                "output.dir": out / name,
+                "train.seed": seed,
+                **plan.calculator.get(name, {}),
+            }.items()
+        }
+        path = configs / f"{name}.yaml"
+        line = f"proximal {command} --config {path} " + " ".join(
+            f"--{k} {command_arg(v)}" for k, v in overrides.items()
+        )
+        try:
+            cfg = load_config(classes[command], path, overrides)
+        except ConfigError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        if command != "sft" and (
+            cfg.model.reward_functions[:1] != [CALCULATOR_VERIFIER]
+            or cfg.model.reward_function_weights[:1] != [1.0]
+        ):
+            errors.append(
+                f"{path}: the calculator runs learn from the verifier; keep "
+                f"{CALCULATOR_VERIFIER} first in model.reward_functions, with weight 1.0"
+            )
+        if name in CALCULATOR_RUNS and tool not in cfg.tools.functions:
+            errors.append(f"{path}: a tool stage needs tools.functions: [{tool}]")
+        if name == "grpo_notool" and (cfg.tools.functions or cfg.env.factory):
+            errors.append(f"{path}: the no-tool baseline runs with no tools and no env")
+        result[name] = (cfg, line)
+    if errors:
+        raise ConfigError("demo configs:\n" + "\n".join(errors))
+    return result
+
+
+def calculator_agent(cfg) -> dict:
+    """``evaluate_policy``'s ``env`` and ``tools`` of a calculator run's config: its trajectories."""
+    return {"env": asdict(cfg.env), "tools": asdict(cfg.tools)}
+
+
+def evaluate_calculator(out: Path, cfgs: dict, samples_per_prompt: int, seed: int) -> dict:
+    """Every calculator policy on the held-out prompts, one sampling seed: the tool policies (the SFT
+    model and each run from it) as trajectories with the GRPO stage's tool and limits, against the SFT
+    model; the no-tool ones as single responses against the no-tool SFT model."""
+    agent = calculator_agent(cfgs["grpo"][0])
+    tool_turn = cfgs["grpo"][0].rollout.max_new_tokens
+    notool = cfgs["grpo_notool"][0].rollout.max_new_tokens
+    common = dict(
+        prompts_file=out / "task" / "prompts_eval.jsonl",
+        scores=CALCULATOR_SCORES,
+        samples_per_prompt=samples_per_prompt,
+        seed=seed,
+    )
+    policies = {
+        "sft": (out / "sft", "sft", agent, tool_turn),
+        **{n: (final_policy(out / n), "sft", agent, tool_turn) for n in CALCULATOR_RUNS},
+        "sft_notool": (out / "sft_notool", "sft_notool", {}, notool),
+        "grpo_notool": (final_policy(out / "grpo_notool"), "sft_notool", {}, notool),
+    }
+    return {
+        name: evaluate_policy(
+            path, reference=out / ref, max_new_tokens=max_new, **agent_kw, **common
+        )
+        for name, (path, ref, agent_kw, max_new) in policies.items()
+    }
+
+
+def _calculator_summary(name: str, rows: list[dict]) -> str:
+    if name.startswith("sft"):
+        loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
+        return f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
+    last = rows[-1]
+    kl = last.get("kl/ref_k3", last.get("kl/seq_mean", 0.0))
+    parts = [
+        f"{label} {last[key]:.3f}"
+        for label, key in (
+            ("reward", f"score/{CALCULATOR_VERIFIER}"),
+            ("exact match", f"score/{CALCULATOR_SCORES['exact_match']}"),
+            ("tool calls per trajectory", "agent/tool_calls_per_trajectory"),
+        )
+        if key in last
+    ]
+    return "last step: " + ", ".join([*parts, f"KL {kl:.3f}"])
 
 
 def _arithmetic_summary(name: str, rows: list[dict]) -> str:

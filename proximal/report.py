@@ -42,6 +42,19 @@ ARITHMETIC_COLUMNS = (
 )
 
 
+#: The calculator tool task's policies (``<out>/calculator/``): with the tool, then the no-tool
+#: baseline; its held-out columns (trajectories' tool columns are 0 for the no-tool policies).
+CALCULATOR_POLICIES = ("sft", "ppo", "grpo", "rloo", "sft_notool", "grpo_notool")
+CALCULATOR_COLUMNS = (
+    ("exact_match", "exact match ↑"),
+    ("format_error", "format errors"),
+    ("tool_calls", "tool calls / trajectory"),
+    ("tool_errors", "tool errors / trajectory"),
+    ("kl", "KL to its SFT model"),
+    ("length", "policy tokens"),
+)
+
+
 def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over the last ``window`` values (fewer at the start)."""
     out, acc = [], 0.0
@@ -170,6 +183,7 @@ def collect(out_dir: str | Path) -> dict:
         "runs": runs,
         "alternatives": alternatives,
         "arithmetic": collect_arithmetic(out, demo["timings_s"]),
+        "calculator": collect_calculator(out, demo["timings_s"]),
         "overopt": {
             "window": window,
             "gold_peak": gold_s[peak],
@@ -356,6 +370,43 @@ def _policy_labels(r: dict) -> dict[str, str]:
     }
 
 
+def collect_calculator(out: Path, timings: dict) -> dict | None:
+    """The calculator tool task's numbers, read from ``out/calculator`` (None when the demo has none)."""
+    c = out / "calculator"
+    if not (c / "eval.json").is_file():
+        return None
+    task = json.loads((c / "task" / "task.json").read_text())
+    evaluation = json.loads((c / "eval.json").read_text())
+    labels = {"sft": "SFT, with the tool (the reference)", "sft_notool": "SFT, no tool"}
+    for name in ("ppo", "grpo", "rloo", "grpo_notool"):
+        cfg = yaml.safe_load((c / name / "config.yaml").read_text())
+        if name == "ppo":
+            label = f"PPO, {_beta_label(cfg)}, critic across turns"
+        else:
+            label = _method_label(name, cfg).split(", exact-sort")[0]
+        labels[name] = label + (", no tool" if name.endswith("_notool") else ", with the tool")
+    heldout = {}
+    for p in CALCULATOR_POLICIES:
+        mean = dict(evaluation[p]["mean"])
+        for key in ("tool_calls", "tool_errors", "malformed_calls", "turns"):
+            mean.setdefault(key, 0.0 if key != "turns" else 1.0)  # a no-tool response: one turn
+        heldout[p] = mean
+    return {
+        "labels": labels,
+        "heldout": heldout,
+        "heldout_responses": evaluation["sft"]["n"],
+        "models_held": {
+            p: len(json.loads((c / p / "models.json").read_text()))
+            for p in CALCULATOR_POLICIES
+            if (c / p / "models.json").is_file()
+        },
+        "timings_s": {p: timings.get(f"calculator/{p}") for p in CALCULATOR_POLICIES},
+        "teacher_exact_match_eval": task["teacher_exact_match_eval"],
+        "teacher_tool_use_eval": task["teacher_tool_use_eval"],
+        "sizes": task["sizes"],
+    }
+
+
 def results_table(r: dict) -> list[list[str]]:
     """Rows of the held-out table: header, then one row per policy; held-out means as ``f"{x:.3f}"``,
     then the models the run held and its stage's wall time."""
@@ -379,6 +430,21 @@ def arithmetic_table(r: dict) -> list[list[str]]:
             [a["labels"][name]]
             + [f"{a['heldout'][name][key]:.3f}" for key, _ in ARITHMETIC_COLUMNS]
             + [str(a["models_held"][name]), "—" if t is None else f"{t:.0f}"]
+        )
+    return rows
+
+
+def calculator_table(r: dict) -> list[list[str]]:
+    """Rows of the calculator task's held-out table (header first): held-out means, then the
+    stage's wall time."""
+    c = r["calculator"]
+    rows = [["policy"] + [title for _, title in CALCULATOR_COLUMNS] + ["stage time (s)"]]
+    for name in CALCULATOR_POLICIES:
+        t = c["timings_s"].get(name)
+        rows.append(
+            [c["labels"][name]]
+            + [f"{c['heldout'][name][key]:.3f}" for key, _ in CALCULATOR_COLUMNS]
+            + ["—" if t is None else f"{t:.0f}"]
         )
     return rows
 
@@ -414,6 +480,16 @@ def terminal_summary(r: dict) -> str:
             "",
             f"Arithmetic task, held-out prompts ({r['arithmetic']['heldout_responses']} responses "
             "per policy):",
+            fmt(rows[0]),
+            fmt(["-" * w for w in widths]),
+        ] + [fmt(row) for row in rows[1:]]
+    if r.get("calculator"):
+        rows = calculator_table(r)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines += [
+            "",
+            f"Calculator tool task, held-out prompts ({r['calculator']['heldout_responses']} "
+            "trajectories per policy):",
             fmt(rows[0]),
             fmt(["-" * w for w in widths]),
         ] + [fmt(row) for row in rows[1:]]
@@ -517,7 +593,8 @@ The first sample for the first held-out prompts; each cell is `response` gold / 
 
 {_markdown_table(sample_rows)}
 
-{_arithmetic_markdown(r)}Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
+{_arithmetic_markdown(r)}{_calculator_markdown(r)}
+Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
 `ppo/`, `ppo_overopt/`, `grpo/`, `rloo/` (metrics.jsonl, samples.jsonl, checkpoints/), `dpo/`, `simpo/`
 (the policy, metrics.jsonl, checkpoints/), `eval.json` (every held-out response), `report.json` (every
 number above).
@@ -546,6 +623,36 @@ the exact KL to the SFT model and the length, {a["heldout_responses"]} responses
 {_markdown_table(arithmetic_table(r))}
 
 Exact match over SFT: {gains}.
+
+"""
+
+
+def _calculator_markdown(r: dict) -> str:
+    c = r.get("calculator")
+    if not c:
+        return ""
+    h = c["heldout"]
+    gains = ", ".join(
+        f"{n.upper()} {h[n]['exact_match'] - h['sft']['exact_match']:+.3f}"
+        for n in ("ppo", "grpo", "rloo")
+    )
+    return f"""## 7. A tool task: multiplying with a calculator
+
+Prompts such as `123*456=` carry their reference in an `answer` column. A tiny model cannot multiply
+three-digit numbers in its head; with the `calculator` tool it writes `[calculator 123*456]`, reads the
+result `{{56088}}` appended after its turn, and answers `answer: 56088`. The SFT model learned from a
+sloppy teacher's conversations (right {c["teacher_exact_match_eval"]:.3f} of the time; it used the tool
+in {c["teacher_tool_use_eval"]:.3f} of them); PPO (critic across turns: GAE over the policy's own
+tokens, carried across each tool result), GRPO and RLOO start from it with the tool and are rewarded by
+the verifier on the whole trajectory. The no-tool baseline learned the same teacher's answers alone and
+is trained by GRPO without the tool. Held-out: exact match (gold), format errors, tool calls and tool
+errors per trajectory, the exact KL to the row's SFT model and the policy's own tokens (tool results
+not counted), {c["heldout_responses"]} trajectories per policy.
+
+{_markdown_table(calculator_table(r))}
+
+Exact match over the tool SFT model: {gains}; with the tool against without (GRPO):
+{h["grpo"]["exact_match"]:.3f} against {h["grpo_notool"]["exact_match"]:.3f}.
 
 """
 

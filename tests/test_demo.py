@@ -227,10 +227,16 @@ def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
         "arithmetic/ppo",
         "arithmetic/grpo",
         "arithmetic/rloo",
+        "calculator/sft",
+        "calculator/ppo",
+        "calculator/grpo",
+        "calculator/rloo",
+        "calculator/sft_notool",
+        "calculator/grpo_notool",
         "eval + report",
     )
     for n, name in enumerate(stages, start=1):
-        assert f"[{n}/14] {name}:" in stdout
+        assert f"[{n}/20] {name}:" in stdout
     assert "same as: proximal sft --config" in stdout and "same as: proximal ppo --config" in stdout
     assert stdout.rstrip().splitlines()[-1] == f"Report: {out / 'report.md'}"
 
@@ -265,8 +271,9 @@ def test_missing_configs_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (
         "sft.yaml, rm.yaml, ppo.yaml, ppo_overopt.yaml, dpo.yaml, simpo.yaml, grpo.yaml, rloo.yaml, "
-        "arithmetic/sft.yaml, arithmetic/ppo.yaml, arithmetic/grpo.yaml, arithmetic/rloo.yaml "
-        "not found"
+        "arithmetic/sft.yaml, arithmetic/ppo.yaml, arithmetic/grpo.yaml, arithmetic/rloo.yaml, "
+        "calculator/sft.yaml, calculator/ppo.yaml, calculator/grpo.yaml, calculator/rloo.yaml, "
+        "calculator/sft_notool.yaml, calculator/grpo_notool.yaml not found"
         in err
         and "--configs" in err
     )
@@ -328,3 +335,46 @@ def test_the_arithmetic_task_table_is_its_evaluation(demo):
             f"{m['kl']:.3f} | {m['length']:.3f} |" in report
         )
     assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_calculator_task_table_is_its_evaluation(demo):
+    """The calculator stages: each policy loads; the tool runs learned with the tool (agent/* every
+    step, trajectories in samples.jsonl), the no-tool ones without; the held-out tool policies were
+    evaluated as trajectories and the no-tool ones as single responses; the report's table is
+    calculator/eval.json's means, recomputed here from the held-out rows."""
+    out, stdout = demo
+    from transformers import AutoModelForCausalLM
+
+    from proximal.demo import final_policy
+    from proximal.tasks.calculator import exact_match
+
+    c = out / "calculator"
+    for run in ("ppo", "grpo", "rloo", "grpo_notool"):
+        AutoModelForCausalLM.from_pretrained(final_policy(c / run))
+        rows = _jsonl(c / run / "metrics.jsonl")
+        assert "score/proximal.tasks.calculator:verify" in rows[-1]
+        assert ("agent/tool_calls" in rows[-1]) == (run != "grpo_notool")
+        sample = _jsonl(c / run / "samples.jsonl")[0]
+        assert ("trajectory" in sample) == (run != "grpo_notool")
+    evaluation = json.loads((c / "eval.json").read_text())
+    r = json.loads((out / "report.json").read_text())["calculator"]
+    report = (out / "report.md").read_text()
+    assert "## 7. A tool task" in report and "Calculator tool task, held-out prompts" in stdout
+    for name in ("sft", "ppo", "grpo", "rloo", "sft_notool", "grpo_notool"):
+        ev = evaluation[name]
+        tool = not name.endswith("_notool")
+        assert all(("trajectory" in x) == tool for x in ev["rows"])
+        prompts = [x["prompt"] for x in ev["rows"]]
+        em = exact_match(prompts, [x["response"] for x in ev["rows"]])
+        assert [x["exact_match"] for x in ev["rows"]] == em
+        assert r["heldout"][name]["exact_match"] == pytest.approx(sum(em) / len(em), abs=1e-12)
+        calls = [x.get("tool_calls", 0) for x in ev["rows"]]
+        assert r["heldout"][name]["tool_calls"] == pytest.approx(sum(calls) / len(calls), abs=1e-12)
+        m = r["heldout"][name]
+        assert (
+            f"| {r['labels'][name]} | {m['exact_match']:.3f} | {m['format_error']:.3f} | "
+            f"{m['tool_calls']:.3f} | {m['tool_errors']:.3f} | {m['kl']:.3f} | {m['length']:.3f} |"
+            in report
+        )
+    for sft in ("sft", "sft_notool"):  # each SFT model is its runs' reference
+        assert evaluation[sft]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)
