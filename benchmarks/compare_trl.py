@@ -32,7 +32,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))  # this tree's proximal, whatever the venv has installed
 
-from harness import anchors, report  # noqa: E402
+from harness import anchors, mfu, report  # noqa: E402
 from harness.measure import BUSY_NOTE, machine  # noqa: E402
 from harness.proximal_side import has_command, has_train_field  # noqa: E402
 from harness.sides import run_proximal, run_trl  # noqa: E402
@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{model['params_reward'] / 1e6:.3g}M reward model; specials ≥ {model['min_logit_gap']:.0f} nats down"
         )
 
+    # 1b. The yardstick (issue 27): each work's model FLOPs a step, and the machine's peak on its
+    # products, probed now, in this process, on the runs' thread count.
+    measured = mfu.measure(works, a.threads, log=log)
+    log(f"[mfu] CPU: {measured['cpu']['model']}, widest vectors {measured['cpu']['vector']}")
+
     # 2. The anchors' environments.
     pythons, anchor_versions = {}, {}
     if not a.smoke or a.with_trl:
@@ -351,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. Report.
     summary = report.summarize(runs, [w.name for w in works])
+    mfu.annotate(runs, summary, measured)
     data = {
         "meta": {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -372,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "anchors": anchor_versions,
             "skipped": skipped,
             "works": {w.name: {**w.__dict__, "model": assets[w.name]["model"]} for w in works},
+            "mfu": measured,
         },
         "summary": summary,
         "runs": runs,
@@ -389,6 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             + ", "
             f"TRL {_s(s['anchor_median_step_s'])} s/step)"
+            + (
+                f"  MFU on the probed peak: proximal {100 * s['proximal_mfu_probe']:.1f} %"
+                if s.get("proximal_mfu_probe") is not None
+                else ""
+            )
+            + (
+                f", TRL {100 * s['anchor_mfu_probe']:.1f} %"
+                if s.get("anchor_mfu_probe") is not None
+                else ""
+            )
         )
     failed = sum(s["failed_runs"] for s in summary.values())
     return 1 if failed else 0

@@ -6,6 +6,8 @@ import json
 import statistics
 from pathlib import Path
 
+from harness import mfu
+
 #: Targets for the step-time ratio proximal / TRL: issue 12's works, and issue 22's at V = 151,936.
 TARGETS = {
     "tiny": 0.5,
@@ -219,5 +221,6 @@ def write(results_md: Path, data: dict, notes: str) -> None:
             )
             + " |"
         )
+    lines += mfu.report_lines(data)
     lines += ["", notes.strip(), ""]
     results_md.write_text("\n".join(lines))
