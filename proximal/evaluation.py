@@ -462,6 +462,37 @@ class TrainingEval:
         return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
 
 
+def held_out_metrics(
+    evaluation: TrainingEval | None,
+    total: int,
+    actor,
+    *,
+    reference,
+    tokenizer,
+    scorer,
+    engine: RolloutEngine | None,
+) -> Callable[[int], dict[str, float]]:
+    """An online trainer's held-out evaluation bound to its live models: ``step → eval/* metrics``,
+    empty when the run has no ``eval`` section or the step is not :meth:`TrainingEval.due` (of
+    ``total`` steps). ``scorer``: the run's :class:`~proximal.rollout.scoring.Scorer` (its reward
+    model and tokenizer score the held-out responses too)."""
+
+    def at(step: int) -> dict[str, float]:
+        if evaluation is None or not evaluation.due(step, total):
+            return {}
+        return evaluation(
+            actor,
+            reference=reference,
+            tokenizer=tokenizer,
+            reward_model=scorer.reward_model,
+            reward_tokenizer=scorer.reward_tokenizer,
+            engine=engine,
+            step=step,
+        )
+
+    return at
+
+
 def reward_weights(
     reward_model: str | None, reward_model_weight: float, function_weights: dict[str, float]
 ) -> dict[str, float]:

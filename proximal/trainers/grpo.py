@@ -50,7 +50,13 @@ from proximal.core import (
 )
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
-from proximal.evaluation import AgentEval, eval_postfix, reward_weights, training_eval
+from proximal.evaluation import (
+    AgentEval,
+    eval_postfix,
+    held_out_metrics,
+    reward_weights,
+    training_eval,
+)
 from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
@@ -178,19 +184,16 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     )
     run.track_best(cfg.output.keep_best, cfg.output.keep_best_mode)
 
-    def held_out(step: int) -> dict:
-        """The sampled held-out metrics (``eval``), when due at ``step``."""
-        if evaluation is None or not evaluation.due(step, t.steps):
-            return {}
-        return evaluation(
-            actor,
-            reference=models.reference,
-            tokenizer=tokenizer,
-            reward_model=models.scorer.reward_model,
-            reward_tokenizer=models.scorer.reward_tokenizer,
-            engine=engine,
-            step=step,
-        )
+    # The sampled held-out metrics (``eval``) at a step, {} when none are due.
+    held_out = held_out_metrics(
+        evaluation,
+        t.steps,
+        actor,
+        reference=models.reference,
+        tokenizer=tokenizer,
+        scorer=models.scorer,
+        engine=engine,
+    )
 
     if start == 0 and evaluation is not None:
         run.log(0, held_out(0))  # the starting policy
