@@ -254,9 +254,10 @@ def configure(choice: str = "auto") -> tuple[str, str]:
     """Set this process's backend for float32 CPU products from ``choice`` (``train.cpu_matmul``:
     auto, onednn or blas), unless ``PROXIMAL_CPU_MATMUL`` overrides it; return ``(backend, why)``,
     backend "onednn" or "blas". oneDNN asked for where its operator is missing or wrong is "blas",
-    and a missing or wrong reorder operator leaves the weights unpacked; ``why`` says so.
+    and a missing or wrong reorder operator leaves the weights unpacked; ``why`` says so. "auto"
+    takes :func:`auto_backend`'s measured choice (kept for :func:`probed`; ``why`` gives its rates).
     ConfigError for a value outside :data:`CHOICES`."""
-    global _BACKEND, _REORDER
+    global _BACKEND, _REORDER, _PROBED
     if choice not in CHOICES:
         raise ConfigError(f"train.cpu_matmul = {choice!r} is not one of {', '.join(CHOICES)}")
     source = f"train.cpu_matmul = {choice}"
@@ -266,7 +267,6 @@ def configure(choice: str = "auto") -> tuple[str, str]:
             raise ConfigError(f"{ENV}={env!r} is not one of {', '.join(CHOICES)}")
         if env != choice:
             choice, source = env, f"{ENV}={env} overrides train.cpu_matmul = {choice}"
-    global _PROBED
     _PROBED = None
     backend, why = choice, source
     if choice in ("auto", "onednn"):
