@@ -88,6 +88,35 @@ CLAIMS = {
         "type": "online group-sampled RL",
         "stability": "—",
     },
+    # Issue 25's objectives: not in the usual table either; what their papers state.
+    "gspo": {
+        "models": "not in the usual table; 2 (actor, reference) + a reward",
+        "models_n": 2,
+        "critic": "no (group baseline)",
+        "type": "online group-sampled RL, one clipped ratio per response (Zheng et al. 2025)",
+        "stability": "—",
+    },
+    "cispo": {
+        "models": "not in the usual table; 2 (actor, reference) + a reward",
+        "models_n": 2,
+        "critic": "no (group baseline)",
+        "type": "online REINFORCE with a clipped, stop-gradient IS weight (MiniMax-M1 2025)",
+        "stability": "—",
+    },
+    "reinforce_pp": {
+        "models": "not in the usual table; 2 (actor, reference) + a reward",
+        "models_n": 2,
+        "critic": "no (batch-normalised returns)",
+        "type": "online REINFORCE, KL in the reward (Hu et al. 2025)",
+        "stability": "—",
+    },
+    "reinforce_pp_baseline": {
+        "models": "not in the usual table; 2 (actor, reference) + a reward",
+        "models_n": 2,
+        "critic": "no (group mean, then batch normalisation)",
+        "type": "online group-sampled REINFORCE (Hu et al. 2025)",
+        "stability": "—",
+    },
 }
 
 

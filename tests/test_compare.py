@@ -414,3 +414,14 @@ def test_mean_and_spread_are_the_sample_statistics():
     m, s = mean_std([0.5, 0.7, 0.9])
     assert m == pytest.approx(0.7) and s == pytest.approx(math.sqrt(((0.2**2) * 2) / 2))
     assert mean_std([0.3]) == (0.3, None) and mean_std([None]) == (None, None)
+
+
+def test_every_method_has_its_stated_row():
+    """The report's 'as commonly stated' table has a row for every method compare can train (a
+    method added without one would print dashes where its paper's claims belong)."""
+    from proximal.compare_report import CLAIMS
+    from proximal.methods import METHODS
+
+    assert sorted(METHODS) == sorted(CLAIMS)
+    for name, claim in CLAIMS.items():
+        assert claim["models_n"] in (1, 2, 4) and all(claim[k] for k in ("critic", "type")), name
