@@ -474,3 +474,25 @@ def test_setup_validates_its_fields():
         seventy_b(strategy="zero3")
     with pytest.raises(ValueError, match="micro_batch must be at least 1, got 0"):
         seventy_b(micro_batch=0)
+
+
+def test_bf16_true_sampling_holds_a_bfloat16_copy_of_the_policy():
+    """rollout.precision: bf16-true — the engine's copy of the whole policy (base and adapters),
+    2 bytes a parameter, resident for the whole step; nothing else changes."""
+    a = _tiny_llama_arch()
+    actor = ModelSpec.of(a, "lm")
+    for lora, adapters in ((0, 0), (8, 33_792)):
+        kw = dict(actor=actor, method="grpo", dtype="float32", lora_rank=lora)
+        base, copy = plan(Setup(**kw)), plan(Setup(**kw, rollout_precision="bf16-true"))
+        row = copy.rows["rollout copy"]
+        assert (row.n_params, row.parameters) == (
+            actor.n_params + adapters,
+            2 * actor.n_params + 2 * adapters,
+        )
+        assert (row.optimizer, row.gradients, row.trainable) == (0, 0, 0)
+        assert copy.static - base.static == row.parameters
+        assert copy.phases == base.phases and "rollout copy" not in base.rows
+    assert (
+        "rollout copy"
+        not in plan(Setup(actor=actor, method="grpo", rollout_precision="bf16-mixed")).rows
+    )

@@ -333,6 +333,11 @@ def test_run_reads_the_fields_a_plan_needs(tmp_path, model_dir):
     assert list(plan(grpo).rows) == ["actor"]  # β = 0 and verifiers only: one model
     mu2, _ = plan_run(str(run_dir(tmp_path / "mu", "grpo", model_dir, **{"grpo.iterations": 2})))
     assert mu2.old_logprobs_pass and mu2.reference
+    assert grpo.rollout_precision is None
+    bf16, _ = plan_run(
+        str(run_dir(tmp_path / "bf16", "grpo", model_dir, **{"rollout.precision": "bf16-true"}))
+    )
+    assert bf16.rollout_precision == "bf16-true" and "rollout copy" in plan(bf16).rows
     dpo, _ = plan_run(
         str(
             run_dir(

@@ -165,6 +165,7 @@ class Setup:
         "shard"  # with W > 1: frozen models sharded like the trained ones, or whole
     )
     gather_weights: bool = False  # the rollout gathers the whole actor on every GPU (W > 1)
+    rollout_precision: str | None = None  # rollout.precision; "bf16-true": the engine's bf16 copy
     gpu_memory: int = 80 * GiB
     forward_cache: bool = True  # training/scoring forwards keep a KV cache (transformers' default)
     logprobs: str = "full"
@@ -632,6 +633,15 @@ def plan(setup: Setup) -> Plan:
         )
     if setup.online and setup.reward is not None:
         rows["reward"] = frozen_row("reward", setup.reward)
+    if setup.online and setup.rollout_precision == "bf16-true":
+        # proximal.rollout.engine: the engine decodes with its own bfloat16 copy of the whole policy
+        # (base and adapters), held for the run and refreshed after each update.
+        n = setup.actor.n_params + (
+            setup.actor.arch.lora_params(r, setup.lora_targets) if r and setup.actor.arch else 0
+        )
+        rows["rollout copy"] = Row(
+            "rollout copy", n, 0, n * 2, 0, 0, None, 0, "rollout.precision bf16-true: bfloat16"
+        )
 
     static = sum(x.parameters + x.optimizer for x in rows.values())
     cpu_opt = sum(x.trainable for x in (actor, critic) if x) * by.optimizer if setup.offload else 0

@@ -171,6 +171,8 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
         f["response_len"] = get("rollout.max_new_tokens")
         f["prompt_len"] = get("data.max_prompt_length")
         f["gather_weights"] = get("rollout.gather_weights", bool, None)
+        if "rollout.precision" in values:
+            f["rollout_precision"] = get("rollout.precision", str, None, none=True)
         plan.reward_path = get("model.reward_model", str, None, none=True)
     if method == "ppo":
         f["micro_batch"] = get("ppo.micro_batch_size")
