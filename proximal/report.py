@@ -528,6 +528,7 @@ def render_markdown(r: dict, out: Path) -> str:
         f"{labels[n].split(',')[0].split(' (')[0]} {r['heldout'][n]['gold']:.3f}"
         for n in ("ppo", *ALTERNATIVES)
     )
+    tasks = _arithmetic_markdown(r) + _calculator_markdown(r)  # sections 6 and 7, when run
     return f"""# proximal demo report
 {quick_note}
 The whole of RLHF on the built-in digit-sorting task: SFT on a sloppy teacher's demonstrations, a
@@ -593,8 +594,7 @@ The first sample for the first held-out prompts; each cell is `response` gold / 
 
 {_markdown_table(sample_rows)}
 
-{_arithmetic_markdown(r)}{_calculator_markdown(r)}
-Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
+{tasks}Files: `task/` (data, tokenizer, base model), `sft/`, `rm/` (checkpoints and metrics.jsonl),
 `ppo/`, `ppo_overopt/`, `grpo/`, `rloo/` (metrics.jsonl, samples.jsonl, checkpoints/), `dpo/`, `simpo/`
 (the policy, metrics.jsonl, checkpoints/), `eval.json` (every held-out response), `report.json` (every
 number above).
