@@ -94,7 +94,9 @@ PROBE_ROUNDS = 4
 #: The smallest relative difference taken as real, whatever the rounds' spread says.
 PROBE_MIN_MARGIN = 0.05
 #: A measurement noisier than this (a busy machine: rounds of one backend apart by more) decides
-#: for the process but is not kept, so the next run measures again.
+#: for the process but is not kept, so the next run measures again; so does one taken while other
+#: processes kept the cores busy (:func:`busy_load`), which slows both backends alike and hides
+#: from the rounds' spread.
 PROBE_CACHE_NOISE = 0.25
 #: Where "auto"'s measurements are kept (:func:`cache_path`): one entry per :func:`machine_key`.
 CACHE_NAME = "cpu_matmul.json"
@@ -126,11 +128,15 @@ def decide(seconds: dict[str, list[float]]) -> tuple[str, dict]:
 
 
 def describe(record: dict) -> str:
-    """``decide``'s record in words: "oneDNN 412, BLAS 201 GFLOP/s (noise 3 %)"."""
+    """``decide``'s record in words: "oneDNN 412, BLAS 201 GFLOP/s on 2 threads (noise 3 %)", and
+    the machine's load where it was busy (the measurement is then not cached)."""
     r = record["rates"]
+    busy = record.get("busy_load")
     return (
         f"oneDNN {r['onednn'] / 1e9:.0f}, BLAS {r['blas'] / 1e9:.0f} GFLOP/s on "
-        f"{record.get('threads', '?')} threads (noise {100 * record['noise']:.0f} %)"
+        f"{record.get('threads', '?')} threads (noise {100 * record['noise']:.0f} %"
+        + (f"; busy machine, load {busy:.1f}, not cached" if busy is not None else "")
+        + ")"
     )
 
 
@@ -177,6 +183,18 @@ def machine_key() -> str:
     return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
+def busy_load() -> float | None:
+    """The 1-minute load average where it exceeds the cores this process's threads leave free by
+    more than half a core (other work competes for them: a probe then measures the load), else
+    None; None where the platform has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    free = max(0, (os.cpu_count() or 1) - torch.get_num_threads())
+    return load if load > free + 0.5 else None
+
+
 def cache_path() -> Path:
     """``$XDG_CACHE_HOME/proximal/cpu_matmul.json`` (``~/.cache`` without the variable)."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -188,7 +206,8 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
     ``path`` (:func:`cache_path`) has one, else ``probe()``'s (:func:`decide`), written there — other
     machines' entries kept, the file replaced whole; a cache that cannot be read is measured again,
     one that cannot be written is left (the choice stands for this process), and so is a measurement
-    noisier than :data:`PROBE_CACHE_NOISE`. Returns ``(backend,
+    noisier than :data:`PROBE_CACHE_NOISE` or taken on a busy machine (:func:`busy_load`, kept in
+    the record as ``busy_load``). Returns ``(backend,
     record)`` with the record's ``key``, ``threads`` and ``cached`` (whether it was read)."""
     path = cache_path() if path is None else path
     key = machine_key()
@@ -207,7 +226,10 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
         return hit["backend"], {**hit, "cached": True}
     backend, record = decide((probe or probe_seconds)())
     record.update(key=key, threads=torch.get_num_threads())
-    if record["noise"] > PROBE_CACHE_NOISE:
+    busy = busy_load()
+    if busy is not None:
+        record["busy_load"] = busy
+    if record["noise"] > PROBE_CACHE_NOISE or busy is not None:
         return backend, {**record, "cached": False}
     entries[key] = record
     try:

@@ -273,7 +273,8 @@ class Run:
         reference is the policy) is counted once, under the first. Returns the dict.
 
         Each model on the CPU also gets ``"cpu_matmul": {"backend", "why"}`` (this process's float32
-        products, ``train.cpu_matmul``; with ``"probe"``, the rates "auto" measured), and the model ``engine`` decodes (an online method's policy)
+        products, ``train.cpu_matmul``; with ``"probe"``, the rates "auto" measured), and the model
+        ``engine`` decodes (an online method's policy)
         ``"decode": {"path": "lean" | "generate", "reason"}`` (:meth:`HFEngine.decode_path`), which
         rank 0 also prints. Both sit inside a model's entry, so the file's keys stay the models' names.
         Each model's FLOP shape (:func:`proximal.models.flops.model_shape`) is kept in ``shapes``,
@@ -624,7 +625,11 @@ def open_run(
     dist.barrier()  # every rank has looked at the directory before rank 0 writes anything into it
     matmul = {"backend": backend, "why": why} if dev.type == "cpu" else None
     if matmul is not None and probed is not None:  # train.cpu_matmul: auto's measurement
-        matmul["probe"] = {k: probed[k] for k in ("rates", "noise", "threads", "key", "cached")}
+        matmul["probe"] = {
+            k: probed[k]
+            for k in ("rates", "noise", "threads", "key", "cached", "busy_load")
+            if k in probed
+        }
     run = Run(
         command,
         run_dir,

@@ -370,6 +370,7 @@ def test_the_measurement_is_cached_per_machine(tmp_path, monkeypatch):
     not trusted; an unwritable cache leaves the choice standing."""
     path = tmp_path / "proximal" / "cpu_matmul.json"
     monkeypatch.setattr(kernels, "machine_key", lambda: "CPU A | torch x | 2 threads")
+    monkeypatch.setattr(kernels, "busy_load", lambda: None)
     fast = _rounds([2.0] * 4, [1.0] * 4)
     backend, rec = kernels.auto_backend(fast, path)
     assert (backend, rec["cached"], rec["key"]) == ("onednn", False, "CPU A | torch x | 2 threads")
@@ -396,6 +397,13 @@ def test_the_measurement_is_cached_per_machine(tmp_path, monkeypatch):
     assert backend == "blas" and rec["noise"] == 1.0 and not rec["cached"]
     assert "CPU B | torch x | 2 threads" not in json.loads(path.read_text())  # measured again next
 
+    monkeypatch.setattr(kernels, "busy_load", lambda: 2.4)  # others kept the cores busy
+    backend, rec = kernels.auto_backend(fast, path)
+    assert backend == "onednn" and rec["busy_load"] == 2.4 and not rec["cached"]
+    assert "CPU B | torch x | 2 threads" not in json.loads(path.read_text())
+    assert kernels.describe(rec).endswith("(noise 0 %; busy machine, load 2.4, not cached)")
+    monkeypatch.setattr(kernels, "busy_load", lambda: None)
+
     path.write_text("{not json")
     assert kernels.auto_backend(fast, path)[1]["cached"] is False
     assert list(json.loads(path.read_text())) == ["CPU B | torch x | 2 threads"]
@@ -403,6 +411,16 @@ def test_the_measurement_is_cached_per_machine(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert kernels.auto_backend(fast, blocked / "cpu_matmul.json")[0] == "onednn"
+
+
+def test_a_busy_machine_is_the_load_beyond_the_free_cores(monkeypatch):
+    """With 4 cores and 2 threads 2 are free: a load average above 2.5 is busy, at or below it not."""
+    monkeypatch.setattr(kernels.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    assert kernels.busy_load() == 2.6
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (2.5, 9.0, 9.0))
+    assert kernels.busy_load() is None
 
 
 def test_the_cache_key_is_the_cpu_torch_and_threads(monkeypatch):
