@@ -150,7 +150,7 @@ def test_mfu_beside_the_ratio_in_the_summary_and_results_md():
     assert summary["tiny"]["proximal_mfu_probe"] == 0.5
     assert summary["tiny"]["anchor_mfu_probe"] == 0.25
     lines = mfu.report_lines({"meta": {"mfu": measured}, "summary": summary})
-    assert lines[3].startswith("CPU: Some CPU, widest vectors AVX-512 (512-bit). MFU = ")
+    assert lines[3].startswith("CPU: Some CPU, widest vectors AVX-512 (512-bit); before the probe ")
     assert lines[-1] == (
         "| tiny | 200 | generation 10.0, epochs 190.0 | 400 (float32, 2 threads) | oneDNN | "
         "F.linear 200 | 1 | 50.0 % | 2 | 25.0 % | 0.5 |"

@@ -166,6 +166,18 @@ def time_product(fn: Callable, shape: Shape, dtype, *, batches: int = 5, batch_s
     return best
 
 
+def _warm(fn: Callable, shape: Shape, dtype, seconds: float = 0.3) -> None:
+    """Products for about ``seconds`` before anything is timed: the thread pool awake, the clocks up
+    (the first shape timed otherwise reads low)."""
+    import torch
+
+    x, w = torch.randn(shape[0], shape[1]).to(dtype), torch.randn(shape[2], shape[1]).to(dtype)
+    end = time.perf_counter() + seconds
+    with torch.no_grad():
+        while time.perf_counter() < end:
+            fn(x, w)
+
+
 def probe_peak(work: Work, threads: int, *, batches: int = 5) -> dict:
     """The machine's peak product rate for ``work`` on ``threads`` torch threads (module docstring):
     :func:`choose`'s record plus ``dtype``, ``threads`` and ``seconds`` (the probe's own time)."""
@@ -177,6 +189,7 @@ def probe_peak(work: Work, threads: int, *, batches: int = 5) -> dict:
     t0 = time.perf_counter()
     try:
         counts = product_shapes(work)
+        _warm(backends(dtype)["F.linear"], max(counts, key=flops_of), dtype)
         seconds = {
             name: {s: time_product(fn, s, dtype, batches=batches) for s in counts}
             for name, fn in backends(dtype).items()
@@ -236,7 +249,19 @@ def measure(works: list[Work], threads: int, log=print) -> dict:
     """For each work: its step's FLOPs by phase and the peak probed on its products (one probe per
     distinct set of shapes and dtype: tiny and grpo share one). ``{"cpu": cpu(), "works": {name:
     {"flops": step_flops, "peak": probe_peak record}}}``; logs one line a work."""
-    out: dict = {"cpu": cpu(), "works": {}}
+    from harness.measure import cpu_busy, loadavg
+
+    out: dict = {
+        "cpu": cpu(),
+        "works": {},
+        "busy_cpus_before": cpu_busy(),
+        "loadavg_before": loadavg(),
+    }
+    if out["busy_cpus_before"] > 0.25:
+        log(
+            f"[warn] {out['busy_cpus_before']:.2f} CPUs busy before the probe: the peak measures "
+            "the load, and so does MFU"
+        )
     probes: dict = {}
     for w in works:
         flops = step_flops(w)
@@ -283,7 +308,9 @@ def report_lines(data: dict) -> list[str]:
         "",
         "## Model FLOP utilisation (issue 27)",
         "",
-        f"CPU: {c['model']}, widest vectors {c['vector']}. MFU = a step's model FLOPs "
+        f"CPU: {c['model']}, widest vectors {c['vector']}; before the probe "
+        f"{measured.get('busy_cpus_before', 0):.2f} CPUs were busy with other work. "
+        "MFU = a step's model FLOPs "
         "(`proximal.models.flops`, as `perf/mfu` counts them) / the median step time / the peak "
         "probed in this invocation on the work's own products (`benchmarks/harness/mfu.py`): every "
         "linear of one forward pass over the training batch, timed by torch's `F.linear` and by "
