@@ -238,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"and N ≥ --rounds ({a.rounds})"
             )
         a.rounds_of[name] = int(n)
+    a.workdir = (
+        a.workdir.resolve()
+    )  # the anchors run in their own directory: paths must be absolute
     if a.results is None:
         a.results = (a.workdir / "results-smoke.md") if a.smoke else (BENCH / "results.md")
     return a
