@@ -197,6 +197,8 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_both(base, tmp_path, capfd):
     assert "step_000002 is intact and still latest" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "latest",
+        "newest",
         "step_000001",
         "step_000002",
     ]
+    assert os.readlink(run / "checkpoints" / "newest") == "step_000002/model"
