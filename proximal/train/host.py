@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _TUNED = False
@@ -54,19 +55,41 @@ def tune_allocator(threshold: int = 1 << 30) -> bool:
     return ok
 
 
-def busy_cpu_note(threads: int) -> str | None:
-    """A one-line note when the cores are oversubscribed: the 1-minute load average (what other
-    processes ask for — it lags, so a run that just ended still counts for a while) plus this
-    process's ``threads`` exceed the cores by more than one core."""
+_LAST_NOTE: tuple[float, float] | None = None  # (monotonic time, process CPU time) at the last note
+
+
+def own_load(now: float | None = None, cpu: float | None = None) -> float:
+    """This process's own share of the load average: its CPU seconds (all threads) per wall second
+    since the previous call, 0 at the first. A process that runs several trainings one after the
+    other (``proximal demo``, ``proximal compare``, a notebook) would otherwise read its own last
+    stage in the lagging load average and call the machine busy."""
+    global _LAST_NOTE
+    now = time.monotonic() if now is None else now
+    cpu = time.process_time() if cpu is None else cpu
+    previous, _LAST_NOTE = _LAST_NOTE, (now, cpu)
+    if previous is None or now - previous[0] < 1.0:
+        return 0.0
+    return max(0.0, (cpu - previous[1]) / (now - previous[0]))
+
+
+def busy_cpu_note(
+    threads: int, *, load: float | None = None, own: float | None = None
+) -> str | None:
+    """A one-line note when the cores are oversubscribed: the 1-minute load average less this
+    process's own recent use (:func:`own_load`) — what other processes ask for; it lags, so a run
+    that just ended still counts for a while — plus this process's ``threads`` exceed the cores by
+    more than one core. ``load`` and ``own`` stand in for the measurements (tests)."""
     try:
-        load = os.getloadavg()[0]
+        load = os.getloadavg()[0] if load is None else load
     except OSError:
         return None
+    load = max(0.0, load - (own_load() if own is None else own))
     cores = os.cpu_count() or 1
     if load + threads <= cores + 1.0:
         return None
     return (
-        f"the CPU is busy (load average {load:.1f} on {cores} cores, and {threads} torch threads here): steps "
+        f"the CPU is busy (load average {load:.1f} from other processes on {cores} cores, and {threads} "
+        "torch threads here): steps "
         "will be slower than on an idle machine, up to 10x for small models; give this run the free cores "
         "(OMP_NUM_THREADS) or run it alone"
     )
