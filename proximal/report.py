@@ -606,8 +606,9 @@ def _arithmetic_markdown(r: dict) -> str:
     if not a:
         return ""
     h = a["heldout"]
-    gains = ", ".join(
-        f"{a['labels'][n].split(',')[0]} {h[n]['exact_match'] - h['sft']['exact_match']:+.3f}"
+    gains = ", ".join(  # the method's name, without its label's settings "(grpo loss, β = …)"
+        f"{a['labels'][n].split(',')[0].split(' (')[0]} "
+        f"{h[n]['exact_match'] - h['sft']['exact_match']:+.3f}"
         for n in ARITHMETIC_POLICIES[1:]
     )
     return f"""## 6. A reasoning task: multi-step arithmetic with reference answers

@@ -335,6 +335,11 @@ def test_the_arithmetic_task_table_is_its_evaluation(demo):
             f"{m['kl']:.3f} | {m['length']:.3f} |" in report
         )
     assert evaluation["sft"]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    gains = ", ".join(
+        f"{name.upper()} {r['heldout'][name]['exact_match'] - r['heldout']['sft']['exact_match']:+.3f}"
+        for name in ("ppo", "grpo", "rloo")
+    )
+    assert f"Exact match over SFT: {gains}." in report  # the methods' names, not half a label
 
 
 def test_the_calculator_task_table_is_its_evaluation(demo):
