@@ -87,6 +87,27 @@ def load_environment(spec) -> Callable:
     return factory
 
 
+def run_environments(
+    env, tools, *, has_reward_source: bool, columns: list[dict] | None, source: str
+) -> Environments | None:
+    """A run's environments from its ``env`` and ``tools`` config sections (``factory``,
+    ``max_turns``…; ``functions``, ``format``, ``timeout_s``, ``on_error``, ``workers``), through
+    :func:`build_environments`; None when neither names anything — a single-turn run."""
+    if env.factory is None and not tools.functions:
+        return None
+    return build_environments(
+        env.factory,
+        tools.functions,
+        call_format=tools.format,
+        timeout_s=tools.timeout_s,
+        on_error=tools.on_error,
+        workers=tools.workers,
+        has_reward_source=has_reward_source,
+        columns=columns,
+        source=source,
+    )
+
+
 def build_environments(
     factory_spec,
     tool_specs: list,

@@ -27,8 +27,8 @@ import torch
 from proximal import dist
 from proximal.agents.collect import (
     agent_collect,
-    build_environments,
     context_length,
+    run_environments,
 )
 from proximal.config import check_valid
 from proximal.core import (
@@ -109,19 +109,13 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         columns=d.columns,
     )
     # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
-    envs = None
-    if cfg.env.factory is not None or cfg.tools.functions:
-        envs = build_environments(
-            cfg.env.factory,
-            cfg.tools.functions,
-            call_format=cfg.tools.format,
-            timeout_s=cfg.tools.timeout_s,
-            on_error=cfg.tools.on_error,
-            workers=cfg.tools.workers,
-            has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
-            columns=prompts.columns,
-            source=str(d.prompts),
-        )
+    envs = run_environments(
+        cfg.env,
+        cfg.tools,
+        has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
+        columns=prompts.columns,
+        source=str(d.prompts),
+    )
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
 
     models = build_models(cfg, run.device, run.world_size, functions)
