@@ -515,36 +515,68 @@ def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
             for name in ARITHMETIC_RUNS
         },
     }
+    commands = {name: METHODS[name].command if name in METHODS else name for name in inputs}
+    return _task_stage_configs(
+        configs,
+        out,
+        seed,
+        inputs,
+        commands,
+        plan.arithmetic,
+        verifier=ARITHMETIC_VERIFIER,
+        task="arithmetic",
+    )
+
+
+def _task_stage_configs(
+    configs: Path,
+    out: Path,
+    seed: int,
+    inputs: dict[str, dict],
+    commands: dict[str, str],
+    overrides: dict[str, dict],
+    *,
+    verifier: str,
+    task: str,
+    check=None,
+) -> dict:
+    """``{stage: (config, equivalent command line)}`` for a built-in task's stages, in ``inputs``'
+    order: ``<configs>/<stage>.yaml`` loaded as ``commands[stage]``'s config with the stage's
+    ``inputs``, ``output.dir`` under ``out``, the seed and ``overrides[stage]`` (the plan's) filled
+    in. ConfigError lists every problem: a config that does not load, an RL stage that does not
+    learn from ``verifier`` (first in model.reward_functions, weight 1), and what ``check(stage,
+    config, path)`` returns (a list of problems)."""
     classes = {"sft": sft.SFTConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
     result, errors = {}, []
-    for name in ARITHMETIC_STAGES:
-        command = METHODS[name].command if name in METHODS else name
-        overrides = {
+    for name, stage_inputs in inputs.items():
+        command = commands[name]
+        values = {
             k: str(v) if isinstance(v, Path) else v
             for k, v in {
-                **inputs[name],
+                **stage_inputs,
                 "output.dir": out / name,
                 "train.seed": seed,
-                **plan.arithmetic.get(name, {}),
+                **overrides.get(name, {}),
             }.items()
         }
         path = configs / f"{name}.yaml"
         line = f"proximal {command} --config {path} " + " ".join(
-            f"--{k} {command_arg(v)}" for k, v in overrides.items()
+            f"--{k} {command_arg(v)}" for k, v in values.items()
         )
         try:
-            cfg = load_config(classes[command], path, overrides)
+            cfg = load_config(classes[command], path, values)
         except ConfigError as e:
             errors.append(f"{path}: {e}")
             continue
-        if name != "sft" and (
-            cfg.model.reward_functions[:1] != [ARITHMETIC_VERIFIER]
+        if command != "sft" and (
+            cfg.model.reward_functions[:1] != [verifier]
             or cfg.model.reward_function_weights[:1] != [1.0]
         ):
             errors.append(
-                f"{path}: the arithmetic runs learn from the answer verifier; keep "
-                f"{ARITHMETIC_VERIFIER} first in model.reward_functions, with weight 1.0"
+                f"{path}: the {task} runs learn from the verifier; keep {verifier} first in "
+                "model.reward_functions, with weight 1.0"
             )
+        errors += check(name, cfg, path) if check else []
         result[name] = (cfg, line)
     if errors:
         raise ConfigError("demo configs:\n" + "\n".join(errors))
@@ -578,46 +610,32 @@ def calculator_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
             "data.prompts": task / "prompts_train.jsonl",
         },
     }
-    commands = {"sft": "sft", "sft_notool": "sft", "ppo": "ppo", "grpo_notool": "grpo"}
-    classes = {"sft": sft.SFTConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
-    tool = f"proximal.tasks.calculator:{calculator.TOOL}"
-    result, errors = {}, []
-    for name in CALCULATOR_STAGES:
-        command = commands.get(name, METHODS[name].command if name in METHODS else name)
-        overrides = {
-            k: str(v) if isinstance(v, Path) else v
-            for k, v in {
-                **inputs[name],
-                "output.dir": out / name,
-                "train.seed": seed,
-                **plan.calculator.get(name, {}),
-            }.items()
-        }
-        path = configs / f"{name}.yaml"
-        line = f"proximal {command} --config {path} " + " ".join(
-            f"--{k} {command_arg(v)}" for k, v in overrides.items()
+    commands = {
+        name: {"sft_notool": "sft", "grpo_notool": "grpo"}.get(
+            name, METHODS[name].command if name in METHODS else name
         )
-        try:
-            cfg = load_config(classes[command], path, overrides)
-        except ConfigError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        if command != "sft" and (
-            cfg.model.reward_functions[:1] != [CALCULATOR_VERIFIER]
-            or cfg.model.reward_function_weights[:1] != [1.0]
-        ):
-            errors.append(
-                f"{path}: the calculator runs learn from the verifier; keep "
-                f"{CALCULATOR_VERIFIER} first in model.reward_functions, with weight 1.0"
-            )
+        for name in inputs
+    }
+    tool = f"proximal.tasks.calculator:{calculator.TOOL}"
+
+    def check(name: str, cfg, path: Path) -> list[str]:
         if name in CALCULATOR_RUNS and tool not in cfg.tools.functions:
-            errors.append(f"{path}: a tool stage needs tools.functions: [{tool}]")
+            return [f"{path}: a tool stage needs tools.functions: [{tool}]"]
         if name == "grpo_notool" and (cfg.tools.functions or cfg.env.factory):
-            errors.append(f"{path}: the no-tool baseline runs with no tools and no env")
-        result[name] = (cfg, line)
-    if errors:
-        raise ConfigError("demo configs:\n" + "\n".join(errors))
-    return result
+            return [f"{path}: the no-tool baseline runs with no tools and no env"]
+        return []
+
+    return _task_stage_configs(
+        configs,
+        out,
+        seed,
+        {name: inputs[name] for name in CALCULATOR_STAGES},
+        commands,
+        plan.calculator,
+        verifier=CALCULATOR_VERIFIER,
+        task="calculator",
+        check=check,
+    )
 
 
 def calculator_agent(cfg) -> dict:

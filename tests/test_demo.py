@@ -383,3 +383,55 @@ def test_the_calculator_task_table_is_its_evaluation(demo):
         )
     for sft in ("sft", "sft_notool"):  # each SFT model is its runs' reference
         assert evaluation[sft]["mean"]["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_task_stages_configs_are_checked(tmp_path):
+    """The arithmetic and calculator stages' configs (proximal.demo): the packaged ones load, with
+    each stage's inputs, seed and command; a copy whose RL stage learns from something else than the
+    task's verifier, a tool stage without the tool and a no-tool stage with one are each refused,
+    all problems in one ConfigError."""
+    import shutil
+
+    import yaml
+
+    from proximal.config import ConfigError
+    from proximal.demo import (
+        CALCULATOR_STAGES,
+        DEFAULT_CONFIGS,
+        FULL,
+        arithmetic_stage_configs,
+        calculator_stage_configs,
+    )
+    from proximal.tasks import arithmetic, calculator
+
+    out, calc_out = tmp_path / "arithmetic", tmp_path / "calculator_out"
+    arithmetic.make_task_data(out / "task", 3)
+    calculator.make_task_data(calc_out / "task", 3)
+    arith = arithmetic_stage_configs(DEFAULT_CONFIGS / "arithmetic", out, 3, FULL)
+    assert list(arith) == ["sft", "ppo", "grpo", "rloo"]
+    cfg, line = arith["grpo"]
+    assert cfg.train.seed == 3 and cfg.output.dir == str(out / "grpo")
+    assert cfg.model.path == str(out / "sft") and line.startswith("proximal grpo --config ")
+    calc = calculator_stage_configs(DEFAULT_CONFIGS / "calculator", calc_out, 3, FULL)
+    assert list(calc) == list(CALCULATOR_STAGES)
+    assert calc["grpo_notool"][0].model.path == str(calc_out / "sft_notool")
+    assert calc["grpo_notool"][1].startswith("proximal grpo --config ")
+
+    broken = tmp_path / "calculator"
+    shutil.copytree(DEFAULT_CONFIGS / "calculator", broken)
+
+    def edit(name, change):
+        path = broken / f"{name}.yaml"
+        data = yaml.safe_load(path.read_text())
+        change(data)
+        path.write_text(yaml.safe_dump(data))
+
+    edit("grpo", lambda d: d["model"].update(reward_function_weights=[0.5, 0.0, 0.0]))
+    edit("ppo", lambda d: d["tools"].update(functions=[]))
+    edit("grpo_notool", lambda d: d.setdefault("tools", {}).update(functions=["x:y"]))
+    with pytest.raises(ConfigError) as caught:
+        calculator_stage_configs(broken, calc_out, 3, FULL)
+    message = str(caught.value)
+    assert f"{broken / 'grpo.yaml'}: the calculator runs learn from the verifier" in message
+    assert f"{broken / 'ppo.yaml'}: a tool stage needs tools.functions" in message
+    assert f"{broken / 'grpo_notool.yaml'}: the no-tool baseline runs with no tools" in message
