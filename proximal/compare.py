@@ -524,6 +524,26 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     return result
 
 
+def _answer_task_inputs(base: Path, verifier: str, scores: dict, **extra) -> Inputs:
+    """The inputs of a built-in task with reference answers trained into ``base`` (arithmetic,
+    calculator): its SFT model, prompts and held-out prompts, no reward model and no pairs; the
+    held-out columns exact match (gold) and format errors — the verifier's own column would repeat
+    the gold one, since on this data its reference is the expression's value."""
+    task = base / "task"
+    return Inputs(
+        sft=str(base / "sft"),
+        reward_model=None,
+        prompts=str(task / "prompts_train.jsonl"),
+        pairs=None,
+        eval_pairs=None,
+        eval_prompts=str(task / "prompts_eval.jsonl"),
+        verifier=verifier,
+        gold=scores["exact_match"],
+        scores={"gold": scores["exact_match"], "format_error": scores["format_error"]},
+        **extra,
+    )
+
+
 def prepare_inputs(
     cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]
 ) -> Inputs:
@@ -531,44 +551,15 @@ def prepare_inputs(
     d = cfg.data
     if d.sft_model is None and cfg.compare.task == CALCULATOR:
         base = train_builtin_calculator(out / "base", configs, echo=echo)
-        task = base / "task"
-        # Held-out: exact match (gold), format errors, and (with the tool) each trajectory's tool
-        # calls and tool errors; the tool runs are evaluated as trajectories with their own tool
-        # settings (run_inputs); the no-tool baseline against its own SFT model.
-        return Inputs(
-            sft=str(base / "sft"),
-            reward_model=None,
-            prompts=str(task / "prompts_train.jsonl"),
-            pairs=None,
-            eval_pairs=None,
-            eval_prompts=str(task / "prompts_eval.jsonl"),
-            verifier=CALCULATOR_VERIFIER,
-            gold=CALCULATOR_SCORES["exact_match"],
-            scores={
-                "gold": CALCULATOR_SCORES["exact_match"],
-                "format_error": CALCULATOR_SCORES["format_error"],
-            },
-            sft_notool=str(base / "sft_notool"),
+        # With the tool, each trajectory's tool calls and tool errors too: the tool runs are
+        # evaluated as trajectories with their own tool settings (run_inputs); the no-tool
+        # baseline against its own SFT model.
+        return _answer_task_inputs(
+            base, CALCULATOR_VERIFIER, CALCULATOR_SCORES, sft_notool=str(base / "sft_notool")
         )
     if d.sft_model is None and cfg.compare.task == ARITHMETIC:
         base = train_builtin_arithmetic(out / "base", configs, echo=echo)
-        task = base / "task"
-        # The held-out columns: exact match (gold) and format errors. The verifier's own column
-        # would repeat the gold one: on this data its reference is the expression's value.
-        return Inputs(
-            sft=str(base / "sft"),
-            reward_model=None,
-            prompts=str(task / "prompts_train.jsonl"),
-            pairs=None,
-            eval_pairs=None,
-            eval_prompts=str(task / "prompts_eval.jsonl"),
-            verifier=ARITHMETIC_VERIFIER,
-            gold=ARITHMETIC_SCORES["exact_match"],
-            scores={
-                "gold": ARITHMETIC_SCORES["exact_match"],
-                "format_error": ARITHMETIC_SCORES["format_error"],
-            },
-        )
+        return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
     if d.sft_model is None:
         base = train_builtin(out / "base", configs, echo=echo)
         task = base / "task"
