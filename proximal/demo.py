@@ -467,23 +467,10 @@ def stage_configs(
     for name, (command, cls, overrides) in stages.items():
         if name not in only:
             continue
-        overrides = {
-            k: str(v) if isinstance(v, Path) else v
-            for k, v in {
-                **overrides,
-                "output.dir": out / name,
-                "train.seed": seed,
-                **getattr(plan, name),
-            }.items()
-        }
         path = configs / f"{name}.yaml"
-        line = f"proximal {command} --config {path} " + " ".join(
-            f"--{k} {command_arg(v)}" for k, v in overrides.items()
-        )
-        try:
-            cfg = load_config(cls, path, overrides)
-        except ConfigError as e:
-            errors.append(f"{path}: {e}")
+        values = {**overrides, "output.dir": out / name, "train.seed": seed, **getattr(plan, name)}
+        cfg, line = _stage_config(path, command, cls, values, errors)
+        if cfg is None:
             continue
         if name in RUNS and (
             cfg.model.reward_functions != [GOLD_FN] or cfg.model.reward_function_weights != [0.0]
@@ -528,6 +515,21 @@ def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
     )
 
 
+def _stage_config(path: Path, command: str, cls: type, values: dict, errors: list[str]):
+    """One stage: ``path`` loaded as ``cls`` with ``values`` (paths as strings) over it, and the
+    equivalent command line; ``(None, line)`` with the problem appended to ``errors`` when it does
+    not load."""
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    line = f"proximal {command} --config {path} " + " ".join(
+        f"--{k} {command_arg(v)}" for k, v in values.items()
+    )
+    try:
+        return load_config(cls, path, values), line
+    except ConfigError as e:
+        errors.append(f"{path}: {e}")
+        return None, line
+
+
 def _task_stage_configs(
     configs: Path,
     out: Path,
@@ -549,24 +551,15 @@ def _task_stage_configs(
     classes = {"sft": sft.SFTConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
     result, errors = {}, []
     for name, stage_inputs in inputs.items():
-        command = commands[name]
+        command, path = commands[name], configs / f"{name}.yaml"
         values = {
-            k: str(v) if isinstance(v, Path) else v
-            for k, v in {
-                **stage_inputs,
-                "output.dir": out / name,
-                "train.seed": seed,
-                **overrides.get(name, {}),
-            }.items()
+            **stage_inputs,
+            "output.dir": out / name,
+            "train.seed": seed,
+            **overrides.get(name, {}),
         }
-        path = configs / f"{name}.yaml"
-        line = f"proximal {command} --config {path} " + " ".join(
-            f"--{k} {command_arg(v)}" for k, v in values.items()
-        )
-        try:
-            cfg = load_config(classes[command], path, values)
-        except ConfigError as e:
-            errors.append(f"{path}: {e}")
+        cfg, line = _stage_config(path, command, classes[command], values, errors)
+        if cfg is None:
             continue
         if command != "sft" and (
             cfg.model.reward_functions[:1] != [verifier]
