@@ -30,6 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from proximal.models import compiled
 from proximal.models.kernels import use_onednn_linears
 from proximal.models.loading import backbone, freeze, score_head, unwrap
 
@@ -147,6 +148,9 @@ def prepare_trained(
         shard(model, mixed_precision=precision == "bf16-mixed", trained=True)
     elif precision == "bf16-mixed":
         model._proximal_autocast = torch.bfloat16
+    compiled.apply(
+        model, world_size=world_size, activation_checkpointing=activation_checkpointing
+    )  # train.compile
     return model
 
 
@@ -161,6 +165,7 @@ def prepare_frozen(
         use_onednn_linears(model)
     if world_size > 1 and sharding == "shard":
         shard(model, trained=False)
+    compiled.apply(model, world_size=world_size)  # train.compile
     return model
 
 

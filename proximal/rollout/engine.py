@@ -393,4 +393,7 @@ def bfloat16_copy(model: torch.nn.Module) -> torch.nn.Module:
     held = copy.deepcopy(model, memo)
     for m in (held, unwrap(held)):
         m.__dict__.pop("_proximal_autocast", None)  # computes in bfloat16 itself, no autocast
+    for m in held.modules():  # a compiled block's copy would call the original's (float32) forward
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
     return held

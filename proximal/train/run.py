@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from proximal import dist
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
-from proximal.models import kernels
+from proximal.models import compiled, kernels
 from proximal.models.flops import ModelShape, model_shape
 from proximal.rollout.engine import HFEngine
 from proximal.train import signals
@@ -291,6 +291,9 @@ class Run:
                 info[name]["cpu_matmul"] = dict(self.cpu_matmul)
             if engine is not None and module is engine.model:
                 info[name]["decode"] = engine.decode_path()
+            record = getattr(module, "_proximal_compile", None)
+            if record is not None:
+                info[name]["compile"] = dict(record)
         if engine is not None and not any("decode" in entry for entry in info.values()):
             raise ValueError("record_models: the engine's model is not one of the models given")
         if self.is_main:
@@ -298,6 +301,9 @@ class Run:
             (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
             if engine is not None:
                 self.say(f"decode: {engine.describe_decode()}")
+            line = compile_line(info)
+            if line:
+                self.say(line)
         return info
 
     def utilisation(self, seconds: float, *, flops: float, tokens: int) -> dict[str, float]:
@@ -480,6 +486,23 @@ def resident_models(**models) -> dict[str, dict]:
     return out
 
 
+def compile_line(info: dict[str, dict]) -> str | None:
+    """The start line on ``train.compile`` from models.json's entries: which models run compiled blocks
+    and why, which do not and why — printed when a model compiled, or when compiling was asked for and
+    could not be done (a model "auto" leaves eager for its size says nothing). None otherwise."""
+    records = {name: e["compile"] for name, e in info.items() if "compile" in e}
+    if not any(r["blocks"] or "; but " in r["why"] for r in records.values()):
+        return None
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name, r in records.items():
+        groups.setdefault((r["blocks"], r["why"]), []).append(name)
+    parts = [
+        f"{', '.join(names)}: {f'{n} blocks compiled' if n else 'eager'} ({why})"
+        for (n, why), names in groups.items()
+    ]
+    return "compile: " + "; ".join(parts)
+
+
 def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
     """The entries of an earlier run in ``run_dir``, to delete once the new run has loaded.
 
@@ -545,10 +568,13 @@ def open_run(
     resume_dir: str | Path | None = None,
     cpu_matmul: str = "auto",
     total: int | None = None,
+    compile: str = "eager",
 ) -> Run:
     """Everything before the first model loads: the device, the backend of the float32 CPU products
     (``cpu_matmul``, ``train.cpu_matmul``: auto, onednn or blas, set process-wide by
-    :func:`proximal.models.kernels.configure` and printed at the start on a CPU), the process group,
+    :func:`proximal.models.kernels.configure` and printed at the start on a CPU), whether the models
+    prepared from here compile their blocks (``compile``, ``train.compile``, process-wide through
+    :func:`proximal.models.compiled.configure`; "eager" for a caller that does not say), the process group,
     the seed, the run directory's guard (or the checkpoint to resume, verified).
 
     ``resume_dir``: None starts a run in ``output_dir``; a run directory continues it; :data:`AUTO`
@@ -558,6 +584,7 @@ def open_run(
     loading anything (ppo, grpo), so that ``--resume auto`` of a finished run stops here."""
     dev = resolve_device(device)
     backend, why = kernels.configure(cpu_matmul)
+    compiled.configure(compile)  # train.compile, for the models prepared from here
     dist.init(dev, dist_timeout_s)
     if dist.is_distributed() and dev.type == "cpu":  # every rank multiplies as rank 0 chose
         backend, why, probed = dist.broadcast_object((backend, why, kernels.probed()))

@@ -125,6 +125,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         dist_timeout_s=t.dist_timeout_s,
         resume_dir=resume_dir,
         cpu_matmul=t.cpu_matmul,
+        compile=t.compile,
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, m.chat_template)

@@ -91,6 +91,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         device=t.device,
         dist_timeout_s=t.dist_timeout_s,
         cpu_matmul=t.cpu_matmul,
+        compile=t.compile,
         resume_dir=resume_dir,
         total=t.steps,
     )

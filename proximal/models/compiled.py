@@ -1,0 +1,234 @@
+"""Compiled transformer blocks (``train.compile``): the elementwise work around the products fused.
+
+A step of a small model spends a third or more of its time outside the matrix products: RMSNorm
+(a square, a mean, a reciprocal square root and two products per call), the rotary embedding (two
+products, a concatenation, a negation and a sum for each of q and k), SwiGLU (``silu(gate) · up``),
+the residual sums — each one a pass over memory in eager mode, forward and backward.
+``torch.compile`` (Inductor; on a CPU it writes C++ loops and builds them with the machine's C++
+compiler) fuses each chain into one loop, forward and backward, and leaves the products to the same
+BLAS or oneDNN calls as before.
+
+What is compiled is each **block** of the model's stack of identical transformer blocks, one by one —
+PyTorch's "regional compilation": a block's graph is the same for every block, so after the first one
+the others come from Inductor's cache (``/tmp/torchinductor_<user>``, kept across runs), and the model
+outside the blocks (embedding, final norm, output layer: proximal's fused log-probabilities read the
+hidden states) stays as it is. ``Module.compile`` compiles in place: the module's parameters, their
+names, its state dict and checkpoints are unchanged, and any caller of the model gets the compiled
+blocks.
+
+The first call of each kind (with and without gradients, then the first new sequence length, which
+compiles a graph for any length) compiles: about 20 s on 2 CPU cores with an empty cache, a few seconds
+from the cache. The products are unchanged; the fused loops sum in another order, so the numbers
+differ from eager mode by float32 round-off (tests/models/test_compiled.py).
+
+"auto" compiles where it was measured to pay and is safe: one process, a CPU, no LoRA adapters, no
+activation checkpointing, blocks at least :data:`AUTO_MIN_HIDDEN` wide (below it a step is
+milliseconds and compiling costs more than a short run saves), and a toolchain that compiles a small
+function forward and backward (:func:`toolchain_problem`, checked once per process). "blocks" compiles
+wherever the toolchain works (one process); where it does not the run goes on in eager mode, slower,
+and says why.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from proximal.models.loading import unwrap
+
+#: ``train.compile``'s values.
+CHOICES = ("auto", "blocks", "eager")
+#: "auto" compiles models whose hidden size is at least this (docs/performance.md has the measurements).
+AUTO_MIN_HIDDEN = 256
+
+_PROBLEM: dict[str, str | None] = {}  # device type → toolchain_problem's answer, once per process
+_CHOICE = (
+    "eager"  # this process's train.compile: a training run sets it (configure); else no compiling
+)
+
+
+def configure(choice: str) -> None:
+    """Set this process's ``train.compile`` for the models prepared after it (a training run's start;
+    a process that never calls it compiles nothing). ValueError outside :data:`CHOICES`."""
+    global _CHOICE
+    if choice not in CHOICES:
+        raise ValueError(f"train.compile = {choice!r} is not one of {', '.join(CHOICES)}")
+    _CHOICE = choice
+
+
+def choice() -> str:
+    """This process's ``train.compile`` (:func:`configure`; "eager" until a run sets it)."""
+    return _CHOICE
+
+
+def blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of transformer blocks: the first ``ModuleList`` of two or more modules of one
+    class inside the transformers model (under a peft wrapper), searched breadth first; None if none."""
+    queue = [unwrap(model)]
+    while queue:
+        module = queue.pop(0)
+        for child in module.children():
+            if (
+                isinstance(child, torch.nn.ModuleList)
+                and len(child) >= 2
+                and len({type(b) for b in child}) == 1
+            ):
+                return child
+            queue.append(child)
+    return None
+
+
+def _hidden(model: torch.nn.Module) -> int | None:
+    config = getattr(unwrap(model), "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def toolchain_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot run on this device type here (a sentence), or None: dynamo is
+    unsupported on this Python, no C++ compiler is found (CPU), or a small function compiled forward
+    and backward fails or disagrees with eager mode. Checked once per process and device type."""
+    if device_type in _PROBLEM:
+        return _PROBLEM[device_type]
+    problem = None
+    try:
+        import torch._dynamo  # lazy: only a run that would compile pays its import
+
+        if not torch._dynamo.is_dynamo_supported():
+            problem = "torch.compile is not supported on this Python or platform"
+    except Exception as e:  # noqa: BLE001 - any failure means: do not compile
+        problem = f"torch.compile cannot load ({type(e).__name__}: {e})"
+    if problem is None and device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler  # lazy: as above
+
+            cxx = get_cpp_compiler()
+        except Exception as e:  # noqa: BLE001
+            cxx, problem = None, f"no C++ compiler for torch.compile ({type(e).__name__}: {e})"
+        if problem is None and shutil.which(cxx) is None:
+            problem = f"no C++ compiler for torch.compile ({cxx!r} is not on PATH; set CXX)"
+    if problem is None:
+        problem = _smoke(device_type)
+    _PROBLEM[device_type] = problem
+    return problem
+
+
+def _smoke(device_type: str) -> str | None:
+    """Compile x·sigmoid(x) on a few numbers, forward and backward; a sentence if it fails or differs."""
+
+    def f(x):
+        return (x * torch.sigmoid(x)).sum()
+
+    try:
+        x = torch.linspace(-2.0, 2.0, 8, device=device_type, requires_grad=True)
+        y = torch.compile(f, dynamic=False)(x)
+        (g,) = torch.autograd.grad(y, x)
+        x0 = x.detach().requires_grad_()
+        y0 = f(x0)
+        (g0,) = torch.autograd.grad(y0, x0)
+        if not (torch.allclose(y, y0, atol=1e-5) and torch.allclose(g, g0, atol=1e-5)):
+            return "torch.compile's result differs from eager mode on a small function"
+    except Exception as e:  # noqa: BLE001 - a broken toolchain shows up as anything
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"torch.compile fails on a small function ({type(e).__name__}: {first[:200]})"
+    return None
+
+
+def decide(
+    choice: str,
+    *,
+    device_type: str,
+    world_size: int,
+    hidden: int | None,
+    lora: bool,
+    activation_checkpointing: bool,
+) -> tuple[bool, str]:
+    """Whether to compile a model's blocks, and why (``choice`` is ``train.compile``). The toolchain
+    is not consulted here (:func:`apply` does, only when this says yes)."""
+    source = f"train.compile = {choice}"
+    if choice == "eager":
+        return False, source
+    if world_size > 1:
+        return False, f"{source}: several processes (compiled blocks under FSDP2 are not measured)"
+    if choice == "blocks":
+        return True, source
+    if device_type != "cpu":
+        return (
+            False,
+            f"{source}: on {device_type} it is not measured yet (train.compile = blocks asks)",
+        )
+    if lora:
+        return False, f"{source}: LoRA adapters (not measured; train.compile = blocks asks)"
+    if activation_checkpointing:
+        return False, f"{source}: activation checkpointing (not measured; blocks asks)"
+    if hidden is None or hidden < AUTO_MIN_HIDDEN:
+        return False, (
+            f"{source}: hidden size {hidden} < {AUTO_MIN_HIDDEN}, too small to repay compiling "
+            "(train.compile = blocks asks)"
+        )
+    return True, f"{source}: hidden size {hidden} ≥ {AUTO_MIN_HIDDEN}"
+
+
+def _raise_limits(count: int) -> None:
+    """Each block is its own entry in dynamo's cache (its layer index is a constant of its graph), with
+    and without gradients, static and dynamic lengths: room for all of them, or the later blocks would
+    silently run eager."""
+    import torch._dynamo.config as config  # lazy: as in toolchain_problem
+
+    need = 4 * count + 8
+    if getattr(config, "recompile_limit", need) < need:
+        config.recompile_limit = need
+    if getattr(config, "accumulated_recompile_limit", need) < need:
+        config.accumulated_recompile_limit = need
+
+
+def apply(
+    model: torch.nn.Module,
+    choice: str | None = None,
+    *,
+    world_size: int = 1,
+    activation_checkpointing: bool = False,
+) -> dict:
+    """Compile ``model``'s blocks in place when :func:`decide` and the toolchain allow; return (and
+    keep on the model as ``_proximal_compile``, for models.json) ``{"blocks": n compiled, "why": ...}``.
+    ``choice``: ``train.compile``; None takes this process's (:func:`configure`)."""
+    choice = _CHOICE if choice is None else choice
+    device_type = next(model.parameters()).device.type
+    stack = blocks(model)
+    go, why = decide(
+        choice,
+        device_type=device_type,
+        world_size=world_size,
+        hidden=_hidden(model),
+        lora=hasattr(model, "peft_config"),
+        activation_checkpointing=activation_checkpointing,
+    )
+    if go and stack is None:
+        go, why = (
+            False,
+            f"{why}; but no stack of transformer blocks was found in {type(model).__name__}",
+        )
+    if go:
+        problem = toolchain_problem(device_type)
+        if problem is not None:
+            go, why = False, f"{why}; but {problem}: eager mode, slower"
+    n = 0
+    if go:
+        _raise_limits(len(stack))
+        for block in stack:
+            block.compile()
+        n = len(stack)
+    record = {"blocks": n, "why": why}
+    model._proximal_compile = record
+    return record
+
+
+def compiled_blocks(model: torch.nn.Module) -> int:
+    """How many of ``model``'s blocks run compiled."""
+    stack = blocks(model)
+    return 0 if stack is None else sum(b._compiled_call_impl is not None for b in stack)
