@@ -6,6 +6,7 @@
     python benchmarks/compare_trl.py --works ppo-vocab,grpo-vocab   # issue 22: V = 151,936 (Qwen2)
     python benchmarks/compare_trl.py --smoke --works mini     # CI: 1 step, proximal only, no anchor install
     python benchmarks/compare_trl.py --smoke --with-trl --works ppo-vocab,grpo-vocab   # both sides, 1 step
+    python benchmarks/compare_trl.py --baseline 124efa8      # and proximal at that commit, third each round
 
 Run it with proximal's Python (``.venv/bin/python``); it imports this tree's ``proximal``. In order it
 (1) writes the benchmark models and prompts under ``--workdir`` (once; reused while their recipe is
@@ -13,8 +14,10 @@ unchanged), (2) creates or refreshes each anchor's virtual environment (``benchm
 TRL 1.12.0; ``benchmarks/.venv-trl-grpo``: the newest TRL; torch 2.13.0 in both, everything pinned in
 ``benchmarks/anchors/``), (3) for each round and each work runs proximal, then the anchor, each a
 fresh process with the same torch thread count, sampling the machine's load before each, and (4)
-writes ``--results`` (results.md) and the JSON of every number beside it. Methodology and columns:
-benchmarks/README.md.
+writes ``--results`` (results.md) and the JSON of every number beside it. With ``--baseline REF``
+(issue 27) proximal also runs from a checkout of commit REF under ``--workdir``, third in each round
+(proximal, anchor, baseline), and the results gain its step times and the ratios baseline / TRL and
+new / baseline. Methodology and columns: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))  # this tree's proximal, whatever the venv has installed
 
-from harness import anchors, mfu, report  # noqa: E402
+from harness import anchors, mfu, report, sides  # noqa: E402
 from harness.measure import BUSY_NOTE, machine  # noqa: E402
 from harness.proximal_side import has_command, has_train_field  # noqa: E402
-from harness.sides import run_proximal, run_trl  # noqa: E402
+from harness.sides import BASELINE, run_proximal, run_trl  # noqa: E402
 from harness.works import DEFAULT_WORKS, WORKS, with_precision, write_models, write_prompts  # noqa: E402
 
 NOTES = """
@@ -217,6 +220,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--keep-runs", action="store_true", help="keep proximal's run directories (checkpoints)"
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="REF",
+        default=None,
+        help="a commit of this repository (sha, branch, tag, HEAD~1): proximal also runs from a "
+        "checkout of it (under --workdir, made once), third in each round after the anchor, and "
+        "the results gain s/step baseline, the ratio baseline/TRL and new/baseline",
+    )
     a = ap.parse_args(argv)
     a.works = [w.strip() for w in a.works.split(",") if w.strip()]
     unknown = [w for w in a.works if w not in WORKS]
@@ -243,7 +254,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # the anchors run in their own directory: paths must be absolute
     if a.results is None:
         a.results = (a.workdir / "results-smoke.md") if a.smoke else (BENCH / "results.md")
+    a.baseline_commit = None
+    if a.baseline is not None:
+        a.baseline_commit = sides.resolve_commit(a.baseline, ROOT)
+        if a.baseline_commit is None:
+            ap.error(f"--baseline {a.baseline!r}: not a commit of {ROOT}")
     return a
+
+
+def sides_in_order(a: argparse.Namespace) -> list[str]:
+    """The runs of each round and work, in order: proximal (this tree), the anchor ("trl"; not with
+    --smoke unless --with-trl), and proximal from the baseline's checkout (with --baseline)."""
+    order = ["proximal"] if a.smoke and not a.with_trl else ["proximal", "trl"]
+    return order + ([BASELINE] if a.baseline else [])
+
+
+def prepare_baseline(a: argparse.Namespace, works: list, log) -> dict | str:
+    """The ``--baseline`` checkout and what its children import (:func:`harness.sides.tree_proximal`,
+    beside this tree's), as ``meta["baseline"]``; or a message saying why it cannot run these works.
+
+    The baseline reads the configs this tree's harness writes. They set no field newer than issue
+    22's ``train.logprobs`` (and that one only with ``--logprobs``), so any baseline from then on
+    accepts them; the two things that can be missing from an older one are checked here."""
+    tree = sides.baseline_tree(a.baseline_commit, a.workdir, root=ROOT, log=log)
+    base, new = sides.tree_proximal(tree, a.threads), sides.tree_proximal(ROOT, a.threads)
+    for info, where in ((base, tree), (new, ROOT)):
+        if not Path(info["file"]).resolve().is_relative_to(where.resolve()):
+            return f"a child run from {where} imports proximal from {info['file']}"
+    if a.logprobs and "logprobs" not in (base["train_fields"] or []):
+        return f"--logprobs {a.logprobs}: proximal at {base['commit']} has no train.logprobs field"
+    if any(w.method == "grpo" for w in works) and "grpo" not in (base["commands"] or []):
+        return f"proximal at {base['commit']} has no `proximal grpo` command"
+    return {
+        "ref": a.baseline,
+        "sha": a.baseline_commit,
+        "commit": base["commit"],
+        "tree": str(tree),
+        "proximal_file": base["file"],
+        "new_commit": new["commit"],
+        "new_proximal_file": new["file"],
+    }
 
 
 def schedule(works: list[str], rounds_of: dict[str, int]) -> list[tuple[int, str]]:
@@ -279,6 +329,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 log(f"[skip] {w.name}: {skipped[w.name]}")
         works = [w for w in works if w.method != "grpo"]
+    baseline = None
+    if a.baseline:
+        baseline = prepare_baseline(a, works, log)
+        if isinstance(baseline, str):
+            log(f"[error] --baseline {a.baseline}: {baseline}")
+            return 2
+        log(
+            f"[baseline] {a.baseline} = commit {baseline['commit']}: proximal from "
+            f"{baseline['proximal_file']}; this tree ({baseline['new_commit']}) from "
+            f"{baseline['new_proximal_file']}"
+        )
 
     # 1. Models and prompts, written once.
     assets = {}
@@ -303,16 +364,17 @@ def main(argv: list[str] | None = None) -> int:
             pythons[name] = anchors.ensure(anchors.ANCHORS[name], log=log)
             anchor_versions[name] = anchors.versions(pythons[name])
 
-    # 3. Alternate: for each round, for each work that has that round, proximal then the anchor.
+    # 3. Alternate: for each round, for each work that has that round, proximal then the anchor
+    # (then, with --baseline, proximal from the baseline's checkout).
     runs = []
     by_name = {w.name: w for w in works}
+    order = sides_in_order(a)
     for k, name in schedule([w.name for w in works], a.rounds_of):
         w = by_name[name]
-        sides = ["proximal"] if a.smoke and not a.with_trl else ["proximal", "trl"]
-        for side in sides:
+        for side in order:
             scratch = a.workdir / "runs" / f"{w.name}-r{k}-{side}"
             scratch.mkdir(parents=True, exist_ok=True)
-            if side == "proximal":
+            if side in ("proximal", BASELINE):
                 r = run_proximal(
                     w,
                     assets[w.name],
@@ -322,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_s=a.timeout,
                     keep_run=a.keep_runs,
                     logprobs=a.logprobs,
+                    tree=Path(baseline["tree"]) if side == BASELINE else ROOT,
+                    side=side,
                 )
             else:
                 py = pythons["trl-ppo" if w.method == "ppo" else "trl-grpo"]
@@ -360,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     # 4. Report.
     summary = report.summarize(runs, [w.name for w in works])
     mfu.annotate(runs, summary, measured)
+    if baseline:
+        report.annotate_baseline(summary, measured)
     data = {
         "meta": {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -382,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": skipped,
             "works": {w.name: {**w.__dict__, "model": assets[w.name]["model"]} for w in works},
             "mfu": measured,
+            **({"baseline": baseline} if baseline else {}),
         },
         "summary": summary,
         "runs": runs,
@@ -410,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+        if baseline:
+            log(
+                f"  {'':10s} baseline {baseline['commit']}: {_s(s['baseline_median_step_s'])} s/step, "
+                f"ratio to TRL {_s(s['baseline_ratio_median_step_s'])}, new/baseline "
+                f"{_s(s['new_over_baseline_median_step_s'])}"
+            )
     failed = sum(s["failed_runs"] for s in summary.values())
     return 1 if failed else 0
 

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from harness import mfu
+from harness.sides import BASELINE
 
 #: Targets for the step-time ratio proximal / TRL: issue 12's works, and issue 22's at V = 151,936.
 TARGETS = {
@@ -31,21 +32,22 @@ def _ok(r: dict | None) -> bool:
 
 def summarize(runs: list[dict], works: list[str]) -> dict:
     """Per work: each side's median over rounds of each metric, and the median (min, max) of the
-    per-round ratios proximal / anchor (a pair counts only when both of its runs succeeded)."""
+    per-round ratios proximal / anchor (a pair counts only when both of its runs succeeded).
+
+    With runs of the :data:`~harness.sides.BASELINE` side (``--baseline``), also the baseline's
+    medians and the per-round ratios baseline / anchor and proximal / baseline
+    (:func:`_baseline_summary`); without, the summary is what it always was."""
+    with_baseline = any(r["side"] == BASELINE for r in runs)
     out = {}
     for w in works:
         rounds = sorted({r["round"] for r in runs if r["work"] == w})
-        pairs = []
+        pairs, bases = [], []
         for k in rounds:
-            p = next(
-                (r for r in runs if r["work"] == w and r["round"] == k and r["side"] == "proximal"),
-                None,
-            )
-            t = next(
-                (r for r in runs if r["work"] == w and r["round"] == k and r["side"] != "proximal"),
-                None,
-            )
+            here = [r for r in runs if r["work"] == w and r["round"] == k]
+            p = next((r for r in here if r["side"] == "proximal"), None)
+            t = next((r for r in here if r["side"] not in ("proximal", BASELINE)), None)
             pairs.append((p, t))
+            bases.append(next((r for r in here if r["side"] == BASELINE), None))
         s: dict = {"rounds": len(rounds)}
         for key, _ in METRICS:
             for side, idx in (("proximal", 0), ("anchor", 1)):
@@ -65,8 +67,48 @@ def summarize(runs: list[dict], works: list[str]) -> dict:
         s["failed_runs"] = sum(1 for pair in pairs for r in pair if r is not None and not _ok(r))
         busy = [r.get("cpu_busy_before", 0.0) for pair in pairs for r in pair if r is not None]
         s["max_cpu_busy_before"] = max(busy) if busy else None
+        if with_baseline:
+            s["failed_runs"] += sum(1 for b in bases if b is not None and not _ok(b))
+            busy += [b.get("cpu_busy_before", 0.0) for b in bases if b is not None]
+            s["max_cpu_busy_before"] = max(busy) if busy else None
+            s.update(_baseline_summary(pairs, bases))
         out[w] = s
     return out
+
+
+def _median_ratios(pairs: list[tuple[dict | None, dict | None]], key: str) -> tuple:
+    """(median, all) of the ratios a[key] / b[key] over the pairs whose two runs succeeded."""
+    ratios = [a[key] / b[key] for a, b in pairs if _ok(a) and _ok(b) and a.get(key) and b.get(key)]
+    return (statistics.median(ratios) if ratios else None), ratios
+
+
+def _baseline_summary(pairs: list[tuple], bases: list[dict | None]) -> dict:
+    """The baseline's figures of one work, round by round beside ``pairs`` (proximal, anchor):
+    ``baseline_<metric>`` (its median over rounds), ``baseline_ratio_<metric>`` (baseline / anchor)
+    and ``new_over_baseline_<metric>`` (proximal / baseline), each ratio the median of the per-round
+    ratios with the list in ``…_all``; ``baseline_median_mfu`` (its ``perf/mfu``)."""
+    s: dict = {}
+    for key, _ in METRICS:
+        vals = [b[key] for b in bases if _ok(b) and b.get(key) is not None]
+        s[f"baseline_{key}"] = statistics.median(vals) if vals else None
+        ratio, every = _median_ratios([(b, t) for b, (_, t) in zip(bases, pairs)], key)
+        s[f"baseline_ratio_{key}"], s[f"baseline_ratio_{key}_all"] = ratio, every
+        ratio, every = _median_ratios([(p, b) for b, (p, _) in zip(bases, pairs)], key)
+        s[f"new_over_baseline_{key}"], s[f"new_over_baseline_{key}_all"] = ratio, every
+    mfus = [b["median_mfu"] for b in bases if _ok(b) and b.get("median_mfu") is not None]
+    s["baseline_median_mfu"] = statistics.median(mfus) if mfus else None
+    return s
+
+
+def annotate_baseline(summary: dict, measured: dict) -> None:
+    """``baseline_mfu_probe`` beside :func:`harness.mfu.annotate`'s two: the work's model FLOPs (the
+    same count) over the baseline's median step over the same probed peak."""
+    for w, s in summary.items():
+        m = measured["works"].get(w)
+        if m is not None and "baseline_median_step_s" in s:
+            s["baseline_mfu_probe"] = mfu.mfu(
+                m["flops"]["total"], s["baseline_median_step_s"], m["peak"]["peak_flops_per_s"]
+            )
 
 
 def _f(x, nd=3) -> str:
@@ -112,6 +154,54 @@ def _rounds(meta: dict) -> str:
     return f"{meta['rounds']} rounds" + (f" ({extra})" if extra else "")
 
 
+#: The summary table's columns for ``--baseline``, after the others.
+BASELINE_HEADER = (
+    " s/step baseline | ratio baseline/TRL | per-round ratios | new/baseline | per-round ratios |"
+)
+BASELINE_COLUMNS = 5
+
+
+def _baseline_cells(s: dict) -> list[str]:
+    """A summary row's :data:`BASELINE_HEADER` cells."""
+    rounds = lambda xs: " ".join(f"{x:.3f}" for x in xs) or "—"  # noqa: E731
+    return [
+        _with_mfu(s.get("baseline_median_step_s"), s.get("baseline_median_mfu")),
+        _f(s.get("baseline_ratio_median_step_s"), 3),
+        rounds(s.get("baseline_ratio_median_step_s_all", [])),
+        _f(s.get("new_over_baseline_median_step_s"), 3),
+        rounds(s.get("new_over_baseline_median_step_s_all", [])),
+    ]
+
+
+def baseline_mfu_lines(data: dict) -> list[str]:
+    """The MFU section's rows for the baseline (empty without ``--baseline`` or a measurement):
+    the same FLOPs a step over its median step over the same probed peak, beside this tree's."""
+    measured, base = data["meta"].get("mfu"), data["meta"].get("baseline")
+    if not measured or not base:
+        return []
+    pct = lambda x: "—" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+    lines = [
+        "",
+        f"The baseline, proximal at commit {base['commit']}, on the same FLOPs a step and the same "
+        "probed peak:",
+        "",
+        "| work | s/step baseline | MFU baseline | s/step proximal | MFU proximal | new/baseline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in measured["works"]:
+        s = data.get("summary", {}).get(w, {})
+        cells = [
+            w,
+            _f(s.get("baseline_median_step_s")),
+            pct(s.get("baseline_mfu_probe")),
+            _f(s.get("proximal_median_step_s")),
+            pct(s.get("proximal_mfu_probe")),
+            _f(s.get("new_over_baseline_median_step_s")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def write(results_md: Path, data: dict, notes: str) -> None:
     """``results_md`` and, beside it, the same stem ``.json`` with every number."""
     meta, summary, runs = data["meta"], data["summary"], data["runs"]
@@ -139,6 +229,14 @@ def write(results_md: Path, data: dict, notes: str) -> None:
             )
             + "."
         )
+    base = meta.get("baseline")
+    if base:
+        lines.append(
+            f"- baseline (`--baseline {base['ref']}`): commit {base['commit']}, run third in each "
+            f"round (proximal, TRL, baseline) from a checkout at `{base['tree']}` with the same Python, "
+            f"configs and threads; its proximal imported from `{base['proximal_file']}`, this "
+            f"tree's from `{base['new_proximal_file']}`."
+        )
     busy = [r.get("cpu_busy_before") or 0.0 for r in runs]
     worst = max(busy) if busy else 0.0
     if worst > BUSY_WARN:
@@ -160,9 +258,18 @@ def write(results_md: Path, data: dict, notes: str) -> None:
         "",
         "| work | rounds | s/step proximal | s/step TRL | ratio | per-round ratios | target | met | "
         "process s proximal | process s TRL | ratio | peak RSS MiB proximal | peak RSS MiB TRL | ratio "
-        "| RSS target | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| RSS target | met |" + (BASELINE_HEADER if base else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" * BASELINE_COLUMNS if base else ""),
     ]
+    if base:
+        lines[-2:-2] = [
+            f"The baseline columns are proximal at commit {base['commit']}: its s/step (with its "
+            "MFU), the ratio baseline / TRL, and new / baseline = this tree's s/step over the "
+            "baseline's; each ratio is the median of the per-round ratios (each round runs proximal, "
+            "TRL and the baseline back to back), listed beside it.",
+            "",
+        ]
     for w, s in summary.items():
         ratio = s["ratio_median_step_s"]
         met = _met(ratio, TARGETS.get(w))
@@ -188,11 +295,12 @@ def write(results_md: Path, data: dict, notes: str) -> None:
                     f"≤ {rss_target}",
                     _met(s["ratio_peak_rss_mib"], rss_target),
                 ]
+                + (_baseline_cells(s) if base else [])
             )
             + " |"
         )
     for w, why in meta.get("skipped", {}).items():
-        lines.append(f"| {w} | skipped: {why} |" + " |" * 14)
+        lines.append(f"| {w} | skipped: {why} |" + " |" * (14 + (BASELINE_COLUMNS if base else 0)))
     lines += [
         "",
         "## Every run",
@@ -215,12 +323,13 @@ def write(results_md: Path, data: dict, notes: str) -> None:
                     _f(r.get("peak_rss_mib"), 4),
                     _f(r.get("cpu_busy_before"), 2),
                     " ".join(f"{x:.2f}" for x in r.get("loadavg_before", [])),
-                    r.get("logprobs") or ("—" if r["side"] == "proximal" else "logits"),
+                    r.get("logprobs") or ("—" if r["side"] in ("proximal", BASELINE) else "logits"),
                     note,
                 ]
             )
             + " |"
         )
     lines += mfu.report_lines(data)
+    lines += baseline_mfu_lines(data)
     lines += ["", notes.strip(), ""]
     results_md.write_text("\n".join(lines))

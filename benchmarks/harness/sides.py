@@ -1,11 +1,18 @@
 """Running one side of one work as a fresh process: proximal through its CLI, an anchor through its
-runner script in its own environment. Each returns one record of plain numbers (see :func:`record`)."""
+runner script in its own environment. Each returns one record of plain numbers (see :func:`record`).
+
+With ``--baseline REF`` proximal also runs from a checkout of another commit (:func:`baseline_tree`),
+the side named :data:`BASELINE`: the same Python, the same config, ``PYTHONPATH`` and the working
+directory that tree, so ``python -m proximal`` imports the baseline's code (:func:`tree_proximal`
+says which files a child imports)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from harness import proximal_side
@@ -19,6 +26,8 @@ GRPO_BETA = (
     0.04  # β of the GRPO work on both sides (TRL's default 0.0 would skip the reference model)
 )
 GRPO_LOSS = "grpo"  # the loss type on both sides: grpo | dr_grpo | dapo
+#: The side name of proximal run from the ``--baseline`` checkout (this tree's side is "proximal").
+BASELINE = "baseline"
 
 
 def child_env(threads: int, *, pythonpath: list[Path]) -> dict:
@@ -70,9 +79,16 @@ def run_proximal(
     timeout_s: float,
     keep_run: bool = False,
     logprobs: str | None = None,
+    tree: Path = ROOT,
+    side: str = "proximal",
 ) -> dict:
     """``proximal <method>`` on ``work``; ``logprobs`` sets ``train.logprobs`` (None: the default).
-    The record holds the path the run used, as its saved config says (``logprobs``)."""
+    The record holds the path the run used, as its saved config says (``logprobs``).
+
+    ``tree`` is the source tree whose ``proximal`` runs (this one, or a :func:`baseline_tree`); the
+    record's side is ``side``. The config is this tree's either way: it sets no field newer than
+    issue 22's ``train.logprobs`` (and that one only with ``logprobs``), so a baseline from then on
+    reads it as this tree does."""
     method = work.method
     run_dir = scratch / "run"
     if method == "ppo":
@@ -98,11 +114,11 @@ def run_proximal(
     path = proximal_side.write_config(cfg, scratch / "config.yaml")
     before = _before()
     m = run_measured(
-        proximal_side.command(method, path),
-        env=child_env(threads, pythonpath=[ROOT, BENCH]),
+        proximal_command(method, path, tree),
+        env=child_env(threads, pythonpath=source_path(tree)),
         log_path=scratch / "log.txt",
         timeout_s=timeout_s,
-        cwd=str(ROOT),
+        cwd=str(tree),  # `python -m` puts the working directory first on sys.path
     )
     extra = {
         **before,
@@ -132,7 +148,128 @@ def run_proximal(
         extra["error"] = f"exit {m['rc']}: " + _tail(scratch / "log.txt")
     if not keep_run:
         shutil.rmtree(run_dir, ignore_errors=True)  # wide-vocab checkpoints are GBs
-    return record(work, "proximal", m, periods, extra)
+    return record(work, side, m, periods, extra)
+
+
+#: Python run first in a child of another tree (the baseline): drops setuptools' finder of an
+#: editable install from ``sys.meta_path``. Where the venv has this tree installed editable, that
+#: finder comes after the path finder, so the other tree's own modules win, but a module the other
+#: tree lacks would silently come from this one instead of failing (``import proximal.x`` in a
+#: try, a feature probe).
+ONLY_ITS_TREE = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not getattr(f, '__module__', '').startswith('__editable__')]"
+)
+
+
+def proximal_command(method: str, config_path: Path, tree: Path = ROOT) -> list[str]:
+    """``python -m proximal <method> --config FILE`` (this tree); for another tree the same through
+    ``runpy`` after :data:`ONLY_ITS_TREE`, so every ``proximal`` module comes from that tree."""
+    if tree == ROOT:
+        return proximal_side.command(method, config_path)
+    main = "; import runpy; runpy.run_module('proximal', run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", ONLY_ITS_TREE + main, method, "--config", str(config_path)]
+
+
+def source_path(tree: Path) -> list[Path]:
+    """``PYTHONPATH`` of a proximal child run from ``tree``: its ``proximal`` package and its
+    ``benchmarks`` directory (GRPO's reward function, ``grpo_reward``)."""
+    return [tree, tree / "benchmarks"]
+
+
+def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+
+
+def resolve_commit(ref: str, root: Path = ROOT) -> str | None:
+    """The full sha of commit ``ref`` (a branch, tag, ``HEAD~1``, a short sha) in ``root``'s
+    repository, or None where it names no commit."""
+    r = _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", cwd=root)
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def commit_of(tree: Path) -> str:
+    """``tree``'s commit, short, ``+dirty`` when its ``proximal/`` has uncommitted changes."""
+    commit = _git("rev-parse", "--short", "HEAD", cwd=tree).stdout.strip()
+    dirty = _git("status", "--porcelain", "--", "proximal", cwd=tree).stdout.strip()
+    return (commit or "?") + ("+dirty" if dirty else "")
+
+
+def baseline_tree(sha: str, workdir: Path, *, root: Path = ROOT, log=print) -> Path:
+    """A checkout of commit ``sha`` (full) at ``<workdir>/baseline-<sha[:12]>``: made once, reused
+    while it is at ``sha`` with no file changed, made again otherwise.
+
+    ``git clone --shared --no-checkout`` then ``checkout --detach``: the clone borrows ``root``'s
+    objects (nothing copied) and writes nothing into ``root`` — not its files, branches, index or
+    worktree list. It is built beside its place and renamed, so an interrupted one is never reused."""
+    dest = workdir / f"baseline-{sha[:12]}"
+    if dest.is_dir():
+        head = _git("rev-parse", "HEAD", cwd=dest)
+        changed = _git("status", "--porcelain", cwd=dest)
+        if head.stdout.strip() == sha and changed.returncode == 0 and not changed.stdout.strip():
+            return dest
+        log(f"[baseline] {dest} is not a clean checkout of {sha[:12]}: making it again")
+        shutil.rmtree(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for cmd in (
+        ["git", "clone", "--quiet", "--shared", "--no-checkout", str(root), str(tmp)],
+        [
+            "git",
+            "-C",
+            str(tmp),
+            "-c",
+            "advice.detachedHead=false",
+            "checkout",
+            "--quiet",
+            "--detach",
+            sha,
+        ],
+    ):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-500:]}")
+    tmp.rename(dest)
+    log(f"[baseline] checked out {sha[:12]} at {dest}")
+    return dest
+
+
+#: Run in a child's environment: where its ``proximal`` comes from, its commands and train fields.
+_PROBE = """
+import dataclasses, json, proximal
+out = {"file": proximal.__file__, "version": getattr(proximal, "__version__", None)}
+try:
+    from proximal.cli import COMMANDS
+    out["commands"] = sorted(COMMANDS)
+except Exception:
+    out["commands"] = None
+try:
+    from proximal.train.sections import TrainSection
+    out["train_fields"] = sorted(f.name for f in dataclasses.fields(TrainSection))
+except Exception:
+    out["train_fields"] = None
+print(json.dumps(out))
+"""
+
+
+def tree_proximal(tree: Path, threads: int = 1, python: str = sys.executable) -> dict:
+    """What a proximal child run from ``tree`` imports (the environment and working directory of
+    :func:`run_proximal`, :func:`proximal_command`'s imports): ``{"file": proximal/__init__.py's
+    path, "version", "commands": the CLI's commands, "train_fields": train.* fields (None where the
+    tree has no such module), "commit": commit_of(tree), "tree"}``. Raises when ``proximal`` does
+    not import there."""
+    r = subprocess.run(
+        [python, "-c", (ONLY_ITS_TREE if tree != ROOT else "") + _PROBE],
+        env=child_env(threads, pythonpath=source_path(tree)),
+        cwd=str(tree),
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"proximal does not import from {tree}: {r.stderr.strip()[-500:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {**out, "commit": commit_of(tree), "tree": str(tree)}
 
 
 def trl_command(
