@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ppo_support import ppo_main, read_jsonl, tiny_config
+from ppo_support import ppo_main, read_jsonl, tiny_config, without_timing
 
 # Losses and statistics of step 1 (before any update the two runs' weights are the same): round-off only.
 COMPARED = ("loss/policy", "loss/value", "policy/approx_kl", "policy/entropy", "score/mean")
@@ -46,3 +46,31 @@ def test_a_compiled_run_matches_the_eager_run(assets, tmp_path, capsys):
         assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (key, got, want)
     # the same tokens were sampled: the response lengths agree exactly
     assert rows["eager"]["response/length_mean"] == rows["blocks"]["response/length_mean"]
+
+
+@pytest.mark.slow
+def test_a_compiled_run_resumed_is_the_uninterrupted_compiled_run(assets, tmp_path, capsys):
+    """Compiled kernels are deterministic on the same threads: a compiled run stopped after step 1 and
+    resumed to step 2 logs exactly the metrics of the one that ran 2 steps, and samples the same."""
+
+    def cfg(name: str, steps: int) -> dict:
+        return tiny_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name,
+            train={"steps": steps, "compile": "blocks"},
+        )
+
+    assert ppo_main(cfg("full", 2)) == 0
+    assert ppo_main(cfg("short", 1)) == 0
+    assert ppo_main(None, "--resume", str(tmp_path / "short"), "--train.steps", "2") == 0
+    capsys.readouterr()
+    full, resumed = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("full", "short"))
+    assert [r["step"] for r in resumed] == [1, 2]
+    for a, b in zip(full, resumed):
+        assert without_timing(a) == without_timing(b), a["step"]
+    assert read_jsonl(tmp_path / "full" / "samples.jsonl") == read_jsonl(
+        tmp_path / "short" / "samples.jsonl"
+    )
+    models = json.loads((tmp_path / "short" / "models.json").read_text())
+    assert models["actor"]["compile"]["blocks"] == 2  # the resumed run compiled too
