@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from proximal.models import compiled, kernels
 from proximal.models.tiny import tiny_config
-from proximal.rollout.engine import bfloat16_copy
+from proximal.rollout import decode
+from proximal.rollout.engine import HFEngine, SamplingParams, bfloat16_copy
 from proximal.train.run import compile_line
 
 
@@ -164,3 +165,31 @@ def test_the_onednn_product_inside_a_compiled_function_is_eager_modes(monkeypatc
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
     assert want[0] > 1.0
+
+
+@pytest.mark.slow
+def test_a_compiled_models_lean_decode_samples_what_eager_mode_samples(monkeypatch):
+    """With compiled blocks the lean decode step runs compiled too (one dynamic-shape graph): the same
+    tokens, and log-probabilities within float32 round-off, over two rollouts of different lengths."""
+    made = decode._compiled_step
+    calls = []
+    monkeypatch.setattr(decode, "_compiled_step", lambda: calls.append(1) or made())
+    eager = _model(hidden=64, layers=2).eval()
+    fused = copy.deepcopy(eager)
+    assert compiled.apply(fused, "blocks")["blocks"] == 2
+    engines = [HFEngine(m, 0) for m in (eager, fused)]
+    g = torch.Generator().manual_seed(3)
+    for B, P, T in ((3, 5, 9), (2, 7, 12)):
+        ids = torch.randint(3, 97, (B, P), generator=g)
+        mask = torch.ones(B, P, dtype=torch.long)
+        mask[0, :2] = 0
+        params = SamplingParams(max_new_tokens=T, stop_token_ids=(1,))
+        with torch.no_grad():
+            a, la = engines[0].generate(ids, mask, list(range(B)), params, logprobs=True)
+            assert not calls  # the eager model's decoder steps in eager mode
+            b, lb = engines[1].generate(ids, mask, list(range(B)), params, logprobs=True)
+            assert len(calls) == T - 1 or bool((b == 1).any())  # every step compiled (or a stop)
+            calls.clear()
+        assert torch.equal(a, b)
+        torch.testing.assert_close(lb, la, rtol=0, atol=2e-5)
+    assert engines[1].decode_path()["path"] == "lean"
