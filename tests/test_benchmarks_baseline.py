@@ -18,23 +18,9 @@ if str(BENCH) not in sys.path:
 
 import compare_trl  # noqa: E402
 from harness import mfu, report, sides  # noqa: E402
+from test_benchmarks_mfu import synthetic_measured  # noqa: E402
 
-# The yardstick of the synthetic tiny work: 200 GFLOP a step on a 400 GFLOP/s peak.
-MEASURED = {
-    "cpu": {"model": "Some CPU", "vector": "AVX-512 (512-bit)"},
-    "works": {
-        "tiny": {
-            "flops": {"generation": 10e9, "epochs": 190e9, "total": 200e9},
-            "peak": {
-                "peak_flops_per_s": 400e9,
-                "backend": "oneDNN",
-                "rates": {"F.linear": 200e9, "oneDNN": 400e9},
-                "dtype": "float32",
-                "threads": 2,
-            },
-        }
-    },
-}
+MEASURED = synthetic_measured()  # 200 GFLOP a step on a 400 GFLOP/s peak
 RSS = {"proximal": 100.0, "trl": 400.0, "baseline": 200.0}
 
 

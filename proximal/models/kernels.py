@@ -416,19 +416,18 @@ def _onednn_mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _mm(x, weight, bias)
 
 
-@_onednn_mm.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 @torch.library.custom_op("proximal::onednn_linear", mutates_args=())
 def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _mm(x, weight, bias)
 
 
-@_onednn_linear.register_fake
-def _(x, weight, bias):
+def _product_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Either operator's output as the compiler sees it: (..., N) for x (..., K) and weight (N, K)."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_onednn_mm.register_fake(_product_shape)
+_onednn_linear.register_fake(_product_shape)
 
 
 def _linear_setup(ctx, inputs, output):
