@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import os
 import shlex
 import subprocess
@@ -116,8 +117,7 @@ NOTES = """
 
 
 def _versions_here() -> dict:
-    import torch
-    import transformers
+    from importlib.metadata import version  # the installed versions, without importing torch here
 
     try:
         commit = subprocess.run(
@@ -133,8 +133,8 @@ def _versions_here() -> dict:
         commit = "?"
     return {
         "commit": commit or "?",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
     }
 
 
@@ -296,6 +296,24 @@ def prepare_baseline(a: argparse.Namespace, works: list, log) -> dict | str:
     }
 
 
+def prepare(works: list, workdir: Path, threads: int) -> tuple[dict, dict]:
+    """Each work's models and prompts (written once, reused while their recipe holds) and the MFU
+    yardstick (:func:`harness.mfu.measure`): ``(assets, measured)``. Run in a child (:func:`main`)."""
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    assets = {}
+    for w in works:
+        model = write_models(w, workdir)
+        prompts = write_prompts(w, workdir, 10 * w.batch, model["policy"])
+        assets[w.name] = {"model": model, "prompts": prompts}
+        log(
+            f"[models] {w.name}: {model['params_policy'] / 1e6:.3g}M-parameter policy, "
+            f"{model['params_reward'] / 1e6:.3g}M reward model; specials ≥ {model['min_logit_gap']:.0f} nats down"
+        )
+    measured = mfu.measure(works, threads, log=log)
+    log(f"[mfu] CPU: {measured['cpu']['model']}, widest vectors {measured['cpu']['vector']}")
+    return assets, measured
+
+
 def schedule(works: list[str], rounds_of: dict[str, int]) -> list[tuple[int, str]]:
     """(round, work) in running order: round by round, each work that has that round, in ``works``' order."""
     last = max((rounds_of[w] for w in works), default=0)
@@ -341,21 +359,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{baseline['new_proximal_file']}"
         )
 
-    # 1. Models and prompts, written once.
-    assets = {}
-    for w in works:
-        model = write_models(w, a.workdir)
-        prompts = write_prompts(w, a.workdir, 10 * w.batch, model["policy"])
-        assets[w.name] = {"model": model, "prompts": prompts}
-        log(
-            f"[models] {w.name}: {model['params_policy'] / 1e6:.3g}M-parameter policy, "
-            f"{model['params_reward'] / 1e6:.3g}M reward model; specials ≥ {model['min_logit_gap']:.0f} nats down"
-        )
-
-    # 1b. The yardstick (issue 27): each work's model FLOPs a step, and the machine's peak on its
-    # products, probed now, in this process, on the runs' thread count.
-    measured = mfu.measure(works, a.threads, log=log)
-    log(f"[mfu] CPU: {measured['cpu']['model']}, widest vectors {measured['cpu']['vector']}")
+    # 1. Models and prompts, written once, and the yardstick (issue 27): each work's model FLOPs a
+    # step and the machine's peak on its products, probed on the runs' thread count — in a child
+    # process, so that this one never holds torch: a child's peak RSS (ru_maxrss) counts its parent's
+    # resident set at the fork, so every run would read at least this process's size.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assets, measured = pool.apply(prepare, (works, a.workdir, a.threads))
 
     # 2. The anchors' environments.
     pythons, anchor_versions = {}, {}
