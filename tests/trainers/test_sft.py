@@ -263,7 +263,7 @@ def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     err = capsys.readouterr().err
     assert (
         "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, "
-        "cpu_matmul, device," in err
+        "compile, cpu_matmul, device," in err
     )
 
     # A field of the first release that moved names its new place.
