@@ -489,9 +489,15 @@ def resident_models(**models) -> dict[str, dict]:
 def compile_line(info: dict[str, dict]) -> str | None:
     """The start line on ``train.compile`` from models.json's entries: which models run compiled blocks
     and why, which do not and why — printed when a model compiled, or when compiling was asked for and
-    could not be done (a model "auto" leaves eager for its size says nothing). None otherwise."""
+    could not be done (``blocks`` declined, or the toolchain failing); a model "auto" leaves eager
+    says nothing. None otherwise."""
     records = {name: e["compile"] for name, e in info.items() if "compile" in e}
-    if not any(r["blocks"] or "; but " in r["why"] for r in records.values()):
+    asked = (
+        "train.compile = blocks"  # at the start of a reason (an "auto" reason may name it after)
+    )
+    if not any(
+        r["blocks"] or "; but " in r["why"] or r["why"].startswith(asked) for r in records.values()
+    ):
         return None
     groups: dict[tuple[int, str], list[str]] = {}
     for name, r in records.items():

@@ -81,8 +81,16 @@ def test_no_toolchain_means_eager_mode_and_says_why(monkeypatch):
 
 
 def test_compile_line_is_silent_for_models_auto_leaves_eager():
-    small = {"blocks": 0, "why": "train.compile = auto: hidden size 32 < 256, too small"}
+    small = {
+        "blocks": 0,
+        "why": "train.compile = auto: hidden size 32 < 256, too small (train.compile = blocks asks)",
+    }
     assert compile_line({"actor": {"compile": small}, "reward_model": {}}) is None
+    declined = {"blocks": 0, "why": "train.compile = blocks: several processes (not measured)"}
+    assert (
+        compile_line({"actor": {"compile": declined}})
+        == f"compile: actor: eager ({declined['why']})"
+    )
     big = {"blocks": 4, "why": "train.compile = auto: hidden size 256 ≥ 256"}
     assert compile_line({"actor": {"compile": big}, "critic": {"compile": small}}) == (
         f"compile: actor: 4 blocks compiled ({big['why']}); critic: eager ({small['why']})"
