@@ -259,9 +259,9 @@ def run_demo(
         train(cfg)
         rows = _metrics(out / name)
         if name.startswith(f"{ARITHMETIC}/"):
-            summary = _arithmetic_summary(name.partition("/")[2], rows)
+            summary = _task_summary(name.partition("/")[2], rows, ARITHMETIC_SUMMARY)
         elif name.startswith(f"{CALCULATOR}/"):
-            summary = _calculator_summary(name.partition("/")[2], rows)
+            summary = _task_summary(name.partition("/")[2], rows, CALCULATOR_SUMMARY)
         elif name == "sft":
             loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
             summary = f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
@@ -663,39 +663,28 @@ def evaluate_calculator(out: Path, cfgs: dict, samples_per_prompt: int, seed: in
     }
 
 
-def _calculator_summary(name: str, rows: list[dict]) -> str:
+#: The last-step metrics an answer task's online stages report, (label, metrics key), in order.
+ARITHMETIC_SUMMARY = (
+    ("reward", f"score/{ARITHMETIC_VERIFIER}"),
+    ("exact match", f"score/{ARITHMETIC_SCORES['exact_match']}"),
+    ("format errors", f"score/{ARITHMETIC_SCORES['format_error']}"),
+)
+CALCULATOR_SUMMARY = (
+    ("reward", f"score/{CALCULATOR_VERIFIER}"),
+    ("exact match", f"score/{CALCULATOR_SCORES['exact_match']}"),
+    ("tool calls per trajectory", "agent/tool_calls_per_trajectory"),
+)
+
+
+def _task_summary(name: str, rows: list[dict], reported: tuple[tuple[str, str], ...]) -> str:
+    """An answer task's stage in one line: an SFT stage's held-out loss, first to last; an online
+    stage's last-step ``reported`` metrics (those it logged) and its KL."""
     if name.startswith("sft"):
         loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
         return f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
     last = rows[-1]
     kl = last.get("kl/ref_k3", last.get("kl/seq_mean", 0.0))
-    parts = [
-        f"{label} {last[key]:.3f}"
-        for label, key in (
-            ("reward", f"score/{CALCULATOR_VERIFIER}"),
-            ("exact match", f"score/{CALCULATOR_SCORES['exact_match']}"),
-            ("tool calls per trajectory", "agent/tool_calls_per_trajectory"),
-        )
-        if key in last
-    ]
-    return "last step: " + ", ".join([*parts, f"KL {kl:.3f}"])
-
-
-def _arithmetic_summary(name: str, rows: list[dict]) -> str:
-    if name == "sft":
-        loss = [r["eval/loss"] for r in rows if "eval/loss" in r]
-        return f"held-out loss {loss[0]:.3f} -> {loss[-1]:.3f}"
-    last = rows[-1]
-    kl = last.get("kl/ref_k3", last.get("kl/seq_mean", 0.0))
-    parts = [
-        f"{label} {last[key]:.3f}"
-        for label, key in (
-            ("reward", f"score/{ARITHMETIC_VERIFIER}"),
-            ("exact match", f"score/{ARITHMETIC_SCORES['exact_match']}"),
-            ("format errors", f"score/{ARITHMETIC_SCORES['format_error']}"),
-        )
-        if key in last
-    ]
+    parts = [f"{label} {last[key]:.3f}" for label, key in reported if key in last]
     return "last step: " + ", ".join([*parts, f"KL {kl:.3f}"])
 
 
