@@ -16,9 +16,11 @@ hidden states) stays as it is. ``Module.compile`` compiles in place: the module'
 names, its state dict and checkpoints are unchanged, and any caller of the model gets the compiled
 blocks.
 
-The first call of each kind (with and without gradients, then the first new sequence length, which
-compiles a graph for any length) compiles: about 20 s on 2 CPU cores with an empty cache, a few seconds
-from the cache. The products are unchanged; the fused loops sum in another order, so the numbers
+The first call of each kind (frozen, trained with and without gradients, then the first new
+sequence length, which compiles a graph for any length) compiles: on 2 CPU cores about 60 s for the
+tiny benchmark work's four models with an empty cache, about 15 s from it (docs/performance.md).
+Forwards that carry a KV cache and few-token probes run eager (:func:`eager_blocks`).
+The products are unchanged; the fused loops sum in another order, so the numbers
 differ from eager mode by float32 round-off (tests/models/test_compiled.py).
 
 "auto" compiles where it was measured to pay and is safe: one process, a CPU, no LoRA adapters, no
@@ -226,6 +228,17 @@ def apply(
     record = {"blocks": n, "why": why}
     model._proximal_compile = record
     return record
+
+
+def eager_blocks():
+    """A context in which compiled blocks run their eager code, for the calls compiling would not
+    repay: forwards that carry a KV cache (a rollout's prompt pass, and the decode steps where the
+    lean decoder does not serve) and one-off probes of a few tokens. A block's graph reads its own
+    layer's entry of a cache, so a cached forward would compile every block separately (a graph per
+    layer, seconds of tracing each, more with an empty Inductor cache), and a probe's one-row batch
+    would compile a graph of its own and then make the batch size dynamic; the compiled blocks
+    serve the full-sequence forwards and backwards that make most of a step."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def compiled_blocks(model: torch.nn.Module) -> int:

@@ -38,6 +38,7 @@ from proximal import dist
 from proximal.core import logprobs_from_logits, token_entropy
 from proximal.core import token_kl as logits_token_kl
 from proximal.core.fused import linear_logprobs, linear_token_kl
+from proximal.models.compiled import eager_blocks
 from proximal.models.heads import lm_logits, position_ids_from_mask
 from proximal.models.loading import accepts_logits_to_keep, unwrap
 from proximal.models.parallel import autocast, is_sharded
@@ -316,7 +317,7 @@ def _probe(model) -> str | None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eager_blocks():  # four tokens: compiling would not repay
             own = lm_logits(model, ids, mask, 0, n).float()
             try:
                 ours = _run_with_head(model, ids, mask, 0, n, _probe_logits)

@@ -35,6 +35,7 @@ import torch
 
 from proximal import dist
 from proximal.config import ConfigError
+from proximal.models.compiled import eager_blocks
 from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
 from proximal.models.loading import accepts_logits_to_keep, cache_argument, unwrap
@@ -258,14 +259,15 @@ class HFEngine:
                             cache, logits, mask = self._restart(prompt_ids, prompt, tokens, extra)
                     else:
                         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                        out = model(
-                            input_ids=token[:, None],
-                            attention_mask=mask,
-                            position_ids=position,
-                            use_cache=True,
-                            **{self._cache_kw: cache},
-                            **extra,
-                        )
+                        with eager_blocks():
+                            out = model(
+                                input_ids=token[:, None],
+                                attention_mask=mask,
+                                position_ids=position,
+                                use_cache=True,
+                                **{self._cache_kw: cache},
+                                **extra,
+                            )
                         cache, logits = getattr(out, self._cache_kw), out.logits[:, -1]
                     position = position + 1
         ids = torch.stack(tokens, dim=1)
@@ -282,13 +284,14 @@ class HFEngine:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, extra: dict):
         """The model's own forward over (B, L) ``ids`` with its cache: (the cache, the (B, V) next
         logits)."""
-        out = self.decoder(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
-            use_cache=True,
-            **extra,
-        )
+        with eager_blocks():  # compiled blocks would compile a graph per layer here
+            out = self.decoder(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=True,
+                **extra,
+            )
         return getattr(out, self._cache_kw), out.logits[:, -1]
 
     def _restart(self, prompt_ids, prompt_mask, tokens: list[torch.Tensor], extra: dict):

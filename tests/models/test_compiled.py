@@ -201,3 +201,28 @@ def test_a_compiled_models_lean_decode_samples_what_eager_mode_samples(monkeypat
         assert torch.equal(a, b)
         torch.testing.assert_close(lb, la, rtol=0, atol=2e-5)
     assert engines[1].decode_path()["path"] == "lean"
+
+
+def test_cached_forwards_and_probes_run_the_blocks_eager_code():
+    """A rollout's prompt pass and its decode steps outside the lean decoder carry a KV cache, and the
+    fused log-probabilities' probe runs four tokens: none of them compiles a graph (each cached
+    forward would compile every block on its own), and the tokens are eager mode's."""
+    from torch._dynamo.utils import counters
+
+    from proximal.models.output import fused_problem
+
+    eager = _model(hidden=64, layers=2).eval()
+    fused = copy.deepcopy(eager)
+    assert compiled.apply(fused, "blocks")["blocks"] == 2
+    # shapes no other test uses: no graph of them can be in dynamo's cache already
+    ids = torch.randint(3, 97, (4, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(1,))
+    before = counters["frames"]["total"]
+    with torch.no_grad():
+        a = HFEngine(eager, 0, lean_decode=False).generate(ids, mask, [0, 1, 2, 3], params)
+        b = HFEngine(fused, 0, lean_decode=False).generate(ids, mask, [0, 1, 2, 3], params)
+    assert fused_problem(fused) is None
+    assert counters["frames"]["total"] == before
+    assert torch.equal(a, b)
