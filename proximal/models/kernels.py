@@ -46,7 +46,7 @@ import platform
 import re
 import statistics
 import time
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -488,8 +488,30 @@ def _pack(weights: list[Tensor], biases: list[Tensor | None], dtype: torch.dtype
         return w, None if biases[0] is None else torch.cat(biases).to(dtype)
 
 
-#: The dtypes :func:`packed_weights` packs in: float32, and bfloat16 under CPU autocast to it.
+#: The dtypes :func:`packed_weights` packs in: float32, and bfloat16 under CPU autocast to it (where
+#: this CPU has oneDNN's bfloat16 products: :func:`packs_bfloat16`).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@cache
+def packs_bfloat16() -> str | None:
+    """Why weights cannot be packed in bfloat16 on this CPU, or None where they can: oneDNN's bfloat16
+    reorder and product tried on a 3 × 4 · 4 × 5 product of small integers (exact in bfloat16)
+    against torch's own. oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an
+    AVX2-only CPU (AMD Zen 3, for one) it raises, and there bfloat16 decoding multiplies by the plain
+    weights, as autocast does."""
+    if _OP is None or _REORDER is None:
+        return "no oneDNN product or reorder operator"
+    x = (torch.arange(12.0).reshape(3, 4) - 5).bfloat16()
+    w = (torch.arange(20.0).reshape(5, 4) % 7 - 3).bfloat16()
+    try:
+        got = _OP(x, _REORDER(w, 3), None, "none", [], "")
+    except Exception as e:  # oneDNN refuses bfloat16 on CPUs without its instructions
+        return f"oneDNN's bfloat16 product failed on a test product ({type(e).__name__}: {e})"
+    if not torch.equal(got, torch.nn.functional.linear(x, w)):
+        return "oneDNN's bfloat16 product gave a wrong test product"
+    return None
+
 
 #: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
 MAX_PACKED_BYTES = 2 << 30
@@ -515,11 +537,13 @@ def packed_weights(model: torch.nn.Module, rows: int):
 
     Packs only float32 CPU weights that are plain tensors (not sharded), none when torch has no
     working oneDNN product or reorder operator (:func:`configure` tried them), the backend is
-    "blas" (:func:`enabled`), autocast is to another dtype, or the copies would exceed
+    "blas" (:func:`enabled`), autocast is to another dtype (or to bfloat16 where oneDNN has no
+    bfloat16 product on this CPU: :func:`packs_bfloat16`), or the copies would exceed
     :data:`MAX_PACKED_BYTES` (they are held for the duration)."""
     dtype = autocast_dtype() or torch.float32
     modules = []
-    if enabled() and _OP is not None and _REORDER is not None and dtype in PACKED_DTYPES:
+    packable = dtype == torch.float32 or (dtype in PACKED_DTYPES and packs_bfloat16() is None)
+    if enabled() and _OP is not None and _REORDER is not None and packable:
         for m in model.modules():
             w = getattr(m, "weight", None)
             if (

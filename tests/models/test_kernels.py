@@ -272,7 +272,11 @@ def test_under_autocast_the_packed_copies_are_bfloat16(calls):
     """bf16-mixed decodes under bfloat16 autocast: the copies are bfloat16 (half the bytes), and a
     packed product — one linear's or a stacked one's — is bit for bit what autocast's own F.linear
     gives (it casts the input, weight and bias to bfloat16 and multiplies those), in one oneDNN call.
-    A float32 call after autocast is left is not served by a bfloat16 copy."""
+    A float32 call after autocast is left is not served by a bfloat16 copy. (On a CPU without
+    oneDNN's bfloat16 products nothing is packed: the next two tests.)"""
+    why = kernels.packs_bfloat16()
+    if why is not None:
+        pytest.skip(f"this CPU: {why}")
     model = _llama()
     kernels.use_onednn_linears(model)
     attn = model.model.layers[0].self_attn
@@ -297,6 +301,44 @@ def test_under_autocast_the_packed_copies_are_bfloat16(calls):
                 plain = attn.q_proj(x)
             assert plain.dtype == torch.float32
             _close(plain[:, 0], x[:, 0].double() @ attn.q_proj.weight.double().t())
+
+
+def test_without_bfloat16_products_autocast_packs_nothing(calls, monkeypatch):
+    """Where oneDNN has no bfloat16 product (an AVX2-only CPU: its reorder raises), bf16-mixed decoding
+    packs no weight and every product is autocast's own F.linear, bit for bit; float32 decoding
+    still packs."""
+    monkeypatch.setattr(kernels, "packs_bfloat16", lambda: "oneDNN's bfloat16 product failed")
+    model = _llama()
+    kernels.use_onednn_linears(model)
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(16, 1, 256, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.linear(x, q.weight, q.bias)
+        with kernels.packed_weights(model, rows=16) as n:
+            got = q(x)
+            assert n == 0 and "_proximal_packed" not in q.__dict__
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with torch.no_grad(), kernels.packed_weights(model, rows=16) as n:
+        assert n == sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_packs_bfloat16_says_why_when_oneDNN_refuses(monkeypatch):
+    """The probe behind it: a reorder that raises (as oneDNN's does for bfloat16 without AVX-512 or
+    AVX-NE-CONVERT) is a reason naming the error; a reorder that works is None."""
+
+    def refuse(w, rows):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs the cpu support avx_ne_convert")
+        return w
+
+    monkeypatch.setattr(kernels, "_OP", lambda x, w, b, *a: torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(kernels, "_REORDER", refuse)
+    why = kernels.packs_bfloat16.__wrapped__()
+    assert why is not None and "avx_ne_convert" in why and "RuntimeError" in why
+    monkeypatch.setattr(kernels, "_REORDER", lambda w, rows: w)
+    assert kernels.packs_bfloat16.__wrapped__() is None
+    monkeypatch.setattr(kernels, "_REORDER", None)
+    assert kernels.packs_bfloat16.__wrapped__() == "no oneDNN product or reorder operator"
 
 
 def _cpuinfo() -> str:

@@ -15,8 +15,11 @@ chunk against one per batch), about 1e-7 relative on a log-probability; two Adam
 difference in a near-zero gradient (Adam's first step is about sign(g)·lr), so the bound on every
 logged number is 3e-5 relative (1e-6 absolute; measured here: PPO 3.1e-6, SimPO 2.7e-7, GRPO
 7.8e-8, DPO 1.8e-8, SFT 0 — at V = 23 one chunk holds every token, the same product). bf16-mixed:
-2e-2 relative or 1e-3 absolute, bfloat16's step on the logits (measured 2.3e-2 of a value of
-~0.04, i.e. under the absolute bound).
+2e-2 relative or 4e-3 absolute: bfloat16's unit round-off (2^-8 = 3.9e-3) on log-probabilities of
+order one, whose differences (the KL to the reference, ~0.03) carry it undivided. How close a CPU
+comes depends on its bfloat16 products: 2.3e-2 of a value of ~0.04 (9e-4) where the CPU has them
+(AVX-512 BF16: Intel Xeon, AMD Zen 5), 1.4e-3 on PPO's ``kl/seq_mean`` (-0.0299 against -0.0286) on
+an AVX2-only AMD Zen 3, where torch emulates them.
 """
 
 from __future__ import annotations
@@ -122,4 +125,4 @@ def test_fused_run_is_the_logits_run(command, assets, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["ppo", "dpo"])
 def test_fused_run_is_the_logits_run_under_bf16_mixed(command, assets, tmp_path, capsys):
-    _compare(command, assets, tmp_path, capsys, "bf16-mixed", rel=2e-2, abs_=1e-3)
+    _compare(command, assets, tmp_path, capsys, "bf16-mixed", rel=2e-2, abs_=4e-3)
