@@ -46,7 +46,7 @@ import platform
 import re
 import statistics
 import time
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -493,15 +493,23 @@ def _pack(weights: list[Tensor], biases: list[Tensor | None], dtype: torch.dtype
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@cache
+_BF16_PACKING: list[str | None] = []  # packs_bfloat16's test product's answer, once per process
+
+
 def packs_bfloat16() -> str | None:
     """Why weights cannot be packed in bfloat16 on this CPU, or None where they can: oneDNN's bfloat16
-    reorder and product tried on a 3 × 4 · 4 × 5 product of small integers (exact in bfloat16)
-    against torch's own. oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an
-    AVX2-only CPU (AMD Zen 3, for one) it raises, and there bfloat16 decoding multiplies by the plain
-    weights, as autocast does."""
+    reorder and product tried once on a 3 × 4 · 4 × 5 product of small integers (exact in bfloat16)
+    against torch's own (:func:`_bfloat16_problem`). oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT; on an AVX2-only CPU (AMD Zen 3, for one) it raises, and there bfloat16
+    decoding multiplies by the plain weights, as autocast does."""
     if _OP is None or _REORDER is None:
         return "no oneDNN product or reorder operator"
+    if not _BF16_PACKING:
+        _BF16_PACKING.append(_bfloat16_problem())
+    return _BF16_PACKING[0]
+
+
+def _bfloat16_problem() -> str | None:
     x = (torch.arange(12.0).reshape(3, 4) - 5).bfloat16()
     w = (torch.arange(20.0).reshape(5, 4) % 7 - 3).bfloat16()
     try:
@@ -542,8 +550,12 @@ def packed_weights(model: torch.nn.Module, rows: int):
     :data:`MAX_PACKED_BYTES` (they are held for the duration)."""
     dtype = autocast_dtype() or torch.float32
     modules = []
-    packable = dtype == torch.float32 or (dtype in PACKED_DTYPES and packs_bfloat16() is None)
-    if enabled() and _OP is not None and _REORDER is not None and packable:
+    if (
+        enabled()
+        and _OP is not None
+        and _REORDER is not None
+        and (dtype == torch.float32 or (dtype in PACKED_DTYPES and packs_bfloat16() is None))
+    ):
         for m in model.modules():
             w = getattr(m, "weight", None)
             if (

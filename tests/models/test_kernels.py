@@ -333,12 +333,15 @@ def test_packs_bfloat16_says_why_when_oneDNN_refuses(monkeypatch):
 
     monkeypatch.setattr(kernels, "_OP", lambda x, w, b, *a: torch.nn.functional.linear(x, w, b))
     monkeypatch.setattr(kernels, "_REORDER", refuse)
-    why = kernels.packs_bfloat16.__wrapped__()
+    monkeypatch.setattr(kernels, "_BF16_PACKING", [])
+    why = kernels.packs_bfloat16()
     assert why is not None and "avx_ne_convert" in why and "RuntimeError" in why
+    assert kernels._BF16_PACKING == [why]  # asked once a process
     monkeypatch.setattr(kernels, "_REORDER", lambda w, rows: w)
-    assert kernels.packs_bfloat16.__wrapped__() is None
-    monkeypatch.setattr(kernels, "_REORDER", None)
-    assert kernels.packs_bfloat16.__wrapped__() == "no oneDNN product or reorder operator"
+    assert kernels._bfloat16_problem() is None
+    monkeypatch.setattr(kernels, "_REORDER", None)  # not an answer to keep: nothing was tried
+    assert kernels.packs_bfloat16() == "no oneDNN product or reorder operator"
+    assert kernels._BF16_PACKING == [why]
 
 
 def _cpuinfo() -> str:
