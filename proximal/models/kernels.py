@@ -46,6 +46,7 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -256,13 +257,7 @@ def _op_problems() -> tuple[str | None, str | None]:
     def problem(name: str, op, compute) -> str | None:
         if op is None:
             return f"this torch has no torch.ops.mkldnn.{name} (or no oneDNN)"
-        try:
-            got = compute()
-        except Exception as e:  # an internal operator may change in any torch release
-            return f"torch.ops.mkldnn.{name} failed on a test product ({type(e).__name__}: {e})"
-        if not (isinstance(got, Tensor) and got.shape == want.shape and torch.equal(got, want)):
-            return f"torch.ops.mkldnn.{name} gave a wrong test product"
-        return None
+        return _test_product(f"torch.ops.mkldnn.{name}", compute, want)
 
     linear = problem("_linear_pointwise", _OP, lambda: _OP(x, w, b, "none", [], ""))
     if linear is not None:
@@ -270,6 +265,18 @@ def _op_problems() -> tuple[str | None, str | None]:
     return None, problem(
         "_reorder_linear_weight", _REORDER, lambda: _OP(x, _REORDER(w, 3), b, "none", [], "")
     )
+
+
+def _test_product(what: str, compute: Callable[[], Tensor], want: Tensor) -> str | None:
+    """Why ``compute()`` (an operator named ``what`` on a small exact product) cannot be trusted:
+    it raised, or did not give ``want``; None when it gave it exactly."""
+    try:
+        got = compute()
+    except Exception as e:  # an internal operator may change in any torch release, or refuse a CPU
+        return f"{what} failed on a test product ({type(e).__name__}: {e})"
+    if not (isinstance(got, Tensor) and got.shape == want.shape and torch.equal(got, want)):
+        return f"{what} gave a wrong test product"
+    return None
 
 
 def configure(choice: str = "auto") -> tuple[str, str]:
@@ -512,13 +519,11 @@ def packs_bfloat16() -> str | None:
 def _bfloat16_problem() -> str | None:
     x = (torch.arange(12.0).reshape(3, 4) - 5).bfloat16()
     w = (torch.arange(20.0).reshape(5, 4) % 7 - 3).bfloat16()
-    try:
-        got = _OP(x, _REORDER(w, 3), None, "none", [], "")
-    except Exception as e:  # oneDNN refuses bfloat16 on CPUs without its instructions
-        return f"oneDNN's bfloat16 product failed on a test product ({type(e).__name__}: {e})"
-    if not torch.equal(got, torch.nn.functional.linear(x, w)):
-        return "oneDNN's bfloat16 product gave a wrong test product"
-    return None
+    return _test_product(
+        "oneDNN's bfloat16 product",
+        lambda: _OP(x, _REORDER(w, 3), None, "none", [], ""),
+        torch.nn.functional.linear(x, w),
+    )
 
 
 #: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
