@@ -31,8 +31,12 @@ compare: $(STAMP)
 # Every test but those marked `cluster` (multi-process pre-emption, torchrun elastic restarts and
 # multi-node rendezvous: tens of seconds each), which `make test-cluster` runs, and those marked
 # `learning` (learning over several seeds: minutes each), which `make test-learning` runs.
+# TEST_WORKERS pytest-xdist processes share the files (a file's tests stay in one worker, so a module
+# fixture such as the demo's runs once), each computing on one thread (tests/conftest.py); 0 runs the
+# tests in this process, in order.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -m "not cluster and not learning" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not cluster and not learning" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-cluster: $(STAMP)
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS)

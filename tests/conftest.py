@@ -37,6 +37,14 @@ os.environ.setdefault("PROXIMAL_PEAK_FLOPS", "1e11")
 # tests/train/test_train_run_records.py).
 os.environ.setdefault("PROXIMAL_CPU_MATMUL", "blas")
 
+# Under pytest-xdist (`make test` runs two workers) each worker computes on one thread, and so do the
+# runs it starts: two workers of two threads each on two cores would wait on each other's threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)
+
 # A second tokenizer for a reward model: other special-token strings, the alphabet reversed (so every
 # id differs from the policy's) and a few characters the policy never writes.
 OTHER_ALPHABET = "9876543210 hgfedcbaxyz"
