@@ -172,3 +172,24 @@ def test_proximal_mfu_is_read_and_reported_beside_its_step_time(tmp_path):
     assert report.summarize(runs, ["tiny"])["tiny"]["proximal_median_mfu"] == 0.005
     assert report._with_mfu(1.25, 0.0041) == "1.25 (MFU 0.41 %)"
     assert report._with_mfu(1.25, None) == "1.25"
+
+
+def test_every_mfu_cell_is_on_the_invocations_one_probed_peak(tmp_path):
+    """Beside each s/step, results.md's MFU is the work's model FLOPs / that step / the peak probed
+    once in the invocation — not the run's own ``perf/mfu``, whose peak its run probed in its first
+    second (benchmarks/results-zen3.json: a baseline run read 107 % that way). Without a probe, the
+    run's own figure stands."""
+    data = json.loads((ROOT / "benchmarks" / "results-zen3.json").read_text())
+    measured = data["meta"]["mfu"]["works"]["tiny"]
+    flops, peak = measured["flops"]["total"], measured["peak"]["peak_flops_per_s"]
+    odd = next(r for r in data["runs"] if (r.get("median_mfu") or 0) > 1)
+    report.write(tmp_path / "r.md", data, "")
+    row = next(
+        line
+        for line in (tmp_path / "r.md").read_text().splitlines()
+        if line.startswith(f"| tiny | {odd['round']} | {odd['side']} |")
+    )
+    want = 100 * flops / odd["median_step_s"] / peak  # 76 %
+    assert f"(MFU {want:.2g} %)" in row and 0.5 < want / 100 < 1
+    assert report._mfu(odd, "mfu_probe", "median_mfu") == odd["mfu_probe"]
+    assert report._mfu({"median_mfu": 0.4}, "mfu_probe", "median_mfu") == 0.4
