@@ -526,6 +526,18 @@ def _bfloat16_problem() -> str | None:
     )
 
 
+def bfloat16_instructions() -> bool | None:
+    """Whether this CPU multiplies bfloat16 natively as oneDNN sees it (AVX-512 with BW, VL and DQ, or
+    AVX-NE-CONVERT, as its bfloat16 path asks; ``torch.ops.mkldnn._is_mkldnn_bf16_supported``), or
+    None where this torch cannot say. Without them torch emulates bfloat16 products in float32 and
+    converts around every call: measured on an AVX2-only AMD EPYC (Zen 3), a bf16-mixed PPO step of
+    the tiny benchmark work took about 81 s, against 3.7 s in float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # an internal operator: absent from some builds
+        return None
+
+
 #: :func:`packed_weights` packs at most this many bytes of weights (the copy lives while it is entered).
 MAX_PACKED_BYTES = 2 << 30
 

@@ -59,7 +59,7 @@ from proximal.train.checkpoint import (
     save_checkpoint,
     step_name,
 )
-from proximal.train.host import busy_cpu_note
+from proximal.train.host import bfloat16_note, busy_cpu_note
 from proximal.train.optim import resync_schedule, seed_everything
 from proximal.train.perf import measure_peak, step_metrics
 
@@ -254,7 +254,8 @@ class Run:
             self.logger = MetricsLogger(
                 self.dir, tensorboard=tensorboard, wandb_project=wandb_project
             )
-            for note in self.notes:
+            slow = bfloat16_note(self.device, precision)
+            for note in self.notes + ([slow] if slow else []):
                 self.say(note)
             if progress:
                 self.bar = tqdm(

@@ -1,4 +1,5 @@
-"""The busy-CPU note (proximal.train.host): other processes' load, not this process's own.
+"""The host's notes (proximal.train.host). The busy-CPU note: other processes' load, not this
+process's own.
 
 A process that trains several stages one after the other (``proximal demo``, ``compare``, a
 notebook) raises the lagging 1-minute load average itself; the note subtracts its own recent CPU
@@ -38,3 +39,22 @@ def test_the_note_counts_only_other_processes_load():
     assert note.startswith(
         f"the CPU is busy (load average {busy:.1f} from other processes on {cores} cores"
     )
+
+
+def test_the_bfloat16_note_is_for_bfloat16_on_a_cpu_without_its_products():
+    note = host.bfloat16_note("cpu", "bf16-mixed", native=False)
+    assert note.startswith("train.precision = bf16-mixed on a CPU without bfloat16 products")
+    assert "bf16-true" in host.bfloat16_note("cpu", "bf16-true", native=False)
+    assert host.bfloat16_note("cpu", "bf16-mixed", native=True) is None
+    assert host.bfloat16_note("cpu", "32-true", native=False) is None
+    assert host.bfloat16_note("cuda", "bf16-mixed", native=False) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from Linux")
+def test_bfloat16_instructions_follow_the_cpus_flags():
+    """oneDNN's bfloat16 path needs AVX-512 BW, VL and DQ, or AVX-NE-CONVERT (True on the Xeon with
+    AVX-512 this suite ran on, False on the AVX2-only AMD EPYC)."""
+    with open("/proc/cpuinfo") as fh:
+        flags = set(next(line for line in fh if line.startswith("flags")).split(":")[1].split())
+    want = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    assert host.bfloat16_instructions() is want

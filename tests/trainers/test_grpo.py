@@ -14,6 +14,7 @@ from grpo_support import REQUIRED_METRICS, grpo_config, grpo_main, read_jsonl
 from ppo_support import Spy, checkpoint_dirs
 
 from proximal.config import describe
+from proximal.train import host
 from proximal.trainers.grpo_config import GRPOConfig
 
 
@@ -247,7 +248,10 @@ def test_uniform_groups_are_counted_and_skipped(assets, tmp_path, capsys):
     )
 
 
-def test_bf16_mixed_runs(assets, tmp_path, capsys):
+def test_bf16_mixed_runs(assets, tmp_path, capsys, monkeypatch):
+    """A bf16-mixed run trains; on a CPU without bfloat16 products (stood in for, so that every CPU
+    runs this) it says at its start that torch emulates them and what to use instead."""
+    monkeypatch.setattr(host, "bfloat16_instructions", lambda: False)
     run_dir = tmp_path / "run"
     cfg = grpo_config(
         assets.policy("llama"),
@@ -257,6 +261,11 @@ def test_bf16_mixed_runs(assets, tmp_path, capsys):
     )
     assert grpo_main(cfg) == 0, capsys.readouterr().err
     _assert_healthy(read_jsonl(run_dir / "metrics.jsonl"), steps=1, beta=0.04)
+    out = capsys.readouterr()
+    said = [
+        line for line in (out.out + out.err).splitlines() if "without bfloat16 products" in line
+    ]
+    assert len(said) == 1 and said[0].endswith("use --train.precision 32-true on this CPU"), said
 
 
 # ----------------------------------------------------------------------------------------------
