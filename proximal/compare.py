@@ -70,6 +70,7 @@ from proximal.methods import (
 )
 from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
+from proximal.train import signals
 from proximal.train.command import config_command
 from proximal.trainers import reward, sft
 
@@ -502,6 +503,15 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
             dist.barrier()
             status["eval_s"] = time.perf_counter() - t0 - status["run_s"]
             echo(f"      trained in {status['run_s']:.0f} s, evaluated in {status['eval_s']:.0f} s")
+        except signals.Stopped as e:  # pre-empted: the run's own line would say --resume, which
+            # compare has not; the same command line continues the comparison instead
+            raise signals.Stopped(
+                f"{signals.name(e.signum)} received during run {r.name} ({i} of {len(runs)}): "
+                "stopped; the same proximal compare command line continues the comparison (the "
+                f"runs finished before it are kept; {r.name} starts again from its first step)",
+                e.signum,
+                everywhere=e.everywhere,
+            ) from e
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - a failed run is a row of the table, never a lost comparison

@@ -9,6 +9,8 @@ import gc
 import io
 import json
 import math
+import os
+import signal
 import statistics
 import weakref
 from pathlib import Path
@@ -295,6 +297,45 @@ def test_help_names_the_config_and_no_resume(capsys):
     assert text.startswith("usage: proximal compare [-h] [--config CONFIG]\n")
     assert "YAML file with the compare, data and output sections" in text
     assert "--resume" not in text and "--compare.methods (list[str]" in text
+
+
+@pytest.mark.slow
+def test_a_stop_signal_names_the_run_and_the_same_command_line_continues(
+    inputs, tmp_path, monkeypatch, capsys
+):
+    """SIGTERM in the second of two DPO runs: exit status 75 and one line naming the run and saying
+    that the same compare command line continues (compare has no --resume, which the run's own line
+    would suggest); that command line then keeps the first run and trains the second."""
+    from proximal.train import fixed
+
+    out = tmp_path / "out"
+    config = compare_yaml(inputs, out, ["dpo"], seeds=2)
+    original, sent = fixed.accumulate, []
+
+    def signal_in_the_second_run(*args, **kwargs):
+        if not sent and (out / "runs" / "dpo-seed0" / "compare_run.json").is_file():
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(fixed, "accumulate", signal_in_the_second_run)
+        assert main(["compare", "--config", str(config)]) == 75
+    err = capsys.readouterr().err
+    assert sent and err.count("\n") == 1, err
+    assert err.startswith(
+        "proximal compare: SIGTERM received during run dpo-seed1 (2 of 2): stopped; the same "
+        "proximal compare command line continues the comparison (the runs finished before it are "
+        "kept; dpo-seed1 starts again from its first step)"
+    ), err
+    assert "--resume" not in err
+    kept = (out / "runs" / "dpo-seed0" / "eval.json").stat().st_mtime_ns
+    assert main(["compare", "--config", str(config)]) == 0
+    assert "dpo-seed0: finished earlier, kept" in capsys.readouterr().out
+    assert (out / "runs" / "dpo-seed0" / "eval.json").stat().st_mtime_ns == kept
+    assert (
+        json.loads((out / "runs" / "dpo-seed1" / "compare_run.json").read_text())["status"] == "ok"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
