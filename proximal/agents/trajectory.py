@@ -359,20 +359,3 @@ def turn_rewards(
             if turn.end > turn.start and turn.reward:
                 out[b, turn.end - 1] += turn.reward
     return out.to(device)
-
-
-def agent_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """This rank's ``agent/*`` means over its trajectories: turns, agent tokens per turn,
-    observation tokens per trajectory, the share that failed, and each stop reason's share."""
-    n = max(1, len(trajs))
-    turns = sum(len(t.turns) for t in trajs)
-    agent = sum(t.agent_tokens() for t in trajs)
-    out = {
-        "agent/turns": turns / n,
-        "agent/tokens_per_turn": agent / max(1, turns),
-        "agent/observation_tokens": sum(len(t.ids) - t.agent_tokens() for t in trajs) / n,
-        "agent/failed": sum(t.failed for t in trajs) / n,
-    }
-    for stop in STOPS:
-        out[f"agent/stop_{stop}"] = sum(t.stop == stop for t in trajs) / n
-    return out
