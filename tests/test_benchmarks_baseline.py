@@ -131,8 +131,10 @@ def test_results_md_and_json_gain_the_baseline_columns(tmp_path):
     row = lines[lines.index(header) + 2]
     cells = row.strip("| ").split(" | ")
     assert len(cells) == 21
-    assert cells[2] == "1.1"  # proximal's column stays where it was
-    assert cells[16:] == ["2 (MFU 2 %)", "0.667", "0.500 0.833", "0.5", "0.500 0.600 0.500"]
+    # proximal's column stays where it was; every MFU is on the invocation's one probed peak
+    # (200 GFLOP / 1.1 s / 400 GFLOP/s, 200 / 2 / 400), not the runs' own perf/mfu (0.02 here)
+    assert cells[2] == "1.1 (MFU 45 %)"
+    assert cells[16:] == ["2 (MFU 25 %)", "0.667", "0.500 0.833", "0.5", "0.500 0.600 0.500"]
     skipped = next(ln for ln in lines if ln.startswith("| grpo | skipped"))
     assert skipped.count("|") == 22  # as many columns as the header
     assert (
@@ -151,7 +153,7 @@ def test_results_md_and_json_gain_the_baseline_columns(tmp_path):
     baseline_rows = [ln for ln in per_run if ln.split(" | ")[2] == "baseline"]
     assert (
         baseline_rows[0]
-        == "| tiny | 1 | baseline | 2 (MFU 1 %) | 20 | 200 | 0.1 | 0.50 0.50 0.50 | — |  |"
+        == "| tiny | 1 | baseline | 2 (MFU 25 %) | 20 | 200 | 0.1 | 0.50 0.50 0.50 | — |  |"
     )
     assert all(ln.split(" | ")[8] == "—" for ln in baseline_rows)
     # the MFU section: the same FLOPs and peak over the baseline's step, beside this tree's
