@@ -101,18 +101,29 @@ def busy_cpu_note(
     )
 
 
-def bfloat16_note(device, precision: str, native: bool | None = None) -> str | None:
-    """A one-line note when a run computes in bfloat16 (``precision`` bf16-mixed or bf16-true) on a
-    CPU whose products cannot (:func:`proximal.models.kernels.bfloat16_instructions`; ``native``
-    stands in for it in tests): torch then emulates them, many times slower than float32. None on
-    other devices, in float32, where the CPU has them, or where torch cannot say."""
-    if getattr(device, "type", device) != "cpu" or not precision.startswith("bf16"):
+def bfloat16_note(
+    device, precision: str, rollout_precision: str | None = None, native: bool | None = None
+) -> str | None:
+    """A one-line note when a run computes in bfloat16 — ``precision`` (``train.precision``) or
+    ``rollout.precision`` (the decode's own, where it differs) bf16-mixed or bf16-true — on a CPU
+    whose products cannot (:func:`proximal.models.kernels.bfloat16_instructions`; ``native`` stands
+    in for it in tests): torch then emulates them, many times slower than float32. None on other
+    devices, in float32, where the CPU has them, or where torch cannot say."""
+    field, value = (
+        ("train.precision", precision)
+        if precision.startswith("bf16")
+        else ("rollout.precision", rollout_precision or "")
+    )
+    if getattr(device, "type", device) != "cpu" or not value.startswith("bf16"):
         return None
     if (bfloat16_instructions() if native is None else native) is not False:
         return None
+    instead = (
+        "--train.precision 32-true" if field == "train.precision" else "--rollout.precision null"
+    )
     return (
-        f"train.precision = {precision} on a CPU without bfloat16 products (oneDNN's bfloat16 path "
+        f"{field} = {value} on a CPU without bfloat16 products (oneDNN's bfloat16 path "
         "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): torch emulates them, and steps are many times "
         "slower than in float32 (measured on an AVX2-only AMD EPYC, a tiny PPO step: 81 s against "
-        "3.7 s); use --train.precision 32-true on this CPU"
+        f"3.7 s); use {instead} on this CPU"
     )

@@ -211,11 +211,14 @@ class Run:
         wandb_project: str | None = None,
         unit: str = "step",
         precision: str = "32-true",
+        rollout_precision: str | None = None,
     ) -> None:
         """Take the run directory: delete an earlier run (only now that everything has loaded), write
         config.yaml, open the metrics log (cut back to ``start`` when resuming) and the progress bar;
         then measure the device's peak FLOP/s for products in ``precision``'s dtype
-        (``train.precision``; ``perf.json``), before the clock of ``time/wall_s`` starts."""
+        (``train.precision``; ``perf.json``), before the clock of ``time/wall_s`` starts.
+        ``rollout_precision``: the decode's own precision where it differs (``rollout.precision``),
+        for the note on a CPU that would emulate bfloat16 (:func:`proximal.train.host.bfloat16_note`)."""
         self.check_finished(total)  # --resume auto of a finished run: nothing is written
         self.total = total
         if (
@@ -254,7 +257,7 @@ class Run:
             self.logger = MetricsLogger(
                 self.dir, tensorboard=tensorboard, wandb_project=wandb_project
             )
-            slow = bfloat16_note(self.device, precision)
+            slow = bfloat16_note(self.device, precision, rollout_precision)
             for note in self.notes + ([slow] if slow else []):
                 self.say(note)
             if progress:

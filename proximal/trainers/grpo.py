@@ -170,6 +170,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         tensorboard=cfg.output.tensorboard,
         wandb_project=cfg.output.wandb_project,
         precision=t.precision,
+        rollout_precision=r.engine_precision(t.precision),
     )
     run.record_models(
         engine=engine,

@@ -48,6 +48,12 @@ def test_the_bfloat16_note_is_for_bfloat16_on_a_cpu_without_its_products():
     assert host.bfloat16_note("cpu", "bf16-mixed", native=True) is None
     assert host.bfloat16_note("cpu", "32-true", native=False) is None
     assert host.bfloat16_note("cuda", "bf16-mixed", native=False) is None
+    # a float32 run whose decode samples in bfloat16 (rollout.precision) emulates its decode
+    note = host.bfloat16_note("cpu", "32-true", "bf16-mixed", native=False)
+    assert note.startswith("rollout.precision = bf16-mixed on a CPU without bfloat16 products")
+    assert note.endswith("use --rollout.precision null on this CPU")
+    assert host.bfloat16_note("cpu", "32-true", None, native=False) is None
+    assert host.bfloat16_note("cpu", "32-true", "bf16-true", native=True) is None
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from Linux")

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from proximal.rollout.engine import HFEngine
 from proximal.rollout.experience import Experience, sequence_token_logprobs
 from proximal.rollout.sampling import sample
+from proximal.train import host
 from proximal.train.optim import Trained
 from proximal.trainers.grpo import grpo_update
 
@@ -112,7 +113,10 @@ PPO_RUNS = {
 
 
 @pytest.mark.parametrize("name", list(PPO_RUNS))
-def test_ppo_runs_each_mode(name, assets, tmp_path, capsys):
+def test_ppo_runs_each_mode(name, assets, tmp_path, capsys, monkeypatch):
+    """Each mode trains; a bfloat16 decode (rollout.precision) of this float32 run says at its start
+    that a CPU without bfloat16 products emulates it (the check stood in for: every CPU runs it)."""
+    monkeypatch.setattr(host, "bfloat16_instructions", lambda: False)
     mode, precision, more = PPO_RUNS[name]
     run_dir = tmp_path / "run"
     cfg = ppo_config(assets.policy("llama"), assets.prompts, run_dir)
@@ -120,6 +124,13 @@ def test_ppo_runs_each_mode(name, assets, tmp_path, capsys):
     if precision:
         args += ["--rollout.precision", precision]
     assert ppo_main(cfg, *args) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    said = [
+        line for line in (out.out + out.err).splitlines() if "without bfloat16 products" in line
+    ]
+    assert len(said) == (precision is not None), said
+    if said:
+        assert f"proximal ppo: rollout.precision = {precision} on a CPU without" in said[0], said
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     _check_rows(rows, mode, precision)
