@@ -1,8 +1,9 @@
 """``proximal demo --quick`` end to end: every artifact exists, and the report's numbers are the run files' numbers.
 
-The quick demo runs once for the module (under 20 s on 2 quiet CPU cores) through the real
-command line; the tests then read what it wrote. Expected values are taken from the trainers' own
-``metrics.jsonl`` files and from ``eval.json``, never from the report code under test.
+The quick demo runs once for the module (its three tasks took 96 s on a quiet 2-core AVX2-only AMD
+EPYC, 124 s in one of `make test`'s one-thread workers) through the real command line; the tests
+then read what it wrote. Expected values are taken from the trainers' own ``metrics.jsonl`` files
+and from ``eval.json``, never from the report code under test.
 """
 
 from __future__ import annotations
