@@ -14,9 +14,12 @@ call it, or not. ``PROXIMAL_MALLOC=system`` turns it off.
 **Shared CPU.** Small models on a few cores are dominated by thread synchronisation; when other
 processes compete for the cores, a step can be ten times slower. :func:`busy_cpu_note` says so.
 
-**bfloat16 without the instructions.** ``train.precision`` bf16-mixed or bf16-true on a CPU without
-bfloat16 products (AVX2-only CPUs such as AMD's Zen 3) runs, but torch emulates every product:
-:func:`bfloat16_note` says so at the start, with what to use instead.
+**bfloat16 without the instructions.** ``train.precision`` (or a decode's ``rollout.precision``)
+bf16-mixed or bf16-true on a CPU without bfloat16 products (AVX2-only CPUs such as AMD's Zen 3)
+runs, but torch emulates every product: :func:`bfloat16_note` says so at the start, with what to use
+instead. It asks torch whether the CPU has them (:func:`proximal.models.kernels.bfloat16_instructions`);
+whether oneDNN's packed bfloat16 decode works is a separate, tried answer
+(:func:`proximal.models.kernels.packs_bfloat16`).
 """
 
 from __future__ import annotations
