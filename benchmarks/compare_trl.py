@@ -170,6 +170,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the vocab works, whose TRL steps take tens of seconds)",
     )
     ap.add_argument(
+        "--steps-of",
+        dest="steps_of_arg",
+        default="",
+        help="WORK=N,…: these works run N steps a run instead (N ≥ 2, s/step being the median of "
+        "steps 2–N; on a slow CPU a wide step takes minutes). The results say which works differ",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
@@ -236,10 +243,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.with_trl and not a.smoke:
         ap.error("--with-trl goes with --smoke (a measurement always runs both sides)")
     if a.smoke:
-        a.steps, a.rounds, a.more_rounds = a.steps or 1, 1, ""
+        a.steps, a.rounds, a.more_rounds, a.steps_of_arg = a.steps or 1, 1, "", ""
     if a.rounds < 1 or (a.steps is not None and a.steps < 1) or a.threads < 1:
         ap.error("--rounds, --steps and --threads must be ≥ 1")
     a.steps_of = {w: a.steps or WORKS[w].steps for w in a.works}
+    for item in filter(None, (x.strip() for x in a.steps_of_arg.split(","))):
+        name, _, n = item.partition("=")
+        if name not in a.steps_of or not n.isdigit() or int(n) < 2:
+            ap.error(
+                f"--steps-of {item!r}: expected WORK=N with WORK one of --works ({', '.join(a.works)}) "
+                "and N ≥ 2"
+            )
+        a.steps_of[name] = int(n)
     a.rounds_of = {w: a.rounds for w in a.works}
     for item in filter(None, (x.strip() for x in a.more_rounds.split(","))):
         name, _, n = item.partition("=")

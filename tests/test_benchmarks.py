@@ -89,6 +89,24 @@ def test_more_rounds_for_some_works_keep_the_rounds_interleaved():
     assert report._rounds({"rounds": 3, "rounds_of": {"tiny": 3}}) == "3 rounds"
 
 
+def test_steps_of_gives_some_works_fewer_steps_and_the_results_say_so():
+    import compare_trl
+
+    a = compare_trl.parse_args(["--works", "tiny,wide,grpo", "--steps-of", "wide=3"])
+    assert a.steps_of == {"tiny": 10, "wide": 3, "grpo": 10}
+    a = compare_trl.parse_args(["--works", "tiny,wide", "--steps", "5", "--steps-of", "wide=3"])
+    assert a.steps_of == {"tiny": 5, "wide": 3}
+    # --steps given and one work differing: the phrase names the exception, not "5 steps a run"
+    assert report._steps({"steps": a.steps, "steps_of": a.steps_of}) == "5 steps a run (wide: 3)"
+    assert report._steps({"steps": 5, "steps_of": {"tiny": 5, "wide": 5}}) == "5 steps a run"
+    for bad in ("wide=1", "grpo=3", "wide", "wide=x"):  # N < 2, not a chosen work, no N
+        with pytest.raises(SystemExit):
+            compare_trl.parse_args(["--works", "tiny,wide", "--steps-of", bad])
+    # --smoke keeps its one round of --steps (or 1) for every work
+    a = compare_trl.parse_args(["--works", "tiny,wide", "--smoke", "--steps-of", "wide=3"])
+    assert a.steps_of == {"tiny": 1, "wide": 1}
+
+
 def test_benchmark_policy_cannot_sample_a_special_token_and_prompts_round_trip(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -123,10 +123,12 @@ def _steps(meta: dict) -> str:
     """ "10 steps a run", or "10 steps a run (ppo-vocab, grpo-vocab: 3)" where works differ."""
     steps_of = meta.get("steps_of") or {}
     counts = sorted(set(steps_of.values()))
-    if meta.get("steps") or len(counts) <= 1:
+    if len(counts) <= 1:
         n = meta.get("steps") or (counts[0] if counts else "?")
         return f"{n} steps a run"
-    common = max(counts, key=lambda n: sum(1 for v in steps_of.values() if v == n))
+    common = meta.get("steps")  # --steps, where given, is the rule and --steps-of the exceptions
+    if common not in counts:
+        common = max(counts, key=lambda n: sum(1 for v in steps_of.values() if v == n))
     extra = "; ".join(
         f"{', '.join(w for w, v in steps_of.items() if v == n)}: {n}" for n in counts if n != common
     )
