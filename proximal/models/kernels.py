@@ -196,10 +196,33 @@ def busy_load() -> float | None:
     return load if load > free + 0.5 else None
 
 
-def cache_path() -> Path:
-    """``$XDG_CACHE_HOME/proximal/cpu_matmul.json`` (``~/.cache`` without the variable)."""
+def cache_path(name: str = CACHE_NAME) -> Path:
+    """``$XDG_CACHE_HOME/proximal/<name>`` (``~/.cache`` without the variable): where per-machine
+    measurements are kept, "auto"'s in :data:`CACHE_NAME`."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "proximal" / CACHE_NAME
+    return Path(root) / "proximal" / name
+
+
+def read_cache(path: Path) -> dict:
+    """A per-machine cache's entries by key; empty where the file is missing or unreadable (it is
+    then measured again)."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def write_cache(path: Path, entries: dict) -> None:
+    """Replace ``path`` whole with ``entries`` (written beside it, then renamed: a reader never sees
+    half a file); a cache that cannot be written is left as it is."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
@@ -212,11 +235,7 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
     record)`` with the record's ``key``, ``threads`` and ``cached`` (whether it was read)."""
     path = cache_path() if path is None else path
     key = machine_key()
-    try:
-        entries = json.loads(path.read_text())
-        entries = entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        entries = {}
+    entries = read_cache(path)
     hit = entries.get(key)
     if (
         isinstance(hit, dict)
@@ -233,13 +252,7 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
     if record["noise"] > PROBE_CACHE_NOISE or busy is not None:
         return backend, {**record, "cached": False}
     entries[key] = record
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_cache(path, entries)
     return backend, {**record, "cached": False}
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from proximal.config import ConfigError
+from proximal.models import kernels
 from proximal.models.flops import ModelShape, Tokens
 from proximal.train import perf
 
@@ -48,6 +49,82 @@ def test_the_probe_is_positive_finite_and_short():
     rate, how = perf.probe(torch.device("cpu"), torch.float32, budget_s=0.4)
     assert math.isfinite(rate) and rate > 0
     assert how["products"] and how["threads"] == torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test its own per-machine cache (never the user's ``~/.cache/proximal``), and a machine
+    whose load lets a probe be kept."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(kernels, "busy_load", lambda: None)
+
+
+def test_the_peak_is_the_best_probe_this_machine_has_made(tmp_path):
+    path = tmp_path / "peaks.json"
+    m = "cpu: Some CPU | float32 | torch 2.x | 2 threads | blas"
+
+    def best(peak, busy=False, machine=m):
+        return perf.best_probe(machine, peak, f"probe at {peak:g}", busy=busy, path=path)
+
+    assert best(50e9) == (
+        50e9,
+        f"probe at 5e+10 (the best of 1 probe of this machine kept in {path})",
+    )
+    # a slower moment: the kept best stands, and the source says so
+    assert best(40e9) == (
+        50e9,
+        f"the best of 2 probes of this machine kept in {path}: probe at 5e+10; this run's probe "
+        "40.0 GFLOP/s",
+    )
+    assert best(60e9) == (
+        60e9,
+        f"probe at 6e+10 (the best of 3 probes of this machine kept in {path})",
+    )
+    # a busy machine's probe is used where it beats the best, never kept
+    assert best(70e9, busy=True)[0] == 70e9
+    assert "busy machine, not kept" in best(70e9, busy=True)[1]
+    assert best(30e9, busy=True) == (
+        60e9,
+        f"the best of 3 probes of this machine kept in {path}: probe at 6e+10; this run's probe "
+        "30.0 GFLOP/s (busy machine, not kept)",
+    )
+    kept = json.loads(path.read_text())
+    assert kept == {m: {"peak_flops_per_s": 60e9, "source": "probe at 6e+10", "probes": 3}}
+    # another machine (here: other threads) has its own entry; a foreign entry is measured afresh
+    other = m.replace("2 threads", "1 threads")
+    assert best(20e9, machine=other)[0] == 20e9
+    path.write_text(json.dumps({m: {"peak_flops_per_s": "fast"}, other: kept[m]}))
+    assert best(10e9) == (
+        10e9,
+        f"probe at 1e+10 (the best of 1 probe of this machine kept in {path})",
+    )
+    assert best(10e9, machine=other)[0] == 60e9
+    # an unreadable or unwritable cache: this probe alone
+    path.write_text("{not json")
+    assert best(5e9)[0] == 5e9
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    got = perf.best_probe(m, 5e9, "p", path=blocked / "peaks.json")
+    assert got[0] == 5e9
+
+
+def test_a_new_run_divides_by_the_best_probe_not_its_own(tmp_path, monkeypatch):
+    rates = iter([50e9, 40e9])
+    monkeypatch.setattr(perf, "probe", lambda *a, **kw: (next(rates), {"products": {}}))
+    monkeypatch.setattr(perf, "_MEASURED", {})
+    first = perf.measure_peak(torch.device("cpu"), "32-true", tmp_path / "run1")
+    monkeypatch.setattr(perf, "_MEASURED", {})  # another process
+    second = perf.measure_peak(torch.device("cpu"), "32-true", tmp_path / "run2")
+    assert first["peak_flops_per_s"] == second["peak_flops_per_s"] == 50e9
+    assert "this run's probe 40.0 GFLOP/s" in second["source"]
+    cache = kernels.cache_path(perf.PEAK_CACHE_NAME)
+    assert cache.is_relative_to(tmp_path / "xdg")
+    ((key, entry),) = json.loads(cache.read_text()).items()
+    assert key == (
+        f"cpu: {kernels.cpu_name()} | float32 | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | {kernels.backend()[0]}"
+    )
+    assert (entry["peak_flops_per_s"], entry["probes"]) == (50e9, 2)
 
 
 def test_a_cpu_peak_is_probed_once_and_recorded_in_the_run_directory(tmp_path, monkeypatch):
