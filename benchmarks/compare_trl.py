@@ -329,6 +329,19 @@ def prepare(works: list, workdir: Path, threads: int) -> tuple[dict, dict]:
     return assets, measured
 
 
+def _run_mfu(r: dict, measured: dict) -> str:
+    """ ", MFU 69.4 %" for a run's line: its work's model FLOPs / its s/step / the peak probed once
+    in this invocation, as results.md shows it (report._mfu); the run's own ``perf/mfu``, against
+    the second it probed at its start, only where this invocation has no probe for the work."""
+    m = (measured or {}).get("works", {}).get(r["work"])
+    if m is not None and r.get("median_step_s"):
+        value = mfu.mfu(m["flops"]["total"], r["median_step_s"], m["peak"]["peak_flops_per_s"])
+        return f", MFU {100 * value:.1f} %"
+    if r.get("median_mfu") is not None:
+        return f", MFU {100 * r['median_mfu']:.2g} % (its own probe)"
+    return ""
+
+
 def schedule(works: list[str], rounds_of: dict[str, int]) -> list[tuple[int, str]]:
     """(round, work) in running order: round by round, each work that has that round, in ``works``' order."""
     last = max((rounds_of[w] for w in works), default=0)
@@ -435,11 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r.get("error")
                 else (
                     f"{_s(r['median_step_s'])} s/step, {r['wall_s']:.1f} s process, {r['peak_rss_mib']:.0f} MiB"
-                    + (
-                        f", MFU {100 * r['median_mfu']:.2g} %"
-                        if r.get("median_mfu") is not None
-                        else ""
-                    )
+                    + _run_mfu(r, measured)
                 )
             )
             path = f" [logprobs: {r['logprobs']}]" if r.get("logprobs") else ""
@@ -485,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             f"RSS ratio {_s(s['ratio_peak_rss_mib'])}   (proximal {_s(s['proximal_median_step_s'])} s/step"
             + (
                 f" at MFU {100 * s['proximal_median_mfu']:.2g} %"
-                if s.get("proximal_median_mfu")
+                if s.get("proximal_median_mfu") and s.get("proximal_mfu_probe") is None
                 else ""
             )
             + ", "

@@ -173,3 +173,16 @@ def test_the_cpu_is_named_with_its_vector_width():
         "NEON (128-bit)",
         "?",
     )
+
+
+def test_a_runs_line_gives_its_mfu_on_the_invocations_probe():
+    """compare_trl's line for each run: the work's FLOPs / the run's s/step / the one probed peak
+    (200 GFLOP / 1.25 s / 400 GFLOP/s = 40 %), as results.md shows it — not the run's own perf/mfu
+    (here 0.9), which it shows only for a work this invocation did not probe."""
+    import compare_trl
+
+    measured = synthetic_measured()
+    run = {"work": "tiny", "median_step_s": 1.25, "median_mfu": 0.9}
+    assert compare_trl._run_mfu(run, measured) == ", MFU 40.0 %"
+    assert compare_trl._run_mfu({**run, "work": "wide"}, measured) == ", MFU 90 % (its own probe)"
+    assert compare_trl._run_mfu({"work": "wide", "median_step_s": 1.0}, measured) == ""
