@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from proximal.agents.collect import build_environments, context_length, trajectory_completion
-from proximal.agents.env import COUNTS, Environments, check_offered
+from proximal.agents.env import COUNTS, Environments, check_offered, row_schemas
 from proximal.agents.trajectory import Trajectory, run_trajectories, to_rollout
 from proximal.config import ConfigError
 from proximal.data.collate import pad_left
@@ -127,15 +127,20 @@ def evaluate_policy(
         rm_tokenizer = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
         rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
         freeze(rm)
-    prompts = load_prompts(
-        str(prompts_file), tokenizer, max_length=max_prompt_length, split=split, columns=columns
-    )
     agent = None
     if env or tools:
         agent = agent_eval(
             env or {}, tools or {}, max_new_tokens, context_length(actor), has_reward_source=True
         )
     try:
+        prompts = load_prompts(  # each row rendered with the tools its trajectory is offered
+            str(prompts_file),
+            tokenizer,
+            max_length=max_prompt_length,
+            split=split,
+            columns=columns,
+            tools=row_schemas(agent.envs.tools) if agent and agent.envs.tools else None,
+        )
         measured = evaluate_loaded(
             actor,
             reference=ref,
@@ -538,6 +543,7 @@ def training_eval(
         max_length=max_prompt_length,
         split=section.split,
         columns=section.columns,
+        tools=row_schemas(agent.envs.tools) if agent and agent.envs.tools else None,
     )
     extra = {name: load_reward_function(spec) for name, spec in (section.scores or {}).items()}
     functions = {**(functions or {}), **extra}

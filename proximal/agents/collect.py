@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import torch
 
 from proximal import dist
-from proximal.agents.env import COUNTS, Environments, check_offered, environment_class
+from proximal.agents.env import (
+    COUNTS,
+    Environments,
+    check_offered,
+    environment_class,
+    row_schemas,
+    tool_methods,
+)
 from proximal.agents.tools import load_tools
 from proximal.agents.trajectory import STOPS, Trajectory, run_trajectories, to_rollout, turn_rewards
 from proximal.config import ConfigError
@@ -45,6 +52,7 @@ __all__ = [
     "agent_step_metrics",
     "build_environments",
     "context_length",
+    "run_tools",
 ]
 
 
@@ -85,6 +93,21 @@ def load_environment(spec) -> Callable:
             "import; define it at the top of an importable module and name it 'module:Class'"
         )
     return factory
+
+
+def run_tools(env, tools) -> Callable[[dict], list[dict]] | None:
+    """Each prompt row's tool schemas in a run with ``env`` and ``tools`` config sections
+    (:func:`~proximal.agents.env.row_schemas` of ``tools.functions`` and the environment's methods),
+    for the prompt loader: a conversational prompt is rendered with what its trajectory is offered,
+    so ``data.max_prompt_length`` and ``data.on_long_prompt`` hold for the prompt the model reads,
+    and a row's ``tools`` column may name tools. None where no tool is registered: a single-turn
+    run, or an environment without tools (a row's ``tools`` column is then its schemas, as data)."""
+    if env.factory is None and not tools.functions:
+        return None
+    factory = load_environment(env.factory) if env.factory is not None else None
+    cls = environment_class(factory) if factory is not None else None
+    registered = {**load_tools(tools.functions), **tool_methods(cls)}
+    return row_schemas(registered) if registered else None
 
 
 def run_environments(

@@ -151,7 +151,7 @@ class Environments:
         if problems:
             raise ValueError("; ".join(problems))
         self.is_step = cls is not None and callable(getattr(cls, "step", None))
-        self.methods = environment_tools(cls) if cls is not None and not self.is_step else {}
+        self.methods = tool_methods(cls)
         clash = set(self.methods) & set(self.functions)
         if clash:
             raise ValueError(f"tools {sorted(clash)} are both functions and environment methods")
@@ -328,6 +328,33 @@ class Environments:
     def _count(self, results: dict[int, StepResult]) -> None:
         for r in results.values():
             self.counts.update(r.counts)
+
+
+def tool_methods(cls: type | None) -> dict[str, Callable]:
+    """The environment class's methods the policy may call (:func:`environment_tools`); none for an
+    environment with ``step(text)``, which reads each turn itself, or no environment."""
+    if cls is None or callable(getattr(cls, "step", None)):
+        return {}
+    return environment_tools(cls)
+
+
+def row_schemas(registered: dict[str, Callable]) -> Callable[[dict], list[dict]]:
+    """For a prompt row, the JSON schemas of the tools it is offered (:func:`offered_tools`: those
+    its ``tools`` column names, or every one of ``registered``) — what its chat template is given,
+    the same as :meth:`Environments.schemas` of its trajectory. ValueError for a column naming a
+    tool that is not registered. Each set of tools is made into schemas once."""
+    made: dict[tuple[str, ...] | None, list[dict]] = {}
+
+    def schemas(row: dict) -> list[dict]:
+        names = offered_tools(row.get("tools"), registered)
+        key = None if names is None else tuple(names)
+        if key not in made:
+            made[key] = tool_schemas(
+                registered if names is None else {n: registered[n] for n in names}
+            )
+        return made[key]
+
+    return schemas
 
 
 def offered_tools(value, registered: dict[str, Callable] | Sequence[str]) -> list[str] | None:

@@ -152,14 +152,15 @@ def observation_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def first_prompt(tokenizer, prompt_ids: list[int], messages: list[dict] | None, observation, tools):
     """The prompt ids once ``reset()``'s observation is added (TRL's rule: appended to the last
-    user message, or to a text prompt as it is), and a conversational prompt rendered with the
-    schemas of the ``tools`` its trajectory is offered (the row's ``tools`` column names a subset;
-    :meth:`~proximal.agents.env.Environments.schemas`). Nothing has been sampled yet, so the prompt
-    is rendered again here; ``prompt_ids`` are kept when there is neither."""
-    if observation is None and (messages is None or not tools):
-        return prompt_ids
+    user message, or to a text prompt as it is); ``prompt_ids`` as loaded when there is none.
+
+    The loader rendered a conversational prompt with the schemas of the ``tools`` its trajectory is
+    offered (``load_prompts(tools=row_schemas(...))``: the row's ``tools`` column names a subset,
+    :meth:`~proximal.agents.env.Environments.schemas`), measured and truncated as the model reads
+    it. With an observation it is rendered again here with them (nothing has been sampled yet), from
+    its messages: the observation lengthens it, counted against the context."""
     if observation is None:
-        return encode_prompt(apply_template(messages, tokenizer, "prompt", tools=tools), tokenizer)
+        return prompt_ids
     if messages is None:
         if not isinstance(observation, str):
             raise TypeError("a text prompt's first observation must be a string")

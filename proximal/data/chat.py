@@ -46,6 +46,7 @@ lists, ``{"messages"}`` a conversation, and an optional ``tools`` list handed to
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,11 @@ def set_chat_template(tokenizer, value: str | None) -> None:
     """
     if value:
         tokenizer.chat_template = chat_template_text(value)
+
+
+#: A row's tool schemas computed from its record (``render_prompt``'s ``tools``): None or a list of
+#: JSON-schema objects for the chat template; ValueError for a row it refuses.
+RowTools = Callable[[dict], list[dict] | None]
 
 
 def check_tools(record: dict, where: str) -> list[dict] | None:
@@ -186,16 +192,27 @@ def prompt_context(record: dict, where: str) -> str | list[dict]:
     )
 
 
-def render_prompt(record: dict, tokenizer, where: str) -> str:
+def render_prompt(record: dict, tokenizer, where: str, tools: RowTools | None = None) -> str:
     """The prompt text of ``record`` (``{"prompt": str}`` or ``{"messages": [...]}``).
 
     With messages, every message is context: the template is applied over all of them with
-    ``add_generation_prompt=True``. ``where`` (``file:line``) prefixes every error.
+    ``add_generation_prompt=True``, and with the row's ``tools`` column as the template's
+    ``tools=`` (JSON schemas). ``tools``, where given, replaces that column's reading: the schemas
+    the row is offered, computed from the record (an agent run's registered tools, which the column
+    may name; ValueError for a column it refuses), asked of every row, a text prompt's too, so a
+    bad column is found where it is. ``where`` (``file:line``) prefixes every error.
     """
     context = prompt_context(record, where)
+    if tools is None:
+        schemas = check_tools(record, where)
+    else:
+        try:
+            schemas = tools(record)
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
     if isinstance(context, str):
         return context
-    return apply_template(context, tokenizer, where, tools=check_tools(record, where))
+    return apply_template(context, tokenizer, where, tools=schemas)
 
 
 def split_conversation(

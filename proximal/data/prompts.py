@@ -17,6 +17,7 @@ from typing import Any
 
 from proximal.config import PythonObject
 from proximal.data.chat import (
+    RowTools,
     apply_template,
     check_messages,
     check_tools,
@@ -63,8 +64,13 @@ def load_prompts(
     on_empty: str = "error",
     split: str | None = None,
     columns: dict[str, str] | None = None,
+    tools: RowTools | None = None,
 ) -> PromptSet:
     """Read, render and tokenize every prompt. Raises DataError for bad rows or an empty set.
+
+    ``tools``: the tool schemas each row is offered (an agent run's, :func:`render_prompt`), so a
+    conversational prompt is rendered, measured against ``max_length`` and truncated or skipped
+    with the schemas the model will read; None reads a row's ``tools`` column as the schemas.
 
     A prompt that tokenizes to nothing (an empty string, or text the tokenizer drops) would have the
     model "answer" pure padding: an error naming its file:line, or with ``on_empty='skip'`` dropped
@@ -73,7 +79,7 @@ def load_prompts(
     texts, ids, messages, row_columns = [], [], [], []
     skipped = truncated = empty = 0
     for where, record in read_rows(path, split=split, columns=columns):
-        text = render_prompt(record, tokenizer, where)
+        text = render_prompt(record, tokenizer, where, tools)
         tok = encode_prompt(text, tokenizer)
         if not tok:
             if on_empty == "skip":

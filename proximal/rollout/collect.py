@@ -49,13 +49,15 @@ def load_inputs(
     chat_template: str | None = None,
     split: str | None = None,
     columns: dict[str, str] | None = None,
+    tools=None,
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported, a callable taken as
     it is (:func:`~proximal.rollout.scoring.load_reward_functions`: ``{name: function}``), the
     prompts rendered and tokenised with the policy's tokenizer
-    (:func:`~proximal.data.prompts.load_prompts`), and every argument a function requires found
-    among the prompts' columns (ConfigError naming the function, the argument and the file)."""
+    (:func:`~proximal.data.prompts.load_prompts`; ``tools``, an agent run's, gives each row's tool
+    schemas), and every argument a function requires found among the prompts' columns
+    (ConfigError naming the function, the argument and the file)."""
     functions = load_reward_functions(reward_functions)
     tokenizer = load_tokenizer(policy_path, role="policy tokenizer (model.path)")
     set_chat_template(tokenizer, chat_template)  # the policy tokenizer gets it too (build_models)
@@ -67,6 +69,7 @@ def load_inputs(
         on_empty=on_empty_prompt,
         split=split,
         columns=columns,
+        tools=tools,
     )
     problems = reward_argument_problems(functions, prompt_set.column_names(), str(prompts_path))
     if problems:

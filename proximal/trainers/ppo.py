@@ -29,6 +29,7 @@ from proximal.agents.collect import (
     agent_collect,
     context_length,
     run_environments,
+    run_tools,
 )
 from proximal.config import check_valid
 from proximal.core import (
@@ -108,6 +109,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         chat_template=mc.chat_template,
         split=d.split,
         columns=d.columns,
+        tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
     )
     # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
     envs = run_environments(

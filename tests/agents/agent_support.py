@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import time
 
+#: A chat template that shows which tools a prompt is offered: their names after "7 ", then each
+#: message as "8 <content> ", then "9 " for the generation prompt (the tiny tokenizers' characters).
+TOOLS_TEMPLATE = (
+    "{% if tools %}7 {% for t in tools %}{{ t['function']['name'] ~ ' ' }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ '8 ' ~ m['content'] ~ ' ' }}{% endfor %}"
+    "{% if add_generation_prompt %}9 {% endif %}"
+)
+
 
 def add(a: int, b: int) -> int:
     """Add two integers.

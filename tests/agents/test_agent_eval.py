@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_support import OneTurn, add, table
+from agent_support import TOOLS_TEMPLATE, OneTurn, add, table
 from ppo_support import ALPHABET, command_main, read_jsonl
 
-from proximal.agents.env import Environments, check_offered, offered_tools
+from proximal.agents.env import Environments, check_offered, offered_tools, row_schemas
 from proximal.agents.tools import tool_schemas
 from proximal.agents.trajectory import first_prompt
 from proximal.config import ConfigError
-from proximal.data.jsonl import write_jsonl
+from proximal.data.jsonl import DataError, write_jsonl
 from proximal.data.prompts import load_prompts
 from proximal.evaluation import AGENT_COLUMNS, AgentEval, evaluate_loaded
 from proximal.models.tiny import build_char_tokenizer
@@ -67,20 +67,73 @@ def test_a_row_calls_only_the_tools_it_offers():
     envs.close()
 
 
-def test_a_conversational_prompt_is_rendered_with_its_rows_tools():
+def _tools_tokenizer():
     tok = build_char_tokenizer(list(ALPHABET))
-    tok.chat_template = (  # the tools' names after "7 ", then the tiny template's user turn "8 ab "
-        "{% if tools %}7 {% for t in tools %}{{ t['function']['name'] ~ ' ' }}{% endfor %}{% endif %}"
-        "{% for m in messages %}{{ '8 ' ~ m['content'] ~ ' ' }}{% endfor %}"
-        "{% if add_generation_prompt %}9 {% endif %}"
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_a_conversational_prompt_is_loaded_with_the_tools_its_row_offers(tmp_path):
+    """An agent run's loader renders each conversational row with the schemas of the tools its
+    trajectory is offered — a ``tools`` column of names included, which a single-turn run refuses —
+    so the length limit holds for the prompt the model reads."""
+    tok = _tools_tokenizer()
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"messages": _user("ab"), "tools": ["table"]},  # names one
+        {"messages": _user("ab")},  # no column: every registered tool, in registration order
+        {"messages": _user("ab"), "tools": [SCHEMA_TABLE, "add"]},  # a schema and a name, in order
+        {"prompt": "ab", "tools": ["add"]},  # a text prompt is used as it is
+        {"messages": _user("ab"), "tools": []},  # offers none
+    ]
+    write_jsonl(path, rows)
+    want = ["7 table 8 ab 9 ", "7 add table 8 ab 9 ", "7 table add 8 ab 9 ", "ab", "8 ab 9 "]
+    got = load_prompts(str(path), tok, max_length=64, tools=row_schemas(TOOLS))
+    assert got.texts == want
+    assert got.token_ids == [tok(t, add_special_tokens=False)["input_ids"] for t in want]
+    # the limit is on what the model reads, schemas included: 10 characters keep two rows
+    short = load_prompts(
+        str(path), tok, max_length=10, on_too_long="skip", tools=row_schemas(TOOLS)
     )
-    ids = tok("8 ab 9 ", add_special_tokens=False)["input_ids"]
-    messages = [{"role": "user", "content": "ab"}]
+    assert (short.texts, short.skipped_too_long) == (["ab", "8 ab 9 "], 3)
+    cut = load_prompts(str(path), tok, max_length=10, tools=row_schemas(TOOLS))
+    assert cut.truncated == 3
+    assert cut.token_ids[0] == tok(want[0], add_special_tokens=False)["input_ids"][-10:]
+    # a single-turn run reads the column as the template's schemas: names are refused there
+    with pytest.raises(DataError, match=r"p\.jsonl:1: field 'tools' must be a list of objects"):
+        load_prompts(str(path), tok, max_length=64)
+
+
+def test_a_rows_unregistered_tool_is_refused_at_its_line(tmp_path):
+    tok = _tools_tokenizer()
+    path = tmp_path / "p.jsonl"
+    for row in (
+        {"messages": _user("ab"), "tools": ["shout"]},
+        {"prompt": "ab", "tools": ["shout"]},
+    ):
+        write_jsonl(path, [{"prompt": "ab"}, row])
+        with pytest.raises(DataError) as e:
+            load_prompts(str(path), tok, max_length=64, tools=row_schemas(TOOLS))
+        assert str(e.value) == (
+            f"{path}:2: the row's 'tools' column names shout, which is not a registered tool "
+            "(tools: add, table)"
+        )
+
+
+def test_the_first_prompt_is_the_loaded_one_unless_reset_observes():
+    tok = _tools_tokenizer()
     schemas = tool_schemas({"table": table})
-    want = tok("7 table 8 ab 9 ", add_special_tokens=False)["input_ids"]
-    assert first_prompt(tok, ids, messages, None, schemas) == want
-    assert first_prompt(tok, ids, messages, None, None) == ids  # no tools: the loaded ids
-    assert first_prompt(tok, [5, 6], None, None, schemas) == [5, 6]  # a text prompt: as it is
+    loaded = tok("7 table 8 ab 9 ", add_special_tokens=False)["input_ids"]
+    messages = _user("ab")
+    assert first_prompt(tok, loaded, messages, None, schemas) == loaded  # as loaded (and truncated)
+    # reset()'s observation joins the last user message; rendered again with the row's tools
+    want = tok("7 table 8 abcd 9 ", add_special_tokens=False)["input_ids"]
+    assert first_prompt(tok, loaded, messages, "cd", schemas) == want
+    assert first_prompt(tok, [5, 6], None, "cd", schemas) == [5, 6] + tok("cd")["input_ids"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +326,7 @@ def test_a_rows_unknown_tool_is_refused_before_training(task, tmp_path, capsys):
     }
     assert command_main("grpo", cfg) == 2
     err = capsys.readouterr().err
-    assert "p.jsonl[row 0]: the row's 'tools' column names abacus" in err, err
+    assert f"{path}:1: the row's 'tools' column names abacus" in err, err
 
 
 def test_config_error_is_what_build_environments_raises(task):

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from agent_support import TOOLS_TEMPLATE
 from ppo_support import (
     checkpoint_dirs,
     command_main,
@@ -27,6 +28,7 @@ from ppo_support import (
 )
 
 from proximal.data.jsonl import write_jsonl
+from proximal.models.loading import load_tokenizer
 
 
 def ppo_main(config: dict | None, *args: str) -> int:
@@ -259,6 +261,54 @@ SCRIPT = [
     "[hang 5]",
     "[table 6]",
 ]
+
+
+def test_conversational_rows_name_their_tools_and_the_limit_holds_with_the_schemas(
+    assets, tmp_path, capsys
+):
+    """A run with tools and conversational prompts: a row's ``tools`` column of names picks the
+    schemas its chat template shows (the loader refused such a column before), and
+    ``data.max_prompt_length`` holds for the prompt as the model reads it, schemas included (they
+    were added after the limit before): the truncations are counted and the samples' prompts are the
+    truncated renderings."""
+    path = tmp_path / "prompts.jsonl"
+    texts = prompt_texts(8)
+    offered = [["add"] if i % 2 else None for i in range(len(texts))]  # odd rows name one tool
+    write_jsonl(
+        path,
+        [
+            {"messages": [{"role": "user", "content": p}], **({"tools": o} if o else {})}
+            for p, o in zip(texts, offered)
+        ],
+    )
+    cfg = grpo_config(
+        assets.policy("llama"),
+        path,
+        tmp_path / "run",
+        model={"chat_template": TOOLS_TEMPLATE},
+        tools={
+            "functions": ["agent_support:add", "agent_support:table"],
+            "format": "minimal",
+            "workers": 1,
+        },
+        env={"max_turns": 2},
+        train={"steps": 1},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    # by hand: the template over each row's offered tools, then the loader's rule (keep the end)
+    tok = load_tokenizer(str(assets.policy("llama")))
+    limit = cfg["data"]["max_prompt_length"]
+    ids = [
+        tok(f"7 {' '.join(o or ['add', 'table'])} 8 {p} 9 ")["input_ids"]
+        for p, o in zip(texts, offered)
+    ]
+    assert 0 < sum(len(i) > limit for i in ids) < len(ids)  # some rows only: the test can tell
+    [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["data/prompts_truncated"] == sum(len(i) > limit for i in ids)
+    want = {tok.decode(i[-limit:], skip_special_tokens=False) for i in ids}
+    sampled = {s["prompt"] for s in read_jsonl(tmp_path / "run" / "samples.jsonl")}
+    assert sampled and sampled <= want
 
 
 def _scripted(monkeypatch, tok):
