@@ -203,15 +203,16 @@ def render_prompt(record: dict, tokenizer, where: str, tools: RowTools | None = 
     bad column is found where it is. ``where`` (``file:line``) prefixes every error.
     """
     context = prompt_context(record, where)
-    if tools is None:
-        schemas = check_tools(record, where)
-    else:
+    schemas = None
+    if tools is not None:
         try:
             schemas = tools(record)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
     if isinstance(context, str):
-        return context
+        return context  # a text prompt's tools column is data (a single-turn run checks nothing)
+    if tools is None:
+        schemas = check_tools(record, where)
     return apply_template(context, tokenizer, where, tools=schemas)
 
 

@@ -103,7 +103,10 @@ def test_a_conversational_prompt_is_loaded_with_the_tools_its_row_offers(tmp_pat
     cut = load_prompts(str(path), tok, max_length=10, tools=row_schemas(TOOLS))
     assert cut.truncated == 3
     assert cut.token_ids[0] == tok(want[0], add_special_tokens=False)["input_ids"][-10:]
-    # a single-turn run reads the column as the template's schemas: names are refused there
+    # a single-turn run: a text row's column is only data; a conversational row's must be schemas
+    text_only = tmp_path / "text.jsonl"
+    write_jsonl(text_only, [{"prompt": "ab", "tools": ["add"]}])
+    assert load_prompts(str(text_only), tok, max_length=64).texts == ["ab"]
     with pytest.raises(DataError, match=r"p\.jsonl:1: field 'tools' must be a list of objects"):
         load_prompts(str(path), tok, max_length=64)
 
