@@ -14,9 +14,11 @@ by reference (a module-level function) only if spawn were used — with fork any
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import traceback
@@ -29,6 +31,9 @@ class RankFailed(AssertionError):
 
 def _child(rank: int, world: int, store: str, out: str, timeout_s: float, fn, args, kwargs) -> None:
     code = 0
+    # a rank that dies of a signal (a crash in native code) leaves its stack here for the parent
+    faults = open(out + ".faults", "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(file=faults, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -67,6 +72,22 @@ def _child(rank: int, world: int, store: str, out: str, timeout_s: float, fn, ar
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _no_result(exitcode: int | None, faults: str) -> str:
+    """Why a rank left no result: its exit code (a signal by name) and, where it crashed, the stack
+    faulthandler wrote."""
+    how = f"exit code {exitcode}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            how += f", {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    try:
+        stack = Path(faults).read_text().strip()
+    except OSError:
+        stack = ""
+    return f"no result (killed or hung; {how})" + (f"\n{stack}" if stack else "")
 
 
 def run_ranks(
@@ -114,7 +135,7 @@ def run_ranks(
                 with open(outs[r], "rb") as fh:
                     results.append(pickle.load(fh))
             except FileNotFoundError:
-                results.append(("error", "no result (killed or hung)"))
+                results.append(("error", _no_result(procs[r].exitcode, outs[r] + ".faults")))
     if hung and not expect_failure:
         raise RankFailed(f"ranks {hung} did not finish within {timeout_s} s")
     if expect_failure:
