@@ -178,9 +178,7 @@ class Environments:
     def tools_of(self, slot: int) -> dict[str, Callable]:
         """The tools trajectory ``slot`` may call: those its row's ``tools`` column names
         (:func:`offered_tools`, read in :meth:`reset`), or every tool when it names none."""
-        names = self._offered.get(slot)
-        tools = self.tools
-        return tools if names is None else {n: tools[n] for n in names}
+        return subset(self.tools, self._offered.get(slot))
 
     def schemas(self, slot: int | None = None) -> list[dict]:
         """The tools' JSON schemas, for the chat template's ``tools=``: every tool's, or (``slot``)
@@ -338,6 +336,12 @@ def tool_methods(cls: type | None) -> dict[str, Callable]:
     return environment_tools(cls)
 
 
+def subset(tools: dict[str, Callable], names: list[str] | None) -> dict[str, Callable]:
+    """The tools a row offers: those ``names`` picks (:func:`offered_tools`, in its order), or every
+    one of ``tools`` for None."""
+    return tools if names is None else {n: tools[n] for n in names}
+
+
 def row_schemas(registered: dict[str, Callable]) -> Callable[[dict], list[dict]]:
     """For a prompt row, the JSON schemas of the tools it is offered (:func:`offered_tools`: those
     its ``tools`` column names, or every one of ``registered``) — what its chat template is given,
@@ -349,9 +353,7 @@ def row_schemas(registered: dict[str, Callable]) -> Callable[[dict], list[dict]]
         names = offered_tools(row.get("tools"), registered)
         key = None if names is None else tuple(names)
         if key not in made:
-            made[key] = tool_schemas(
-                registered if names is None else {n: registered[n] for n in names}
-            )
+            made[key] = tool_schemas(subset(registered, names))
         return made[key]
 
     return schemas
