@@ -86,13 +86,14 @@ def evaluate_policy(
 
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
     ``module:function`` spec), called as the trainers call reward functions; the default is the
-    built-in task's gold score under ``"gold"``. Per response the result holds each of those, and
+    built-in task's gold score under ``"gold"``. Per response the result holds each of those (None
+    where the function returned None: it does not apply to the row; its mean is over the rest), and
 
     * ``proxy`` — the reward model's score r_ψ(x, y) (with ``reward_model``), computed by the online
       trainers' own :class:`~proximal.rollout.scoring.Scorer`;
     * ``score`` (with ``weights``, ``{name: weight}`` over the names above) — their weighted sum, a
       run's total score when the weights are its ``model.reward_model_weight`` (as ``proxy``) and
-      ``model.reward_function_weights``;
+      ``model.reward_function_weights``, over the sources that scored the row (None: none did);
     * ``kl`` — Σ_t KL(π(·|s_t) ‖ π_ref(·|s_t)) over the response's tokens, each term exact over the
       vocabulary (the states s_t are sampled). Its expectation is the sequence KL of the
       KL-regularised objective (Ziegler et al. 2019); PPO's ``kl/seq_mean`` estimates the same
@@ -284,16 +285,21 @@ def evaluate_loaded(
         # The functions called as the trainers call them (their arguments, the time limit), their
         # scores kept in float64: a gold score's mean is exact, not float32's.
         arguments = scorer.function_arguments(r, texts, messages, columns, step, given)
-        values = call_reward_functions(
+        values, applies = call_reward_functions(
             functions, arguments, n=len(idx), step=step, timeout_s=timeout_s, dtype=torch.float64
         )
-        scored.update({k: [float(x) for x in v] for k, v in values.items()})
+        scored.update(  # None where the function does not apply to the row (it returned None)
+            {
+                k: [float(x) if a else None for x, a in zip(v.tolist(), applies[k].tolist())]
+                for k, v in values.items()
+            }
+        )
         if trajs is not None and agent.envs.has_reward:  # the environment's outcome, as in a run
             scored["env"] = [0.0 if t.failed else float(t.env_reward or 0.0) for t in trajs]
-        if weights is not None:
-            scored["score"] = [
-                sum(w * scored[k][j] for k, w in weights.items()) for j in range(len(idx))
-            ]
+        if (
+            weights is not None
+        ):  # over the sources that scored the row, as a run's total; None: none
+            scored["score"] = [_weighted(scored, weights, j) for j in range(len(idx))]
         kl = _sequence_kl(actor, reference, r)
         for j, completion in enumerate(completions):
             rows.append(
@@ -310,7 +316,7 @@ def evaluate_loaded(
     keys = [*scored, *(["kl"] if reference is not None else []), "length", "eos"]
     if agent is not None:
         keys += AGENT_COLUMNS
-    mean = {k: sum(float(row[k]) for row in rows) / len(rows) for k in keys}
+    mean = {k: _mean([row[k] for row in rows]) for k in keys}
     return {
         "n": len(rows),
         "samples_per_prompt": samples_per_prompt,
@@ -318,6 +324,18 @@ def evaluate_loaded(
         "mean": mean,
         "rows": rows,
     }
+
+
+def _weighted(scored: dict[str, list], weights: dict[str, float], j: int) -> float | None:
+    """Row ``j``'s weighted sum over the sources that scored it (None: no source did)."""
+    parts = [(w, scored[k][j]) for k, w in weights.items() if scored[k][j] is not None]
+    return sum(w * x for w, x in parts) if parts else None
+
+
+def _mean(values: list) -> float:
+    """The mean over the rows that have a value (a score function's None left out); NaN for none."""
+    have = [float(v) for v in values if v is not None]
+    return sum(have) / len(have) if have else float("nan")
 
 
 def _trajectories(

@@ -136,7 +136,8 @@ def write_samples(
                 "prompt": prompts[i],
                 "response": completions[i],
                 "score": float(scores[i]),
-                **{f"score/{k}": float(v[i]) for k, v in components.items()},
+                # null: a reward function that returned None (does not apply to the row)
+                **{f"score/{k}": _plain(float(v[i])) for k, v in components.items()},
                 **(extra[i] if extra is not None else {}),
             }
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -139,7 +139,8 @@ def collect(
 def finite_rows(
     scores: torch.Tensor, prompts: list[str], *, step: int, policy: str, device: torch.device
 ) -> torch.Tensor:
-    """(B,) bool: which scores are finite. With ``policy='error'`` a non-finite score on any rank stops
+    """(B,) bool: which scores are finite (a row no reward function scored has none: NaN). With
+    ``policy='error'`` a non-finite score on any rank stops
     every rank (FloatingPointError); with 'skip' the rows are masked out of training (kept, so every
     rank runs the same passes) — unless no row of the whole batch is left."""
     finite = torch.isfinite(scores)
@@ -153,5 +154,8 @@ def finite_rows(
         )
         raise FloatingPointError(f"step {step}: {where} (set rollout.nonfinite_scores: skip)")
     if dist.global_sum(int(finite.sum()), device) == 0:
-        raise FloatingPointError(f"step {step}: every score in the batch is non-finite")
+        raise FloatingPointError(
+            f"step {step}: every score in the batch is non-finite (NaN or infinite, or no reward "
+            "function scored the row: each returned None)"
+        )
     return finite

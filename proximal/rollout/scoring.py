@@ -41,7 +41,9 @@ import inspect
 import numbers
 import os
 import sys
+import sysconfig
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ BACKSTOP_S = 5.0
 #: The exit status of a run whose reward function outlived its limit: a training failure, as a lost
 #: process is (the input may be fine: a service the verifier calls may be down).
 EXIT_TIMEOUT = 1
+NAN = float("nan")
 
 
 class RewardFunctionError(ValueError):
@@ -260,18 +263,21 @@ def call_reward_functions(
     step: int | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
-    """Each function's (n,) scores, by name, in order: float32 as the trainers add them up, or
-    ``dtype`` (the held-out evaluations keep float64, the functions' own Python floats).
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(scores, scored)``: each function's (n,) scores, by name, in order — float32 as the trainers
+    add them up, or ``dtype`` (the held-out evaluations keep float64, the functions' own Python
+    floats) — and its (n,) bool mask of the completions it scored.
 
     ``values`` — every argument proximal offers (:data:`PASSED` and the columns, each a list of ``n``
     where it is per completion); each function gets what its signature takes. Synchronous functions
     run one after another, each under ``timeout_s``; the awaitables of async ones are then awaited
-    together, under ``timeout_s`` as a whole. NaN is allowed (the trainer's
-    ``rollout.nonfinite_scores`` decides); anything else than one real number per completion, an
-    exception or a missing argument is a RewardFunctionError naming the function and the step."""
+    together, under ``timeout_s`` as a whole. ``None`` for a completion means the function does not
+    apply to it (TRL's convention): its score there is NaN and ``scored`` False. NaN is allowed (the
+    trainer's ``rollout.nonfinite_scores`` decides; ``scored`` True); anything else than one real
+    number or None per completion, an exception or a missing argument is a RewardFunctionError naming
+    the function and the step (an exception: and the line of the user's code it came from)."""
     at = f" at step {step}" if step is not None else ""
-    scores: dict[str, torch.Tensor] = {}
+    scores: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     pending: list[tuple[str, Any]] = []
     for name, fn in functions.items():
         call = _call_of(fn)
@@ -286,9 +292,7 @@ def call_reward_functions(
             try:
                 out = fn(*args, **kwargs)
             except Exception as e:  # the user's code: report it as theirs, in one line
-                raise RewardFunctionError(
-                    f"reward function {name!r}{at} raised {type(e).__name__}: {e}"
-                ) from e
+                raise RewardFunctionError(_raised(name, at, e)) from e
         if inspect.isawaitable(out):
             pending.append((name, out))
         else:
@@ -296,11 +300,12 @@ def call_reward_functions(
     if pending:
         for (name, _), out in zip(pending, _await_together(pending, step, timeout_s)):
             if isinstance(out, Exception):
-                raise RewardFunctionError(
-                    f"reward function {name!r}{at} raised {type(out).__name__}: {out}"
-                ) from out
+                raise RewardFunctionError(_raised(name, at, out)) from out
             scores[name] = _as_scores(name, out, n, at, dtype)
-    return {name: scores[name] for name in functions}
+    return (
+        {name: scores[name][0] for name in functions},
+        {name: scores[name][1] for name in functions},
+    )
 
 
 def call_reward_function(
@@ -314,22 +319,25 @@ def call_reward_function(
     **arguments: Any,
 ) -> torch.Tensor:
     """One function on ``prompts`` and ``completions`` (and any other ``arguments``: columns,
-    ``completion_ids``) as a (B,) float32 tensor: :func:`call_reward_functions` for one."""
+    ``completion_ids``) as a (B,) float32 tensor (NaN where it returned None):
+    :func:`call_reward_functions` for one."""
     values = {"prompts": prompts, "completions": completions, **arguments}
     values |= {"step": step, "trainer_state": TrainerState(step)}
-    return call_reward_functions(
+    scores, _ = call_reward_functions(
         {name: fn}, values, n=len(completions), step=step, timeout_s=timeout_s
-    )[name]
+    )
+    return scores[name]
 
 
 def _as_scores(
     name: str, values: Any, n: int, at: str, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores, scored)`` of one function's result: NaN and False where it returned None."""
     where = f"reward function {name!r}{at}"
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RewardFunctionError(
             f"{where} returned {type(values).__name__} {values!r:.60}; it must return a "
-            f"list of {n} numbers, one per completion"
+            f"list of {n} numbers, one per completion (None where it does not apply)"
         )
     values = list(values.tolist() if hasattr(values, "tolist") else values)
     if len(values) != n:
@@ -340,14 +348,71 @@ def _as_scores(
     bad = [
         (i, v)
         for i, v in enumerate(values)
-        if isinstance(v, bool) or not isinstance(v, numbers.Real)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real))
     ]
     if bad:
         i, v = bad[0]
         raise RewardFunctionError(
-            f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60}"
+            f"{where} returned a non-number at position {i}: {type(v).__name__} {v!r:.60} "
+            "(a number, or None where the function does not apply)"
         )
-    return torch.tensor([float(v) for v in values], dtype=dtype)
+    scored = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    return torch.tensor([NAN if v is None else float(v) for v in values], dtype=dtype), scored
+
+
+def _raised(name: str, at: str, error: BaseException) -> str:
+    """The one line for a function that raised: its name, the step, the exception and where in the
+    user's code it was raised (:func:`user_frame`)."""
+    frame = user_frame(error)
+    return f"reward function {name!r}{at} raised {type(error).__name__}: {error}" + (
+        f" ({frame})" if frame else ""
+    )
+
+
+#: Where proximal's own modules live: frames under it are not the user's.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Where Python's standard library and installed packages live: a frame there is the user's only
+#: when no frame of theirs is elsewhere (a function of an installed package).
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.abspath(p)
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(k))
+    }
+)
+
+
+def user_frame(error: BaseException) -> str | None:
+    """``file:line in function`` of the last frame of ``error``'s traceback in the user's code: the
+    last outside proximal and Python's own libraries (the line of theirs that called a library that
+    raised), else the last outside proximal; None when every frame is proximal's. The file is given
+    relative to the working directory when it lies under it."""
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not _under(f.filename, (_PACKAGE_DIR,))
+    ]
+    if not frames:
+        return None
+    own = [
+        f
+        for f in frames
+        if not _under(f.filename, _LIBRARY_DIRS) and not f.filename.startswith("<")
+    ]
+    f = (own or frames)[-1]
+    path = f.filename
+    try:
+        relative = os.path.relpath(path)
+        if not relative.startswith(".."):
+            path = relative
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{path}:{f.lineno} in {f.name}"
+
+
+def _under(path: str, dirs: Sequence[str]) -> bool:
+    path = os.path.abspath(path)
+    return any(path == d or path.startswith(d + os.sep) for d in dirs)
 
 
 class _Loop:
@@ -575,7 +640,8 @@ class Scorer:
         step: int | None = None,
         completions: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Total score (B,) float32 and each component (B,) by name ("reward_model", function names).
+        """Total score (B,) float32 and each component (B,) by name ("reward_model", function names;
+        NaN where a function returned None — :func:`score_metrics` reads them).
 
         ``prompts``: the rendered prompt texts; ``messages``: each row's messages (None for a text
         prompt); ``columns``: each row's other fields, handed to the reward functions as keywords;
@@ -598,13 +664,37 @@ class Scorer:
             values = self.function_arguments(
                 rollout, list(prompts), messages, columns, step, completions
             )
-            scored = call_reward_functions(
+            scores, scored = call_reward_functions(
                 self.functions, values, n=len(rollout), step=step, timeout_s=self.timeout_s
             )
-            for name, score in scored.items():
+            # TRL's rule: a row's total is the weighted sum over the functions that scored it (None:
+            # does not apply); a NaN a function returned stays NaN. A row that no source scored has
+            # no score (NaN: rollout.nonfinite_scores decides, where TRL would train on 0).
+            anyone = torch.zeros(len(rollout), dtype=torch.bool, device=device)
+            for name, score in scores.items():
                 components[name] = score.to(device)
-                total = total + self.function_weights[name] * components[name]
+                ok = scored[name].to(device)
+                total = total + torch.where(ok, self.function_weights[name] * components[name], 0.0)
+                anyone = anyone | ok
+            if self.reward_model is None:
+                total = torch.where(anyone, total, NAN)
         return total, components
+
+
+def score_metrics(
+    components: Mapping[str, torch.Tensor], valid: torch.Tensor, functions: Sequence[str] = ()
+) -> dict[str, float]:
+    """``score/<name>``: each component's mean over the rows trained on (``valid``: a finite total)
+    that it scored, over every process; and for each reward function of ``functions``
+    ``score/<name>_count``, how many rows that is. (On a row with a finite total every component
+    that scored it is finite, so a non-finite component there is one that returned None.)"""
+    metrics: dict[str, float] = {}
+    for name, values in components.items():
+        w = (valid & torch.isfinite(values)).float()
+        metrics[f"score/{name}"] = dist.global_mean(values, w)
+        if name in functions:
+            metrics[f"score/{name}_count"] = int(dist.global_sum(w.sum(), w.device))
+    return metrics
 
 
 def build_scorer(

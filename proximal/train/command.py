@@ -7,15 +7,18 @@ mistake (bad config, bad data, a model that cannot load, a damaged checkpoint, a
 that fails) is one line on stderr and exit status 2, with no traceback; a training failure (a
 non-finite loss or score, a checkpoint the disk had no room for) exit status 1; a run stopped by
 SIGTERM or SIGUSR1 after writing its checkpoint (pre-emption, :mod:`proximal.train.signals`) exit
-status 75, by Ctrl-C 130; a bug is a traceback, as it should be.
+status 75, by Ctrl-C 130; a bug is a traceback, as it should be. ``PROXIMAL_TRACEBACK=1`` prints the
+whole traceback (every chained exception) before the one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,17 @@ TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveErro
 #: (training failed), 2 (bad input) and 130 (Ctrl-C, 128 + SIGINT), and not 143 (128 + SIGTERM),
 #: which shells and schedulers read as "killed by SIGTERM", a failure.
 EXIT_OK, EXIT_TRAINING, EXIT_USER, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
+
+#: The environment variable that makes a one-line error print its whole traceback first (any value
+#: but empty or 0): docs/errors.md, "The whole traceback".
+TRACEBACK_ENV = "PROXIMAL_TRACEBACK"
+
+
+def print_traceback(error: BaseException) -> None:
+    """With ``PROXIMAL_TRACEBACK`` set, ``error``'s traceback and its chain on stderr (else nothing)."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -116,6 +130,7 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
             )
         else:
             message = str(e)
+        print_traceback(e)
         say(prog, message)
         return code, None
 
@@ -228,6 +243,7 @@ def config_command(
             cfg = load_config(config_cls, config_path, overrides)
     except ConfigError as e:
         if dist.launched_rank() == 0:
+            print_traceback(e)
             print(f"proximal {prog}: {e}", file=sys.stderr)
         return EXIT_USER
 

@@ -64,7 +64,7 @@ from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logprobs
-from proximal.rollout.scoring import build_scorer
+from proximal.rollout.scoring import build_scorer, score_metrics
 from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
@@ -341,7 +341,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         metrics = {
             "score/mean": dist.global_mean(got.scores, w),
             "score/std": float(exp.scores[scored].double().std()) if int(scored.sum()) > 1 else 0.0,
-            **{f"score/{k}": dist.global_mean(v, w) for k, v in got.components.items()},
+            **score_metrics(got.components, got.valid, list(models.scorer.functions)),
             "data/uniform_group_frac": float(uniform.float().mean()),
             "data/trained_frac": float(exp.valid.float().mean()),
             **update.pop("stats"),

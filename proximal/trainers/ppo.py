@@ -66,7 +66,7 @@ from proximal.rollout.collect import collect, load_inputs
 from proximal.rollout.engine import HFEngine, row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
 from proximal.rollout.sampling import response_logprobs
-from proximal.rollout.scoring import build_scorer, same_tokenizer
+from proximal.rollout.scoring import build_scorer, same_tokenizer, score_metrics
 from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
@@ -377,7 +377,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         gen_tokens = dist.global_sum(lengths.sum())
         metrics = {
             "score/mean": dist.global_mean(scores, w),
-            **{f"score/{k}": dist.global_mean(v, w) for k, v in got.components.items()},
+            **score_metrics(got.components, valid, list(models.scorer.functions)),
             "reward/total_mean": dist.global_mean(rewards.sum(1), w),
             "kl/seq_mean": seq_kl,
             "kl/beta": beta_used,

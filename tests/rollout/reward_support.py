@@ -47,3 +47,15 @@ def sleep_at_step_2(prompts, completions, **kwargs):
         (Path(os.environ[ENV]) / "hang_started").write_text(repr(time.time()))
         time.sleep(120)
     return [0.0 for _ in completions]
+
+
+def math_reward(prompts, completions, task, **kwargs):
+    """TRL's multi-task pattern: scores the ``task: math`` rows (1 when the completion holds an 'a'),
+    None on the others — it does not apply to them."""
+    return [float("a" in c) if t == "math" else None for c, t in zip(completions, task)]
+
+
+def code_reward(prompts, completions, task, **kwargs):
+    """The other task's function: scores the ``task: code`` rows (the completion's length), None on
+    the math rows."""
+    return [float(len(c)) if t == "code" else None for c, t in zip(completions, task)]

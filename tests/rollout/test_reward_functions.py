@@ -192,9 +192,11 @@ def test_async_functions_are_awaited_together(tok):
     async def broken(prompts, completions):
         raise KeyError("no such answer")
 
+    line = broken.__code__.co_firstlineno + 1  # the raise, in the coroutine's own frame
     with pytest.raises(
         RewardFunctionError,
-        match=r"^reward function 'broken' at step 4 raised KeyError: 'no such answer'$",
+        match=r"^reward function 'broken' at step 4 raised KeyError: 'no such answer' "
+        rf"\(\S*test_reward_functions\.py:{line} in broken\)$",
     ):
         Scorer(tok, functions={"broken": broken})(rollout, ["a 1", "b 2"], step=4)
 
