@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from proximal.agents.env import Environments, as_messages
-from proximal.data.chat import apply_template, encode_prompt
+from proximal.data.chat import apply_template, content_of, encode_prompt
 from proximal.data.collate import pad_left, pad_right
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
 from proximal.rollout.sampling import Rollout
@@ -170,7 +170,7 @@ def first_prompt(tokenizer, prompt_ids: list[int], messages: list[dict] | None, 
         if isinstance(observation, str)
         else "".join(m["content"] for m in as_messages(observation))
     )
-    last = {**messages[-1], "content": messages[-1]["content"] + extra}
+    last = {**messages[-1], "content": content_of(messages[-1]) + extra}
     text = apply_template(messages[:-1] + [last], tokenizer, "reset", tools=tools)
     return encode_prompt(text, tokenizer)
 

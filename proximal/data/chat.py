@@ -45,6 +45,7 @@ lists, ``{"messages"}`` a conversation, and an optional ``tools`` list handed to
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -116,32 +117,111 @@ def check_tools(record: dict, where: str) -> list[dict] | None:
     return tools
 
 
+#: A tool call as OpenAI and TRL write it, for the messages naming a malformed one.
+TOOL_CALL_SHAPE = (
+    '{"type": "function", "function": {"name": str, "arguments": object or JSON string}}'
+)
+
+
 def check_messages(value: Any, where: str, field: str = "messages") -> list[dict]:
-    """``value`` as a non-empty list of ``{"role": str, "content": str}``; DataError naming ``where`` otherwise."""
+    """``value`` as a non-empty list of ``{"role": str, "content": str}``; DataError naming ``where``
+    otherwise. An assistant turn that calls tools, as OpenAI and TRL write it, has ``tool_calls``
+    (:func:`check_tool_calls`) and may have ``content`` None or none at all. Returns the messages
+    with each call's ``arguments`` as an object (a JSON string parsed), as chat templates take them;
+    the list itself when nothing needed parsing."""
     if not isinstance(value, list) or not value:
         raise DataError(
             f"{where}: field {field!r} must be a non-empty list of messages, "
             f"got {type(value).__name__} {value!r:.60}"
         )
+    out = value
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise DataError(
                 f"{where}: {field}[{i}] must be an object with 'role' and 'content', "
                 f"got {type(m).__name__} {m!r:.60}"
             )
+        calls = m.get("tool_calls")
         for key in ("role", "content"):
+            if key == "content" and calls is not None and m.get(key) is None:
+                continue  # a turn that only calls tools: content null or absent
             if key not in m:
                 raise DataError(f"{where}: {field}[{i}] is missing {key!r}")
             if not isinstance(m[key], str):
                 raise DataError(
                     f"{where}: {field}[{i}].{key} must be a string, got "
                     f"{type(m[key]).__name__} {m[key]!r:.60}"
+                    + (" (null only beside tool_calls)" if m[key] is None else "")
                 )
         if m["role"] not in ROLES:
             raise DataError(
                 f"{where}: {field}[{i}].role is {m['role']!r}; expected one of {', '.join(ROLES)}"
             )
-    return value
+        if calls is not None:
+            if m["role"] != "assistant":
+                raise DataError(
+                    f"{where}: {field}[{i}] has tool_calls but role {m['role']!r}; only an "
+                    "assistant turn calls tools"
+                )
+            checked = check_tool_calls(calls, where, f"{field}[{i}].tool_calls")
+            if checked is not calls:
+                if out is value:
+                    out = list(value)
+                out[i] = {**m, "tool_calls": checked}
+    return out
+
+
+def check_tool_calls(calls: Any, where: str, field: str) -> list[dict]:
+    """An assistant turn's ``tool_calls`` in OpenAI's and TRL's form, ``[{"type": "function",
+    "function": {"name": str, "arguments": {...}}}]`` (``type`` may be left out; other keys such as
+    ``id`` are kept). ``arguments`` may be an object or, as OpenAI's API writes it, a string holding
+    one: the result has it as the object (what transformers' chat templates take; the list itself
+    when every one already was). DataError naming ``where`` and the call otherwise."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(
+            f"{where}: {field} must be a non-empty list of calls {TOOL_CALL_SHAPE}, got "
+            f"{type(calls).__name__} {calls!r:.60}"
+        )
+    out = calls
+    for j, call in enumerate(calls):
+        at = f"{field}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise DataError(f"{where}: {at} must be {TOOL_CALL_SHAPE}, got {call!r:.80}")
+        if call.get("type", "function") != "function":
+            raise DataError(f"{where}: {at}.type is {call['type']!r}; expected 'function'")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise DataError(
+                f"{where}: {at}.function.name must be a non-empty string, got "
+                f"{type(name).__name__} {name!r:.60}"
+            )
+        if "arguments" not in fn:
+            raise DataError(f"{where}: {at}.function (the call of {name!r}) is missing 'arguments'")
+        arguments = fn["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{where}: {at}.function.arguments (the call of {name!r}) is a string but not "
+                    f"valid JSON ({e.msg} at column {e.colno}): {fn['arguments']!r:.60}"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise DataError(
+                f"{where}: {at}.function.arguments (the call of {name!r}) must be an object (or a "
+                f"JSON string of one), got {type(arguments).__name__} {arguments!r:.60}"
+            )
+        if arguments is not fn["arguments"]:
+            if out is calls:
+                out = list(calls)
+            out[j] = {**call, "function": {**fn, "arguments": arguments}}
+    return out
+
+
+def content_of(message: dict) -> str:
+    """A message's text: its content, "" for a turn that only calls tools (content null or absent)."""
+    return message.get("content") or ""
 
 
 def apply_template(
@@ -151,9 +231,13 @@ def apply_template(
     *,
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    check_calls: bool = False,
 ) -> str:
     """The chat template over ``messages`` (and ``tools``), by default followed by the assistant-turn
-    opener (generation prompt)."""
+    opener (generation prompt). An assistant turn's ``tool_calls`` go to the template as they are
+    (checked by :func:`check_messages`: arguments as objects). ``check_calls`` (the data loaders'
+    renderings of a row): a template that leaves them out of its text is refused (DataError), rather
+    than training on or answering a conversation whose calls vanished."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             f"{where}: the record uses chat messages, but the tokenizer "
@@ -167,7 +251,36 @@ def apply_template(
     )
     if not isinstance(text, str):  # defensive: some versions return a list for a batch of one
         text = text[0]
+    calls = [i for i, m in enumerate(messages) if m.get("tool_calls")] if check_calls else []
+    if calls:
+        _check_calls_rendered(
+            messages, calls, text, tokenizer, where, add_generation_prompt, kwargs
+        )
     return text
+
+
+def _check_calls_rendered(
+    messages: list[dict], calls: list[int], text: str, tokenizer, where: str, gen: bool, kwargs
+) -> None:
+    """DataError unless the template's text changes when the ``calls`` turns lose their tool_calls
+    (a template that ignores them would drop the calls without a word)."""
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    try:
+        without = tokenizer.apply_chat_template(
+            bare, tokenize=False, add_generation_prompt=gen, **kwargs
+        )
+    except Exception:  # noqa: BLE001 - a template that needs the calls renders them
+        return
+    if not isinstance(without, str):
+        without = without[0]
+    if without == text:
+        i = calls[0]
+        name = messages[i]["tool_calls"][0]["function"]["name"]
+        raise DataError(
+            f"{where}: turn {i} calls the tool {name!r}, but the chat template of the tokenizer "
+            f"({getattr(tokenizer, 'name_or_path', '?') or '?'}) does not render tool_calls; give a "
+            "template that does (model.chat_template)"
+        )
 
 
 def prompt_context(record: dict, where: str) -> str | list[dict]:
@@ -213,7 +326,7 @@ def render_prompt(record: dict, tokenizer, where: str, tools: RowTools | None = 
         return context  # a text prompt's tools column is data (a single-turn run checks nothing)
     if tools is None:
         schemas = check_tools(record, where)
-    return apply_template(context, tokenizer, where, tools=schemas)
+    return apply_template(context, tokenizer, where, tools=schemas, check_calls=True)
 
 
 def split_conversation(
@@ -228,9 +341,22 @@ def split_conversation(
     The prompt is the template over all earlier turns with the generation prompt; the response is the
     last turn's content.
     """
-    check_messages(messages, where, field)
+    messages = check_messages(messages, where, field)
     check_ends_with_reply(messages, where, f"the last message of {field!r}", repr(field))
-    return apply_template(messages[:-1], tokenizer, where, tools=tools), messages[-1]["content"]
+    check_reply_text(messages[-1], where, f"the last message of {field!r}")
+    prompt = apply_template(messages[:-1], tokenizer, where, tools=tools, check_calls=True)
+    return prompt, messages[-1]["content"]
+
+
+def check_reply_text(message: dict, where: str, what: str) -> None:
+    """DataError unless ``message`` (a response taken as its content alone: the prompt/response
+    layout) has text content: a turn that only calls tools has none to train or compare."""
+    if message.get("content") is None:
+        raise DataError(
+            f"{where}: {what} only calls tools (content null), and this layout takes the response "
+            "as the last turn's content; end with a text reply, or for SFT set "
+            "data.loss_on: all_assistant (the template renders the calls)"
+        )
 
 
 def check_ends_with_reply(messages: list[dict], where: str, last: str, whole: str) -> None:
@@ -332,7 +458,11 @@ def render_pair(record: dict, tokenizer, where: str) -> tuple[str, str]:
     if kind == "conversation":
         return split_conversation(a, tokenizer, where, tools=b)
     tools = check_tools(record, where)
-    prompt = a if isinstance(a, str) else apply_template(a, tokenizer, where, tools=tools)
+    prompt = (
+        a
+        if isinstance(a, str)
+        else apply_template(a, tokenizer, where, tools=tools, check_calls=True)
+    )
     return prompt, b
 
 
@@ -365,7 +495,9 @@ def turn_spans(
     a template's ``{% generation %}`` marks are looked for. Raises DataError when a prefix's rendering
     is not a prefix of the whole.
     """
-    full = apply_template(messages, tokenizer, where, tools=tools, add_generation_prompt=False)
+    full = apply_template(
+        messages, tokenizer, where, tools=tools, add_generation_prompt=False, check_calls=True
+    )
     spans = []
     for i in turns:
         opened = (
@@ -420,7 +552,9 @@ def conversation_tokens(
     markers = turns is not None and has_generation_markers(tokenizer)
     every_assistant = turns == [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turns is None or (markers and every_assistant):
-        full = apply_template(messages, tokenizer, where, tools=tools, add_generation_prompt=False)
+        full = apply_template(
+            messages, tokenizer, where, tools=tools, add_generation_prompt=False, check_calls=True
+        )
         spans = [(0, len(full))]
     else:
         full, spans = turn_spans(messages, turns, tokenizer, where, tools, whole=markers)

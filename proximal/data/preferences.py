@@ -37,6 +37,7 @@ import torch
 from proximal.data.chat import (
     apply_template,
     check_messages,
+    check_reply_text,
     check_tools,
     encode_prompt,
     encode_response,
@@ -119,12 +120,14 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
     context = prompt_context(record, where) if has_context else []
     if isinstance(chosen, list):
         for key, turns in sides.items():
-            check_messages(turns, where, key)
+            sides[key] = turns = check_messages(turns, where, key)
             if turns[-1]["role"] != "assistant":
                 raise DataError(
                     f"{where}: the last message of {key!r} must be the assistant's response, "
                     f"got role {turns[-1]['role']!r}"
                 )
+            check_reply_text(turns[-1], where, f"the last message of {key!r}")
+        chosen, rejected = sides["chosen"], sides["rejected"]
         if chosen[:-1] != rejected[:-1]:
             raise DataError(
                 f"{where}: 'chosen' and 'rejected' must share every turn but the last "
@@ -144,7 +147,9 @@ def render_preference(record: dict, tokenizer, where: str) -> tuple[str, str, st
                 f"{where}: missing field 'prompt' (or 'messages') "
                 f"(fields present: {', '.join(sorted(record))})"
             )
-        context = apply_template(context, tokenizer, where, tools=check_tools(record, where))
+        context = apply_template(
+            context, tokenizer, where, tools=check_tools(record, where), check_calls=True
+        )
     return context, chosen, rejected
 
 

@@ -179,7 +179,12 @@ def _ptx_text(record: dict, key: str, where: str, tokenizer) -> str:
     if tokenizer is None:
         raise DataError(f"{where}: a conversation row needs a tokenizer to render it")
     text = apply_template(
-        messages, tokenizer, where, tools=check_tools(record, where), add_generation_prompt=False
+        messages,
+        tokenizer,
+        where,
+        tools=check_tools(record, where),
+        add_generation_prompt=False,
+        check_calls=True,
     )
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
