@@ -247,7 +247,13 @@ def agent_collect(
         trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)
     ]
     scores, components = scorer(
-        rollout, texts, messages, columns=columns, step=step, completions=completions
+        rollout,
+        texts,
+        messages,
+        columns=columns,
+        step=step,
+        completions=completions,
+        scored_elsewhere=envs.has_reward,  # the environment's reward scores every row
     )
     if envs.has_reward:
         env = torch.tensor(

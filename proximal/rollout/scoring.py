@@ -639,9 +639,12 @@ class Scorer:
         columns: Sequence[Mapping[str, Any]] | None = None,
         step: int | None = None,
         completions: list | None = None,
+        scored_elsewhere: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total score (B,) float32 and each component (B,) by name ("reward_model", function names;
-        NaN where a function returned None — :func:`score_metrics` reads them).
+        NaN where a function returned None — :func:`score_metrics` reads them). A row that no source
+        scored has a NaN total, unless ``scored_elsewhere`` (another source the caller adds, an
+        environment's reward, scores every row: the functions' part is then 0).
 
         ``prompts``: the rendered prompt texts; ``messages``: each row's messages (None for a text
         prompt); ``columns``: each row's other fields, handed to the reward functions as keywords;
@@ -676,7 +679,7 @@ class Scorer:
                 ok = scored[name].to(device)
                 total = total + torch.where(ok, self.function_weights[name] * components[name], 0.0)
                 anyone = anyone | ok
-            if self.reward_model is None:
+            if self.reward_model is None and not scored_elsewhere:
                 total = torch.where(anyone, total, NAN)
         return total, components
 

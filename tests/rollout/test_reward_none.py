@@ -90,6 +90,16 @@ def test_a_row_no_function_scores_follows_nonfinite_scores(tok):
         finite_rows(only, ["p0", "p1"], step=3, policy="skip", device=cpu)
 
 
+def test_an_environments_reward_scores_the_rows_no_function_scored(tok):
+    """In an agent run with an environment's reward (added by the caller), a row no function scored
+    is scored: the functions' part of its total is 0, not NaN."""
+    rollout = _rollout(tok, ["a 1"] * 2, [("a", True), ("b", True)])
+    scorer = Scorer(tok, functions={"math": math_reward})
+    columns = [{"task": "math"}, {"task": "code"}]
+    total, _ = scorer(rollout, ["a 1"] * 2, columns=columns, step=1, scored_elsewhere=True)
+    assert total.tolist() == [1.0, 0.0]
+
+
 def test_none_mixed_with_nan(tok):
     """A NaN is a non-finite score even where another function scored the row; a None beside a
     number leaves the number. The metrics count only trained rows a function scored."""
