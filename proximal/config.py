@@ -13,6 +13,7 @@ loading (unknown keys, wrong types, failed ``validate()`` checks) are reported t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -184,6 +185,72 @@ def python_objects(cfg: Any, prefix: str = "") -> list[str]:
             for text in texts
             if isinstance(text, str) and text.startswith(PLACEHOLDER)
         ]
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# Local paths that do not exist
+# ----------------------------------------------------------------------------------------------
+
+
+def could_be_local(path: str) -> bool:
+    """Whether ``path``, which does not exist, was meant as a local path rather than a hub id or a
+    data set name: it starts with ``.``, ``/`` or ``~``, has more than one ``/`` (a hub id has one),
+    or its first component is a directory here (``runs/stf`` where ``runs/`` exists: a typo of
+    ``runs/sft``, not the hub's user ``runs``)."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return True
+    first, sep, _ = path.partition("/")
+    return bool(sep) and Path(first).is_dir()
+
+
+def missing_path(path: str, what: str = "directory") -> str:
+    """``no directory runs/stf (did you mean runs/sft?)``: the path that does not exist, with the
+    closest existing one (:func:`close_path`) when there is one. ``what``: ``"directory"`` (a
+    checkpoint) or ``"file or directory"`` (data)."""
+    guess = close_path(path, dirs_only=what == "directory")
+    return f"no {what} {path}" + (f" (did you mean {guess}?)" if guess else "")
+
+
+def close_path(path: str, *, dirs_only: bool = False) -> str | None:
+    """The existing path closest to ``path``, which does not exist: its first missing component
+    replaced by the closest name (difflib) among the entries of its deepest existing parent
+    (``runs/stf`` → ``runs/sft``); None when no name is close."""
+    node, tail = Path(path).expanduser(), []
+    while not node.exists() and node != node.parent:
+        tail.insert(0, node.name)
+        node = node.parent
+    if not tail or not node.is_dir():
+        return None
+    dirs_only = dirs_only or len(tail) > 1
+    try:
+        names = [c.name for c in node.iterdir() if not dirs_only or c.is_dir()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(tail[0], names, n=1)
+    return str(Path(node, close[0], *tail[1:])) if close else None
+
+
+def local_path_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """``<field>: no directory runs/stf (did you mean runs/sft?)`` for every model or data path field
+    (``option(python=...)``) that names a local path that does not exist (:func:`could_be_local`):
+    found with the config, before anything loads or asks the hub."""
+    problems = []
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, where = getattr(cfg, f.name), prefix + f.name
+        if _is_section(hints[f.name]):
+            problems += local_path_problems(value, where + ".")
+        elif (
+            f.metadata.get("python")
+            and isinstance(value, str)
+            and value
+            and not value.startswith(PLACEHOLDER)
+            and could_be_local(value)
+            and not Path(value).expanduser().exists()
+        ):
+            what = "directory" if f.metadata["python"] == "model" else "file or directory"
+            problems.append(f"{where}: {missing_path(value, what)}")
     return problems
 
 
@@ -398,12 +465,23 @@ def load_config(
         _apply(cfg, data, "", errors, renamed)
     if overrides:
         _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
-    problems = python_objects(cfg)
-    errors.extend(problems)
-    if hasattr(cfg, "validate") and not problems:  # fields that failed to load kept their defaults
-        errors.extend(cfg.validate())
+    errors.extend(_problems(cfg))  # fields that failed to load kept their defaults
     raise_if_invalid(errors)
     return cfg
+
+
+def _problems(cfg: Any) -> list[str]:
+    """A loaded config's problems: objects from Python a field cannot take, else the local paths that
+    do not exist (:func:`local_path_problems`) and ``validate()``'s checks (less its own word on a
+    field already named for its path)."""
+    problems = python_objects(cfg)
+    if problems:
+        return problems
+    problems = local_path_problems(cfg)
+    named = {p.partition(":")[0] for p in problems}
+    if hasattr(cfg, "validate"):
+        problems += [e for e in cfg.validate() if e.partition(":")[0] not in named]
+    return problems
 
 
 def raise_if_invalid(errors: list[str]) -> None:
@@ -416,7 +494,7 @@ def check_valid(cfg: Any) -> None:
     """``cfg.validate()``'s problems as one ConfigError: what a trainer called with a config built in
     code (not through :func:`load_config`) checks first. Objects given from Python are wrapped
     first (:func:`python_objects`)."""
-    raise_if_invalid(python_objects(cfg) or cfg.validate())
+    raise_if_invalid(_problems(cfg))
 
 
 def to_dict(cfg: Any) -> dict:
