@@ -98,6 +98,50 @@ def source_problem(path: str, field: str) -> str | None:
     return f"{field}: {path!r} does not exist{where}"
 
 
+def same_rows(
+    path: str | Path | PythonObject,
+    split: str | None,
+    other: str | Path | PythonObject,
+    other_split: str | None,
+) -> bool:
+    """Whether two data paths, each at its split, name the same rows (read from neither): the same
+    file; the same split of a ``save_to_disk`` DatasetDict, whether given as the directory and the
+    split or as the split's own subdirectory; the same cached name and split; the same object
+    given from Python."""
+    return _identity(path, split) == _identity(other, other_split)
+
+
+def same_rows_note(path: str | Path | PythonObject, split: str | None) -> str:
+    """The line said when the held-out data is the training data (:func:`same_rows`)."""
+    splits = _saved_splits(Path(path)) if not isinstance(path, PythonObject) else []
+    others = f" (its splits: {', '.join(splits)})" if len(splits) > 1 else ""
+    return (
+        f"data.eval_file reads the very rows data.train_file reads ({path}, split "
+        f"{split or 'train'!r}): the held-out metrics measure training rows; set data.eval_split"
+        f"{others} or another data.eval_file"
+    )
+
+
+def _identity(path: str | Path | PythonObject, split: str | None) -> tuple:
+    split = split or "train"
+    if isinstance(path, PythonObject):
+        return ("python", id(path.value), split)
+    p = Path(path)
+    if not p.exists():
+        return ("name", str(path), split)
+    if p.is_dir() and (p / "dataset_dict.json").is_file():
+        return ("path", (p / split).resolve(), "train")  # a split's rows: its subdirectory's
+    return ("path", p.resolve(), split)
+
+
+def _saved_splits(p: Path) -> list[str]:
+    """The splits of a ``save_to_disk`` DatasetDict at ``p`` ([] for anything else)."""
+    try:
+        return list(json.loads((p / "dataset_dict.json").read_text())["splits"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def datasets_cache() -> Path:
     """Where ``datasets`` keeps prepared data sets: ``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``,
     else ``~/.cache/huggingface/datasets`` (read from the environment at each call, so a test or

@@ -24,7 +24,7 @@ from proximal.data.jsonl import DataError
 from proximal.data.preferences import load_preference_pairs
 from proximal.data.prompts import load_prompts, load_texts
 from proximal.data.sft import load_sft_examples
-from proximal.data.sources import read_rows
+from proximal.data.sources import read_rows, same_rows
 from proximal.logging import read_metrics
 
 datasets = pytest.importorskip("datasets")
@@ -360,3 +360,63 @@ def test_an_empty_saved_data_set_is_one_line_and_exit_status_2(assets, tmp_path,
     assert main(_argv("sft", assets, tmp_path / "e", tmp_path / "run")) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == [f"proximal sft: {tmp_path / 'e'}: no records (an empty data set)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The held-out split: data.eval_split
+# ----------------------------------------------------------------------------------------------
+
+HELD_OUT_ROWS = [{"prompt": "xy ", "response": "7"}, {"prompt": "yx ", "response": "80"}]
+
+
+def test_same_rows_knows_a_split_however_it_is_given(tmp_path):
+    d = tmp_path / "d"
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(SFT_ROWS), test=datasets.Dataset.from_list(HELD_OUT_ROWS)
+    ).save_to_disk(str(d))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
+    rows = [dict(r) for r in SFT_ROWS]
+    assert same_rows(d, None, d, None) and same_rows(d, None, d, "train")
+    assert same_rows(d, "test", d / "test", None)  # a split's subdirectory is that split
+    assert same_rows(str(d), "test", f"{tmp_path}/./d/test", "train")
+    assert not same_rows(d, None, d, "test") and not same_rows(d, None, d / "test", None)
+    assert same_rows(tmp_path / "rows.jsonl", None, tmp_path / "rows.jsonl", None)
+    same, other = (
+        PythonObject(rows, "data.train_file", "data"),
+        PythonObject(list(rows), "x", "data"),
+    )
+    assert same_rows(same, None, PythonObject(rows, "data.eval_file", "data"), None)
+    assert not same_rows(same, None, other, None)  # equal rows, another object: not known equal
+
+
+def _eval_loss(out: Path) -> float:
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0]
+    return row["eval/loss"]
+
+
+def test_eval_split_reads_the_held_out_split_and_the_same_rows_are_said(assets, tmp_path, capsys):
+    d = tmp_path / "d"
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(SFT_ROWS), test=datasets.Dataset.from_list(HELD_OUT_ROWS)
+    ).save_to_disk(str(d))
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT_ROWS))
+    note = "data.eval_file reads the very rows data.train_file reads"
+
+    def run(name, *extra):
+        capsys.readouterr()
+        assert main(_argv("sft", assets, d, tmp_path / name, *extra)) == 0
+        return _eval_loss(tmp_path / name), capsys.readouterr().out
+
+    by_split, out = run("split", "--data.eval_file", str(d), "--data.eval_split", "test")
+    assert note not in out
+    by_file, _ = run("file", "--data.eval_file", str(held_out))
+    by_subdirectory, out = run("subdirectory", "--data.eval_file", str(d / "test"))
+    assert note not in out
+    assert by_split == by_file == by_subdirectory  # the same two rows, the same weights at step 0
+    on_train, out = run("same", "--data.eval_file", str(d))
+    assert on_train != by_file
+    assert (
+        f"proximal sft: {note} ({d}, split 'train'): the held-out metrics measure training rows; "
+        "set data.eval_split (its splits: train, test) or another data.eval_file"
+    ) in out.splitlines()
