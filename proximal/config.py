@@ -365,13 +365,23 @@ def _shown(value: Any) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[str, str]) -> None:
+def _apply(
+    cfg: Any,
+    data: dict,
+    prefix: str,
+    errors: list[str],
+    renamed: dict[str, str],
+    foreign: dict[str, str],
+) -> None:
     hints = _hints(type(cfg))
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     for key, value in data.items():
         where = f"{prefix}{key}"
         if where in renamed:
             errors.append(f"{where}: no longer a field; {renamed[where]}")
+            continue
+        if key not in fields and key in foreign:
+            errors.append(f"{where}: a TRL/OpenRLHF name, not a field here; {foreign[key]}")
             continue
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -385,7 +395,7 @@ def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[s
             if not isinstance(value, dict):
                 errors.append(f"{where}: expected a section (mapping), got {value!r}")
                 continue
-            _apply(getattr(cfg, key), value, where + ".", errors, renamed)
+            _apply(getattr(cfg, key), value, where + ".", errors, renamed, foreign)
             continue
         try:
             coerced = _coerce(value, tp, where)
@@ -443,10 +453,13 @@ def load_config(
 
     Raises one ConfigError listing every problem found. A key listed in the class's ``RENAMED``
     (``{"old.path": "what to write instead"}``) is an error that names its new place, so an old config
-    file never silently loses a setting.
+    file never silently loses a setting; likewise an unknown key (at any level) listed in its
+    ``FOREIGN_NAMES`` (another library's name → where it lives here: a TRL config's
+    ``learning_rate``; :mod:`proximal.train.trl_names`).
     """
     cfg = base if base is not None else cls()
     renamed = dict(getattr(cls, "RENAMED", {}))
+    foreign = dict(getattr(cls, "FOREIGN_NAMES", {}))
     errors: list[str] = []
     if path is not None:
         p = Path(path)
@@ -462,9 +475,9 @@ def load_config(
             ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: the top level must be a mapping of sections")
-        _apply(cfg, data, "", errors, renamed)
+        _apply(cfg, data, "", errors, renamed, foreign)
     if overrides:
-        _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
+        _apply(cfg, _nest(dict(overrides)), "", errors, renamed, foreign)
     errors.extend(_problems(cfg))  # fields that failed to load kept their defaults
     raise_if_invalid(errors)
     return cfg
