@@ -78,14 +78,17 @@ def _int_arg(minimum: int):
     return parse
 
 
-def _gib_arg(text: str) -> int:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: GPU memory must be positive")
-    return int(v * GiB)
+def _gib_arg(what: str):
+    def parse(text: str) -> int:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} memory must be positive")
+        return int(v * GiB)
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=_int_arg(1), help="nodes (default: 1)")
     ap.add_argument(
         "--gpu-memory",
-        type=_gib_arg,
+        type=_gib_arg("GPU"),
         default=80 * GiB,
         metavar="GIB",
         help="memory of one GPU in GiB (default: 80)",
@@ -249,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--host-memory",
-        type=_gib_arg,
+        type=_gib_arg("host"),
         metavar="GIB",
         help="with --device cpu: the host memory in GiB to plan against (default: this machine's "
         "RAM, MemTotal in /proc/meminfo)",
