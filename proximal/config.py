@@ -13,6 +13,7 @@ loading (unknown keys, wrong types, failed ``validate()`` checks) are reported t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -188,6 +189,72 @@ def python_objects(cfg: Any, prefix: str = "") -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Local paths that do not exist
+# ----------------------------------------------------------------------------------------------
+
+
+def could_be_local(path: str) -> bool:
+    """Whether ``path``, which does not exist, was meant as a local path rather than a hub id or a
+    data set name: it starts with ``.``, ``/`` or ``~``, has more than one ``/`` (a hub id has one),
+    or its first component is a directory here (``runs/stf`` where ``runs/`` exists: a typo of
+    ``runs/sft``, not the hub's user ``runs``)."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return True
+    first, sep, _ = path.partition("/")
+    return bool(sep) and Path(first).is_dir()
+
+
+def missing_path(path: str, what: str = "directory") -> str:
+    """``no directory runs/stf (did you mean runs/sft?)``: the path that does not exist, with the
+    closest existing one (:func:`close_path`) when there is one. ``what``: ``"directory"`` (a
+    checkpoint) or ``"file or directory"`` (data)."""
+    guess = close_path(path, dirs_only=what == "directory")
+    return f"no {what} {path}" + (f" (did you mean {guess}?)" if guess else "")
+
+
+def close_path(path: str, *, dirs_only: bool = False) -> str | None:
+    """The existing path closest to ``path``, which does not exist: its first missing component
+    replaced by the closest name (difflib) among the entries of its deepest existing parent
+    (``runs/stf`` → ``runs/sft``); None when no name is close."""
+    node, tail = Path(path).expanduser(), []
+    while not node.exists() and node != node.parent:
+        tail.insert(0, node.name)
+        node = node.parent
+    if not tail or not node.is_dir():
+        return None
+    dirs_only = dirs_only or len(tail) > 1
+    try:
+        names = [c.name for c in node.iterdir() if not dirs_only or c.is_dir()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(tail[0], names, n=1)
+    return str(Path(node, close[0], *tail[1:])) if close else None
+
+
+def local_path_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """``<field>: no directory runs/stf (did you mean runs/sft?)`` for every model or data path field
+    (``option(python=...)``) that names a local path that does not exist (:func:`could_be_local`):
+    found with the config, before anything loads or asks the hub."""
+    problems = []
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, where = getattr(cfg, f.name), prefix + f.name
+        if _is_section(hints[f.name]):
+            problems += local_path_problems(value, where + ".")
+        elif (
+            f.metadata.get("python")
+            and isinstance(value, str)
+            and value
+            and not value.startswith(PLACEHOLDER)
+            and could_be_local(value)
+            and not Path(value).expanduser().exists()
+        ):
+            what = "directory" if f.metadata["python"] == "model" else "file or directory"
+            problems.append(f"{where}: {missing_path(value, what)}")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
 # Type handling
 # ----------------------------------------------------------------------------------------------
 
@@ -298,13 +365,23 @@ def _shown(value: Any) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[str, str]) -> None:
+def _apply(
+    cfg: Any,
+    data: dict,
+    prefix: str,
+    errors: list[str],
+    renamed: dict[str, str],
+    foreign: dict[str, str],
+) -> None:
     hints = _hints(type(cfg))
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     for key, value in data.items():
         where = f"{prefix}{key}"
         if where in renamed:
             errors.append(f"{where}: no longer a field; {renamed[where]}")
+            continue
+        if key not in fields and key in foreign:
+            errors.append(f"{where}: a TRL/OpenRLHF name, not a field here; {foreign[key]}")
             continue
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -318,7 +395,7 @@ def _apply(cfg: Any, data: dict, prefix: str, errors: list[str], renamed: dict[s
             if not isinstance(value, dict):
                 errors.append(f"{where}: expected a section (mapping), got {value!r}")
                 continue
-            _apply(getattr(cfg, key), value, where + ".", errors, renamed)
+            _apply(getattr(cfg, key), value, where + ".", errors, renamed, foreign)
             continue
         try:
             coerced = _coerce(value, tp, where)
@@ -376,10 +453,13 @@ def load_config(
 
     Raises one ConfigError listing every problem found. A key listed in the class's ``RENAMED``
     (``{"old.path": "what to write instead"}``) is an error that names its new place, so an old config
-    file never silently loses a setting.
+    file never silently loses a setting; likewise an unknown key (at any level) listed in its
+    ``FOREIGN_NAMES`` (another library's name → where it lives here: a TRL config's
+    ``learning_rate``; :mod:`proximal.train.trl_names`).
     """
     cfg = base if base is not None else cls()
     renamed = dict(getattr(cls, "RENAMED", {}))
+    foreign = dict(getattr(cls, "FOREIGN_NAMES", {}))
     errors: list[str] = []
     if path is not None:
         p = Path(path)
@@ -395,15 +475,26 @@ def load_config(
             ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: the top level must be a mapping of sections")
-        _apply(cfg, data, "", errors, renamed)
+        _apply(cfg, data, "", errors, renamed, foreign)
     if overrides:
-        _apply(cfg, _nest(dict(overrides)), "", errors, renamed)
-    problems = python_objects(cfg)
-    errors.extend(problems)
-    if hasattr(cfg, "validate") and not problems:  # fields that failed to load kept their defaults
-        errors.extend(cfg.validate())
+        _apply(cfg, _nest(dict(overrides)), "", errors, renamed, foreign)
+    errors.extend(_problems(cfg))  # fields that failed to load kept their defaults
     raise_if_invalid(errors)
     return cfg
+
+
+def _problems(cfg: Any) -> list[str]:
+    """A loaded config's problems: objects from Python a field cannot take, else the local paths that
+    do not exist (:func:`local_path_problems`) and ``validate()``'s checks (less its own word on a
+    field already named for its path)."""
+    problems = python_objects(cfg)
+    if problems:
+        return problems
+    problems = local_path_problems(cfg)
+    named = {p.partition(":")[0] for p in problems}
+    if hasattr(cfg, "validate"):
+        problems += [e for e in cfg.validate() if e.partition(":")[0] not in named]
+    return problems
 
 
 def raise_if_invalid(errors: list[str]) -> None:
@@ -416,7 +507,7 @@ def check_valid(cfg: Any) -> None:
     """``cfg.validate()``'s problems as one ConfigError: what a trainer called with a config built in
     code (not through :func:`load_config`) checks first. Objects given from Python are wrapped
     first (:func:`python_objects`)."""
-    raise_if_invalid(python_objects(cfg) or cfg.validate())
+    raise_if_invalid(_problems(cfg))
 
 
 def to_dict(cfg: Any) -> dict:

@@ -466,3 +466,70 @@ def test_each_method_within_15_percent_of_its_plan(measured_runs, name):
     assert abs(r["static"] / r["predicted_static"] - 1) <= 0.15, r
     above = (r["peak"] - r["static"]) / (r["predicted"] - r["predicted_static"])
     assert abs(above - 1) <= 0.15, (above, r)
+
+
+# ----------------------------------------------------------------------------------------------
+# A CPU run is planned in host memory (issue 37 item 11)
+# ----------------------------------------------------------------------------------------------
+
+
+def _meminfo_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+def test_a_cpu_run_is_planned_in_host_memory_against_the_machine_s_ram(tmp_path, model_dir, capsys):
+    d = run_dir(tmp_path, "ppo", model_dir, **{"train.device": "cpu"})
+    assert memory.cli(["--run", str(d), "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    # hidden 64 < 256: train.compile auto compiles nothing; the process's imports are host memory
+    assert j["device"] == "cpu" and j["host_bytes"] == {"imports": 434 * 2**20}
+    peak = j["static_bytes"] + max(j["phase_bytes"].values()) + 434 * 2**20
+    assert j["peak_bytes_per_gpu"] == peak
+    assert j["gpu_memory_bytes"] == _meminfo_total() and j["cheapest_fit"] is None
+    assert memory.cli(["--run", str(d), "--host-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU" not in out and "bytes in host memory: a CPU run" in out.splitlines()[0]
+    assert f"verdict: FITS in 16.0 GiB of host memory ({100 * peak / 2**34:.0f}% used)" in out
+    assert "+ imports 0.424 GiB + the largest phase" in out and "compiled graphs" not in out
+    # too little memory: the verdict says by how much, in host memory
+    assert memory.cli(["--run", str(d), "--host-memory", "0.25", "--units", "MiB"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"verdict: DOES NOT FIT in 256.0 MiB of host memory (needs {peak / 2**28:.1f}x)"
+        in out.splitlines()
+    )
+    # the same run on a GPU (train.device: cuda) is planned per GPU, with no host terms
+    gpu = run_dir(tmp_path / "gpu", "ppo", model_dir, **{"train.device": "cuda"})
+    assert memory.cli(["--run", str(gpu), "--json"]) == 0
+    g = json.loads(capsys.readouterr().out)
+    assert g["device"] == "cuda" and g["host_bytes"] == {}
+    assert g["peak_bytes_per_gpu"] == peak - 434 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("hidden", "changes", "compiled"),
+    [
+        (64, {"train.compile": "blocks"}, True),
+        (64, {}, False),  # auto: below AUTO_MIN_HIDDEN
+        (256, {}, True),  # auto: wide enough, one process on a CPU
+        (256, {"model.lora_r": 8}, False),  # auto: not with LoRA
+        (256, {"train.activation_checkpointing": True}, False),
+        (256, {"train.compile": "eager"}, False),
+    ],
+)
+def test_a_cpu_plan_counts_the_compiled_graphs_where_the_run_compiles(
+    tmp_path, hidden, changes, compiled, capsys
+):
+    model = tmp_path / "model"
+    tiny_config("llama", 100, hidden=hidden, layers=2, heads=4, kv_heads=2).save_pretrained(model)
+    d = run_dir(tmp_path, "ppo", model, **{"train.device": "cpu", **changes})
+    assert memory.cli(["--run", str(d), "--json", "--host-memory", "8"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    expected = {"imports": 434 * 2**20} | ({"compiled graphs": 90 * 10**6} if compiled else {})
+    assert j["host_bytes"] == expected
+    assert j["peak_bytes_per_gpu"] == (
+        j["static_bytes"] + max(j["phase_bytes"].values()) + sum(expected.values())
+    )

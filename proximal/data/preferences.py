@@ -46,7 +46,7 @@ from proximal.data.chat import (
 from proximal.data.collate import right_padded_with_spans
 from proximal.data.jsonl import DataError
 from proximal.data.sft import ON_EMPTY, ON_TOO_LONG, LoadReport, empty_error, too_long_error
-from proximal.data.sources import read_rows
+from proximal.data.sources import no_records, read_rows
 
 #: ``on_too_long`` for preference pairs: the SFT choices, and truncating both sides to max_length.
 ON_TOO_LONG_PAIRS = ON_TOO_LONG + ("truncate",)
@@ -258,7 +258,7 @@ def load_preference_pairs(
             report.truncated += 1
         pairs.append(PreferencePair(sides[0], sides[1], margin, where, len(prompt_ids)))
     if report.rows == 0:
-        raise DataError(f"{path}: the file has no records (it is empty or blank)")
+        raise DataError(no_records(path))
     if not pairs:
         raise report.none_left(max_length)
     return pairs, report

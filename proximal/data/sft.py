@@ -36,7 +36,7 @@ from proximal.data.chat import (
 )
 from proximal.data.collate import right_padded_with_spans
 from proximal.data.jsonl import DataError
-from proximal.data.sources import read_rows
+from proximal.data.sources import no_records, read_rows
 
 #: ``data.on_too_long`` and ``data.on_empty``: stop with the row's file:line, or drop and count it.
 ON_TOO_LONG = ("error", "skip")
@@ -175,7 +175,7 @@ def load_sft_examples(
             )
         examples.append(example)
     if report.rows == 0:
-        raise DataError(f"{path}: the file has no records (it is empty or blank)")
+        raise DataError(no_records(path))
     if not examples:
         raise report.none_left(max_length)
     return examples, report

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from proximal.config import PythonObject
+from proximal.config import PythonObject, close_path, could_be_local, missing_path, python_name
 from proximal.data.jsonl import DataError, read_jsonl
 
 #: File suffixes read by :func:`read_rows`, and what reads them.
@@ -92,8 +92,54 @@ def source_problem(path: str, field: str) -> str | None:
         or (_looks_like_name(path) and _cached(path))
     ):
         return None
+    if could_be_local(path):
+        return f"{field}: {missing_path(path, 'file or directory')}"
     where = f" (looked in {datasets_cache()})" if _looks_like_name(path) else ""
     return f"{field}: {path!r} does not exist{where}"
+
+
+def same_rows(
+    path: str | Path | PythonObject,
+    split: str | None,
+    other: str | Path | PythonObject,
+    other_split: str | None,
+) -> bool:
+    """Whether two data paths, each at its split, name the same rows (read from neither): the same
+    file; the same split of a ``save_to_disk`` DatasetDict, whether given as the directory and the
+    split or as the split's own subdirectory; the same cached name and split; the same object
+    given from Python."""
+    return _identity(path, split) == _identity(other, other_split)
+
+
+def same_rows_note(path: str | Path | PythonObject, split: str | None) -> str:
+    """The line said when the held-out data is the training data (:func:`same_rows`)."""
+    splits = _saved_splits(Path(path)) if not isinstance(path, PythonObject) else []
+    others = f" (its splits: {', '.join(splits)})" if len(splits) > 1 else ""
+    return (
+        f"data.eval_file reads the very rows data.train_file reads ({path}, split "
+        f"{split or 'train'!r}): the held-out metrics measure training rows; set data.eval_split"
+        f"{others} or another data.eval_file"
+    )
+
+
+def _identity(path: str | Path | PythonObject, split: str | None) -> tuple:
+    split = split or "train"
+    if isinstance(path, PythonObject):
+        return ("python", id(path.value), split)
+    p = Path(path)
+    if not p.exists():
+        return ("name", str(path), split)
+    if p.is_dir() and (p / "dataset_dict.json").is_file():
+        return ("path", (p / split).resolve(), "train")  # a split's rows: its subdirectory's
+    return ("path", p.resolve(), split)
+
+
+def _saved_splits(p: Path) -> list[str]:
+    """The splits of a ``save_to_disk`` DatasetDict at ``p`` ([] for anything else)."""
+    try:
+        return list(json.loads((p / "dataset_dict.json").read_text())["splits"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def datasets_cache() -> Path:
@@ -117,9 +163,11 @@ def _rows(p: Path, name: str, split: str | None) -> Iterator[tuple[str, dict]]:
     if p.is_dir():
         return _saved(p, split)
     if not p.exists():
-        if p.suffix.lower() not in SUFFIXES and _looks_like_name(name):
+        local = could_be_local(name)
+        if p.suffix.lower() not in SUFFIXES and _looks_like_name(name) and not local:
             return _cached_rows(name, split)
-        raise DataError(f"{p}: file not found")
+        guess = close_path(name)
+        raise DataError(f"{p}: file not found" + (f" (did you mean {guess}?)" if guess else ""))
     suffix = p.suffix.lower()
     if suffix not in SUFFIXES:
         raise DataError(f"{p}: unknown data format {suffix or '(no suffix)'!r}; expected {KNOWN}")
@@ -214,6 +262,9 @@ def _table(p: Path, builder: str) -> Iterator[tuple[str, dict]]:
             features=datasets.Features({c: datasets.Value("string") for c in header}),
             keep_default_na=False,
         )
+    if p.stat().st_size == 0 or (builder == "parquet" and _parquet_rows(p) == 0):
+        # pyarrow reads both as a damaged file (ArrowInvalid: 'BatchSize must be greater than 0')
+        raise DataError(f"{p}: the file has no records (it is empty)")
     # streaming: rows are read from the file as they are needed, with no Arrow copy in the cache
     try:
         ds = datasets.load_dataset(
@@ -228,13 +279,65 @@ def _table(p: Path, builder: str) -> Iterator[tuple[str, dict]]:
 
 
 def _saved(p: Path, split: str | None) -> Iterator[tuple[str, dict]]:
-    if not ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+    """The rows of a ``save_to_disk`` directory: a ``DatasetDict``'s split (read from the split's own
+    subdirectory, so another split's state does not matter) or a single ``Dataset``."""
+    if (p / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(
+                f"{p}: cannot read dataset_dict.json ({type(e).__name__}: {e})"
+            ) from None
+        want = split or "train"
+        if want not in splits:
+            raise DataError(f"{p}: no split {want!r} (splits: {', '.join(splits)}); set data.split")
+        return _saved_dataset(p / want, f"{p}[{want}]")
+    if not (p / "state.json").is_file():
         raise DataError(
             f"{p}: a directory that datasets' save_to_disk did not write (no dataset_dict.json or "
             f"state.json); expected {KNOWN}"
         )
+    if split not in (None, "train"):
+        raise DataError(f"{p}: no split {split!r} (a single Dataset, read as split 'train')")
+    return _saved_dataset(p, str(p))
+
+
+def _parquet_rows(p: Path) -> int | None:
+    """The row count in a Parquet file's footer (None: unreadable; reading it says why)."""
+    try:
+        # lazy: pyarrow comes with the optional `datasets` extra, which _table has checked
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(p).num_rows
+    except Exception:  # noqa: BLE001 - a damaged file: the read that follows names the error
+        return None
+
+
+def _saved_dataset(p: Path, name: str) -> Iterator[tuple[str, dict]]:
+    """The rows of one ``Dataset`` written by ``save_to_disk``. An empty one (no Arrow files, which
+    ``load_from_disk`` fails on with an IndexError) has no records."""
+    try:
+        files = json.loads((p / "state.json").read_text()).get("_data_files")
+    except (OSError, ValueError, AttributeError):
+        files = None  # load_from_disk names what is wrong
+    if files == []:
+        raise DataError(f"{name}: no records (an empty data set)")
     datasets = _datasets(p)
-    return _splits(datasets.load_from_disk(str(p)), str(p), split, datasets)
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # a damaged directory: name it, keep the library's reason
+        raise DataError(f"{name}: cannot read ({type(e).__name__}: {e})") from None
+    return ((f"{name}[row {i}]", dict(row)) for i, row in enumerate(ds))
+
+
+def no_records(path: str | Path | PythonObject) -> str:
+    """The message for data with no rows, naming the file, the directory or data set, or the field
+    rows were given in from Python."""
+    if isinstance(path, PythonObject):
+        return f"{path.field}: no records ({python_name(path.value)} given from Python)"
+    if Path(path).is_file():
+        return f"{path}: the file has no records (it is empty or blank)"
+    return f"{path}: no records"
 
 
 def _splits(ds, name: str, split: str | None, datasets) -> Iterator[tuple[str, dict]]:

@@ -56,6 +56,21 @@ ONLINE = ("ppo", "grpo", "rloo")
 LOGPROBS = ("fused", "logits", "full")
 #: The attention kernel: ``sdpa`` (flash / memory-efficient, no s x s matrix kept) or ``eager``.
 ATTENTION = ("sdpa", "eager")
+#: Where the run computes: on a GPU (the plan is the bytes on one GPU, against its memory) or on the
+#: CPU (the bytes of one process in host memory, against the machine's RAM).
+DEVICES = ("cuda", "cpu")
+#: Host memory of a proximal training process before it loads a model: what importing torch,
+#: transformers and proximal leaves resident (434 MiB of RSS, measured on a 2-core x86 machine with
+#: torch 2.13 CPU for issue 37; there the CPU plans of the seven methods were 0.88-1.18x of each
+#: run's peak RSS less this). A CPU plan adds it; on a GPU it is host memory, not the GPU's.
+IMPORTS_BYTES = 434 * 2**20
+#: Host memory of the compiled transformer blocks of a run that compiles them (``train.compile``:
+#: proximal.models.compiled): Inductor's generated code, loaded kernels and dynamo's guards. About
+#: 90 MB, measured as the peak RSS of compiled PPO (four models: the most kinds of graph of any method)
+#: less that of ``--train.compile eager`` on the 21M-parameter benchmark model for issue 37; the code
+#: does not grow with the model's size, and the other methods compile fewer kinds of graph, so it
+#: bounds them too.
+COMPILED_GRAPHS_BYTES = 90 * 10**6
 
 #: proximal.core.fused.DEFAULT_CHUNK_ELEMENTS: logits elements one fused tile (tokens × vocabulary
 #: block) holds, and proximal.core.fused.BLOCK_MIN: the narrowest block (see :func:`fused_tile`).
@@ -172,6 +187,10 @@ class Setup:
     attention: str = (
         "sdpa"  # "eager" keeps each head's s x s probabilities (proximal on a CPU in bf16)
     )
+    device: str = "cuda"  # "cpu": one process's host memory, against gpu_memory = the machine's RAM
+    compiled: bool = (
+        False  # train.compile compiles the blocks: COMPILED_GRAPHS_BYTES of host memory
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -186,6 +205,10 @@ class Setup:
             raise ValueError(f"logprobs {self.logprobs!r} is not one of {', '.join(LOGPROBS)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.device == "cpu" and self.strategy != "single":
+            raise ValueError(f"strategy {self.strategy!r} is a GPU layout; a CPU run is single")
         for name in (
             "batch",
             "prompt_len",
@@ -320,6 +343,9 @@ class Plan:
     phases: dict[str, int | None]  # transient bytes on top of ``static`` in each phase of a step
     cpu_optimizer: int  # optimizer state held in CPU memory (offload), whole job
     notes: list[str] = field(default_factory=list)
+    #: A CPU run's host memory beyond its models, resident all the time: the process's imports
+    #: (IMPORTS_BYTES) and compiled graphs (COMPILED_GRAPHS_BYTES). Empty on a GPU.
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def sized(self) -> bool:
@@ -332,8 +358,9 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        """Per-GPU peak: ``static`` plus the largest phase (phases never overlap in time)."""
-        return self.static + max((v or 0) for v in self.phases.values())
+        """Per-GPU (on a CPU: per-process) peak: ``static`` plus the largest phase (phases never
+        overlap in time), plus a CPU run's ``host`` bytes."""
+        return self.static + max((v or 0) for v in self.phases.values()) + sum(self.host.values())
 
     @property
     def all_at_once(self) -> int:
@@ -342,7 +369,10 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.setup.gpu_memory
+        """The peak within one GPU's memory; on a CPU, every process of a node (``gpus``) within
+        the machine's RAM."""
+        per_node = self.setup.gpus if self.setup.device == "cpu" else 1
+        return self.peak * per_node <= self.setup.gpu_memory
 
 
 # ---- activations of one forward ------------------------------------------------------------------
@@ -557,6 +587,23 @@ def autocast_copies(arch: Architecture | None, setup: Setup, head: str = "lm") -
 
 
 def plan(setup: Setup) -> Plan:
+    """Bytes on one GPU for each model and each phase of one step of ``setup.method`` (:func:`_plan`);
+    on a CPU (``setup.device``), of one process in host memory, with its imports and any compiled
+    graphs (:attr:`Plan.host`)."""
+    p = _plan(setup)
+    if setup.device == "cpu":
+        p.host["imports"] = IMPORTS_BYTES
+        if setup.compiled:
+            p.host["compiled graphs"] = COMPILED_GRAPHS_BYTES
+    elif setup.compiled:
+        p.notes.append(
+            f"train.compile compiles the blocks: about {COMPILED_GRAPHS_BYTES // 10**6} MB of host "
+            "memory for the compiled graphs, not of the GPU's"
+        )
+    return p
+
+
+def _plan(setup: Setup) -> Plan:
     """Bytes on one GPU for each model and each phase of one step of ``setup.method``.
 
     Static (whole step): weights of every resident model + the AdamW state of the trained ones, divided

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 
 from proximal.memory.arch import ConfigReadError, load_architecture
 from proximal.memory.budget import (
+    DEVICES,
     DTYPES,
     LOGPROBS,
     METHODS,
@@ -76,14 +78,17 @@ def _int_arg(minimum: int):
     return parse
 
 
-def _gib_arg(text: str) -> int:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: GPU memory must be positive")
-    return int(v * GiB)
+def _gib_arg(what: str):
+    def parse(text: str) -> int:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} memory must be positive")
+        return int(v * GiB)
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,10 +238,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=_int_arg(1), help="nodes (default: 1)")
     ap.add_argument(
         "--gpu-memory",
-        type=_gib_arg,
+        type=_gib_arg("GPU"),
         default=80 * GiB,
         metavar="GIB",
         help="memory of one GPU in GiB (default: 80)",
+    )
+    ap.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="cuda: plan the bytes on one GPU against --gpu-memory; cpu: the bytes of one process "
+        "in host memory (with the process's imports and compiled graphs) against the machine's "
+        "RAM (default: cuda; with --run, cpu for train.device: cpu)",
+    )
+    ap.add_argument(
+        "--host-memory",
+        type=_gib_arg("host"),
+        metavar="GIB",
+        help="with --device cpu: the host memory in GiB to plan against (default: this machine's "
+        "RAM, MemTotal in /proc/meminfo)",
     )
     ap.add_argument(
         "--units", choices=tuple(UNITS), default="GiB", help="units of the table (default: GiB)"
@@ -289,8 +308,13 @@ def setup_from_args(
             fields[name] = getattr(args, name)
     if args.activation_checkpointing:
         fields["activation_checkpointing"] = True
+    if args.device is not None:
+        fields["device"] = args.device
+    cpu = fields.get("device") == "cpu"
     world = fields.get("gpus", 1) * fields.get("nodes", 1)
-    strategy = args.strategy or ("fsdp" if run and world > 1 else "single")
+    if cpu and args.strategy not in (None, "single"):
+        parser.error(f"--strategy {args.strategy} is a GPU layout; a CPU run is planned as single")
+    strategy = args.strategy or ("fsdp" if run and world > 1 and not cpu else "single")
     if strategy in ("fsdp", "fsdp-offload") and world == 1:
         parser.error(
             f"--strategy {strategy} shards over --gpus x --nodes GPUs; with 1 GPU use single or "
@@ -342,6 +366,13 @@ def setup_from_args(
                     "model.reward_model (or --critic-config / --critic-params)"
                 )
             critic = reward
+    if run is not None:
+        fields["compiled"] = compiles(run.compile, fields, actor_arch, world)
+    memory = args.gpu_memory
+    if cpu:
+        memory = args.host_memory or host_memory_bytes()
+        if memory is None:
+            parser.error("--device cpu: this machine's RAM is unknown; give --host-memory GIB")
     try:
         setup = Setup(
             actor=actor,
@@ -350,12 +381,48 @@ def setup_from_args(
             method=method,
             dtype=args.dtype,
             strategy=strategy,
-            gpu_memory=args.gpu_memory,
+            gpu_memory=memory,
             **fields,
         )
     except ValueError as e:
         parser.error(str(e))
     return setup, run
+
+
+def compiles(choice: str, fields: dict, arch, world: int) -> bool:
+    """Whether a run's ``train.compile`` compiles its blocks (so the plan counts the compiled
+    graphs): 'blocks' in one process; 'auto' where proximal.models.compiled's rule does — one process
+    on a CPU, no LoRA, no activation checkpointing, a hidden size of at least AUTO_MIN_HIDDEN."""
+    if world > 1 or choice not in ("blocks", "auto"):
+        return False
+    if choice == "blocks":
+        return True
+    # lazy: the rule's threshold lives with the compiling code, which imports torch (--run has)
+    from proximal.models.compiled import AUTO_MIN_HIDDEN
+
+    return (
+        fields.get("device") == "cpu"
+        and not fields.get("lora_rank")
+        and not fields.get("activation_checkpointing")
+        and arch is not None
+        and arch.hidden_size >= AUTO_MIN_HIDDEN
+    )
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM: MemTotal in /proc/meminfo (Linux), else the physical pages' bytes
+    (``os.sysconf``); None where neither says."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def cli(argv: list[str]) -> int:
@@ -366,14 +433,18 @@ def cli(argv: list[str]) -> int:
     p = plan(setup)
     if run is not None:
         p.notes[:0] = run.notes
-    best_on_gpu = cheapest_fit(setup, offload=False)
-    # proximal's trainers have no CPU offload: for a run, the cheapest layout is one without it.
-    best = best_on_gpu if run is not None else cheapest_fit(setup)
+    if setup.device == "cpu":  # no GPU layouts to search
+        best = best_on_gpu = None
+    else:
+        best_on_gpu = cheapest_fit(setup, offload=False)
+        # proximal's trainers have no CPU offload: for a run, the cheapest layout is one without it.
+        best = best_on_gpu if run is not None else cheapest_fit(setup)
     largest = largest_micro_batch(setup) if p.sized else None
     if args.json:
         print(json.dumps(to_json(p, best, best_on_gpu, largest), indent=2))
     else:
-        print(render(p, args.units, best, best_on_gpu, largest))
+        source = "--host-memory" if args.host_memory else "this machine's RAM"
+        print(render(p, args.units, best, best_on_gpu, largest, memory_from=source))
     return 0
 
 

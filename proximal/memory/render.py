@@ -37,6 +37,9 @@ def fmt(nbytes: int | None, unit: str) -> str:
 
 
 def layout(setup: Setup) -> str:
+    if setup.device == "cpu":
+        procs = f"{setup.gpus} processes" if setup.gpus > 1 else "one process"
+        return f"the CPU, {procs} on {setup.nodes} node{'s' * (setup.nodes > 1)}: host memory"
     if setup.world == 1:
         where = "1 GPU"
     else:
@@ -52,23 +55,25 @@ def layout(setup: Setup) -> str:
 
 def _sizes(st: Setup) -> str:
     numerics = f"precision {st.precision}" if st.precision else f"dtype {st.dtype}"
+    per = "per process" if st.device == "cpu" else "per GPU"
     if st.online:
         group = f" x {st.group_size} responses" if st.group_size > 1 else ""
         s = st.prompt_len + st.response_len
         text = (
             f"  {numerics}; rollout batch {st.batch}{group} ({st.rollout_batch_per_gpu} sequences "
-            f"per GPU), micro-batch {st.micro_batch} per GPU, {st.prompt_len} prompt + "
+            f"{per}), micro-batch {st.micro_batch} {per}, {st.prompt_len} prompt + "
             f"{st.response_len} response = {s} tokens"
         )
     else:
         unit = "pairs" if st.method in ("dpo", "simpo", "rm") else "rows"
         text = (
-            f"  {numerics}; batch {st.batch} {unit}, micro-batch {st.micro_batch} {unit} per GPU, "
+            f"  {numerics}; batch {st.batch} {unit}, micro-batch {st.micro_batch} {unit} {per}, "
             f"sequences of {st.max_length} tokens"
         )
     text += f"; log-probabilities: {st.logprobs}" if st.method != "rm" else ""
     text += f"; LoRA rank {st.lora_rank}" if st.lora_rank else ""
     text += "; activation checkpointing" if st.activation_checkpointing else ""
+    text += "; compiled blocks (train.compile)" if st.compiled else ""
     return text
 
 
@@ -78,41 +83,21 @@ def render(
     best: Plan | None,
     best_on_gpu: Plan | None = None,
     largest_micro_batch: int | None = None,
+    memory_from: str = "",
 ) -> str:
+    """The plan as ``proximal memory`` prints it. ``memory_from``: where a CPU run's memory figure
+    comes from (this machine's RAM, or ``--host-memory``)."""
     st = p.setup
-
-    def desc(role: str) -> str:
-        spec = {"critic": st.critic, "reward": st.reward}.get(role, st.actor)
-        return f"  {role:<9} {_count(spec.n_params)} params" + (
-            f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else ""
-        )
-
+    if st.device == "cpu":
+        return _render_cpu(p, unit, largest_micro_batch, memory_from)
     lines = [
         f"proximal memory: the memory budget of {TITLES[st.method]} (weights, AdamW states, "
         "gradients, activations), bytes on one GPU",
-        *(desc(role) for role in p.rows),
-        _sizes(st),
+        *_head(p),
         f"  strategy {layout(st)}",
         "",
+        *_table(p, unit),
     ]
-    table = [["model"] + [c for _, c in COLUMNS]]
-    for role, r in p.rows.items():
-        table.append([role] + [fmt(getattr(r, k), unit) for k, _ in COLUMNS])
-    sums = [[getattr(r, k) for r in p.rows.values()] for k, _ in COLUMNS]
-    table.append(["all at once"] + [fmt(None if None in col else sum(col), unit) for col in sums])
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for j, row in enumerate(table):
-        lines.append(
-            "  ".join(
-                c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)
-            )
-        )
-        if j == 0 or j == len(table) - 2:
-            lines.append("  ".join("-" * wd for wd in widths))
-    for role, r in p.rows.items():
-        if r.note:
-            lines.append(f"  {role}: {r.note}")
-    lines.append("")
     phase_txt = ", ".join(f"{k} {fmt(v, unit)}" for k, v in p.phases.items())
     at_least = "" if p.sized else "at least "
     lines += [
@@ -177,6 +162,96 @@ def render(
     return "\n".join(lines)
 
 
+def _head(p: Plan) -> list[str]:
+    """The models and the sizes of the run, under the title."""
+    st = p.setup
+
+    def desc(role: str) -> str:
+        spec = {"critic": st.critic, "reward": st.reward}.get(role, st.actor)
+        return f"  {role:<9} {_count(spec.n_params)} params" + (
+            f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else ""
+        )
+
+    return [*(desc(role) for role in p.rows), _sizes(st)]
+
+
+def _table(p: Plan, unit: str) -> list[str]:
+    """The budget table, a row per model and their sum, then each model's note."""
+    lines = []
+    table = [["model"] + [c for _, c in COLUMNS]]
+    for role, r in p.rows.items():
+        table.append([role] + [fmt(getattr(r, k), unit) for k, _ in COLUMNS])
+    sums = [[getattr(r, k) for r in p.rows.values()] for k, _ in COLUMNS]
+    table.append(["all at once"] + [fmt(None if None in col else sum(col), unit) for col in sums])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for j, row in enumerate(table):
+        lines.append(
+            "  ".join(
+                c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)
+            )
+        )
+        if j == 0 or j == len(table) - 2:
+            lines.append("  ".join("-" * wd for wd in widths))
+    for role, r in p.rows.items():
+        if r.note:
+            lines.append(f"  {role}: {r.note}")
+    lines.append("")
+    return lines
+
+
+def _render_cpu(p: Plan, unit: str, largest_micro_batch: int | None, memory_from: str) -> str:
+    """A CPU run's plan: one process's bytes in host memory, with the process's imports and compiled
+    graphs, against the machine's RAM (``setup.gpu_memory``)."""
+    st = p.setup
+    budget = fmt(st.gpu_memory, unit)
+    source = f" ({memory_from})" if memory_from else ""
+    lines = [
+        f"proximal memory: the memory budget of {TITLES[st.method]} (weights, AdamW states, "
+        "gradients, activations), bytes in host memory: a CPU run",
+        *_head(p),
+        f"  {layout(st)}, {budget}{source}",
+        "",
+        *_table(p, unit),
+    ]
+    phase_txt = ", ".join(f"{k} {fmt(v, unit)}" for k, v in p.phases.items())
+    host_txt = "".join(f" + {name} {fmt(v, unit)}" for name, v in p.host.items())
+    at_least = "" if p.sized else "at least "
+    lines.append(
+        f"peak per process: {at_least}{fmt(p.peak, unit)} = weights + optimizer state "
+        f"{fmt(p.static, unit)}{host_txt} + the largest phase, {p.peak_phase} ({phase_txt})"
+    )
+    need = p.peak * st.gpus
+    processes = f" for {st.gpus} processes" if st.gpus > 1 else ""
+    if p.fits:
+        verdict = (
+            f"verdict: FITS in {budget} of host memory{processes} ({100 * need / st.gpu_memory:.0f}% "
+            "used)"
+        )
+        if not p.sized:
+            verdict = (
+                f"verdict: weights, optimizer and gradients fit in {budget} of host memory, but "
+                "activations and the KV cache are not sized"
+            )
+    else:
+        verdict = (
+            f"verdict: DOES NOT FIT in {budget} of host memory{processes} (needs "
+            f"{at_least}{need / st.gpu_memory:.1f}x)"
+        )
+    lines.append(verdict)
+    if largest_micro_batch is not None and p.sized:
+        lines.append(
+            f"largest micro-batch that fits: {largest_micro_batch} per process"
+            if largest_micro_batch
+            else "largest micro-batch that fits: none (not even 1)"
+        )
+    lines += [f"note: {n}" for n in p.notes]
+    lines.append(
+        "not counted: allocator fragmentation, temporaries inside kernels and AdamW's step, the "
+        "data set's rows (docs/memory.md)"
+    )
+    return "\n".join(lines)
+
+
 def to_json(
     p: Plan,
     best: Plan | None,
@@ -219,7 +294,9 @@ def to_json(
         "peak_bytes_per_gpu": p.peak,
         "activations_sized": p.sized,
         "cpu_optimizer_bytes": p.cpu_optimizer,
-        "gpu_memory_bytes": p.setup.gpu_memory,
+        "gpu_memory_bytes": p.setup.gpu_memory,  # on a CPU: the host memory planned against
+        "device": p.setup.device,
+        "host_bytes": p.host,
         "fits": p.fits,
         "largest_micro_batch": largest_micro_batch,
         "cheapest_fit": where(best) if best else None,

@@ -54,6 +54,7 @@ class RunPlan:
     critic: str | None = None  # ppo: 'reward_model', 'policy' or a checkpoint path
     fields: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    compile: str = "eager"  # train.compile ('eager' where the command has no such field)
 
 
 def read_yaml(path: str | Path) -> tuple[dict, str]:
@@ -157,6 +158,15 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
     device = get("train.device", str, None)
     if device == "cpu" and f["precision"] != "32-true":
         f["attention"] = "eager"
+    # A CPU run is planned in host memory against the machine's RAM; 'auto' (cuda when the machine
+    # running the plan has one) and 'cuda' for a GPU.
+    f["device"] = "cpu" if device == "cpu" else "cuda"
+    if device == "auto":
+        plan.notes.append(
+            "train.device = auto: planned for a GPU; --device cpu plans it on a CPU, in host memory"
+        )
+    if "train.compile" in values:
+        plan.compile = get("train.compile", str, None)
     f["lora_rank"] = get("model.lora_r", int, 0)
     targets = values.get("model.lora_target_modules") or ["all-linear"]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import inspect
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from proximal.config import PythonObject
+from proximal.config import PythonObject, could_be_local, missing_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,15 +36,46 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _looks_local(path: str) -> bool:
-    return path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") > 1
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``
+    in the environment, read at each call as transformers reads it)."""
+    return any(
+        os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
-def _check_path(path: str, role: str) -> None:
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded models: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def check_path(path: str, role: str) -> None:
+    """ModelLoadError, before any request to the hub, for a path that cannot load: none given; a
+    local path that does not exist (:func:`proximal.config.could_be_local`: ``runs/stf`` where
+    ``runs/`` exists), named with the closest existing one; or, with the hub switched off
+    (:func:`hub_offline`), a hub id that is not in the hub's cache either. Another name that does not
+    exist here is left to ``from_pretrained`` as a hub id."""
+    if isinstance(path, PythonObject):
+        return
     if not path:
         raise ModelLoadError(f"{role}: no model path given")
-    if _looks_local(path) and not Path(path).expanduser().exists():
-        raise ModelLoadError(f"{role}: path {path!r} does not exist")
+    if Path(path).expanduser().exists():
+        return
+    if could_be_local(path):
+        raise ModelLoadError(f"{role}: {missing_path(path)}")
+    cached = hub_cache() / ("models--" + path.replace("/", "--"))
+    if hub_offline() and not cached.is_dir():
+        raise ModelLoadError(
+            f"{role}: {missing_path(path)}, and the hub is switched off (HF_HUB_OFFLINE) with no "
+            f"{path} in its cache ({hub_cache()})"
+        )
 
 
 def _given(source) -> tuple[object, object | None] | None:
@@ -89,7 +121,7 @@ def load_tokenizer(path: str, *, role: str = "tokenizer", padding_side: str = "l
                     "checkpoint that holds one; give (model, tokenizer)"
                 )
             path = name
-        _check_path(path, role)
+        check_path(path, role)
         try:
             tok = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # transformers raises many types: name the role and path once
@@ -109,7 +141,7 @@ def load_causal_lm(path: str, *, role: str = "policy", dtype: str = "float32"):
     given = _given(path)
     if given is not None:
         return _checked_language_model(_copy_of(path, given[0], role, dtype), path, role)
-    _check_path(path, role)
+    check_path(path, role)
     try:
         if (Path(path) / "adapter_config.json").is_file():
             model = _merged_adapters(path, dtype)
@@ -218,7 +250,7 @@ def load_sequence_scorer(
             )
         return scorer_from_causal_lm(load_causal_lm(path, role=role, dtype=dtype), pad_token_id)
     if given is None:
-        _check_path(path, role)
+        check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
     task = adapter_task(path)
     if task not in (

@@ -18,6 +18,7 @@ from proximal.models.heads import last_token_scores
 from proximal.models.loading import (
     ModelLoadError,
     adapter_task,
+    check_path,
     load_sequence_scorer,
 )
 from proximal.models.policy import with_lora
@@ -35,6 +36,7 @@ def load_reward_model(path: str, dtype: str, tokenizer, lora: dict | None = None
     no ``config.json``: an SFT run's (causal-LM adapters) is merged into its base model and gets a
     fresh head; a reward model's (``proximal rm``: adapters and its head) keeps its head.
     """
+    check_path(path, "model.path")  # before AutoConfig asks the hub for a local path's typo
     task = adapter_task(path)
     new_head = task not in (None, "SEQ_CLS") or (task is None and not _is_classifier(path))
     model = load_sequence_scorer(path, role="model.path", dtype=dtype, new_head=new_head)

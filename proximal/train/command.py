@@ -27,7 +27,7 @@ import torch.distributed as td
 import yaml
 
 from proximal import dist
-from proximal.config import ConfigError, help_text, load_config, parse_overrides
+from proximal.config import ConfigError, help_text, load_config, missing_path, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
 from proximal.rollout.scoring import RewardFunctionError
@@ -232,6 +232,8 @@ def config_command(
             check_auto(cfg)
         elif resume_dir is not None:
             saved = Path(resume_dir) / "config.yaml"
+            if not Path(resume_dir).is_dir():
+                raise ConfigError(f"--resume {resume_dir}: {missing_path(resume_dir)}")
             if not saved.is_file():
                 raise ConfigError(
                     f"--resume {resume_dir}: no config.yaml there; is it a run directory?"

@@ -41,6 +41,7 @@ from proximal.config import ConfigError
 from proximal.data.packing import plan_micro_batches, split_to
 from proximal.data.sampler import Sampler
 from proximal.data.sft import LoadReport
+from proximal.data.sources import same_rows, same_rows_note
 from proximal.models.flops import Tokens, forward_flops, train_flops
 from proximal.train.batches import Sums, accumulate, plan_steps
 from proximal.train.checkpoint import export_final
@@ -73,22 +74,30 @@ class Data:
 
 
 def load_data(
-    load: Callable[[str], tuple[list, LoadReport]],
+    load: Callable[[str, str | None], tuple[list, LoadReport]],
     train_file: str,
     eval_file: str | None,
     *,
+    split: str | None = None,
+    eval_split: str | None = None,
     steps: int | None,
     epochs: int,
     batch_size: int,
     warmup_steps: int,
     run: Run | None = None,
 ) -> Data:
-    """``load(path)`` of the training file and, when given, the held-out file; the run's step count
-    (:func:`proximal.train.batches.plan_steps`). Bad data and a batch larger than the data raise here,
-    before any model loads; so does ``run``'s :class:`~proximal.train.run.RunFinished` when
-    ``--resume auto`` finds its checkpoint at that step count."""
-    train, train_report = load(train_file)
-    held, eval_report = load(eval_file) if eval_file else ([], None)
+    """``load(path, split)`` of the training file at ``split`` and, when given, the held-out file at
+    ``eval_split`` (null: ``split``); the run's step count (:func:`proximal.train.batches.plan_steps`).
+    Bad data and a batch larger than the data raise here, before any model loads; so does ``run``'s
+    :class:`~proximal.train.run.RunFinished` when ``--resume auto`` finds its checkpoint at that
+    step count. Held-out rows that are the training rows themselves (the same file, directory
+    split or object) are said in one line: the held-out metrics would measure training rows."""
+    held_split = split if eval_split is None else eval_split
+    train, train_report = load(train_file, split)
+    held, eval_report = load(eval_file, held_split) if eval_file else ([], None)
+    if eval_file and run is not None and run.is_main:
+        if same_rows(train_file, split, eval_file, held_split):
+            run.say(same_rows_note(eval_file, held_split))
     total = plan_steps(
         len(train),
         steps=steps,

@@ -956,7 +956,19 @@ class PreferenceDataSection:
         "the pair and counts it in metrics.jsonl.",
         choices=ON_EMPTY,
     )
-    split: str | None = option(None, SPLIT_HELP)
+    split: str | None = option(
+        None,
+        "The split to read where the data is a DatasetDict (a save_to_disk directory or a data "
+        "set name in the local Hugging Face cache): null = 'train'; also data.eval_file's unless "
+        "data.eval_split is set. A single file is one split, 'train'. See docs/data.md.",
+    )
+    eval_split: str | None = option(
+        None,
+        "The split of data.eval_file where it is a DatasetDict; null = data.split. Reading the "
+        "same DatasetDict as data.train_file for evaluation takes its own split here (e.g. "
+        "'test'); evaluation that reads the very rows training reads is said at the start. See "
+        "docs/data.md.",
+    )
     columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
     def problems(self, name: str = "data") -> list[str]:
@@ -974,12 +986,12 @@ class PreferenceDataSection:
 
     def load_kwargs(self) -> dict:
         """What the loaders (:func:`proximal.data.preferences.load_preference_pairs`,
-        :func:`proximal.data.sft.load_sft_examples`) take from this section besides the path and the
-        tokenizer, as keyword arguments."""
+        :func:`proximal.data.sft.load_sft_examples`) take from this section besides the path, the
+        split (:func:`proximal.train.fixed.load_data` gives each file its own) and the tokenizer, as
+        keyword arguments."""
         return dict(
             max_length=self.max_length,
             on_too_long=self.on_too_long,
             on_empty=self.on_empty,
-            split=self.split,
             columns=self.columns,
         )

@@ -130,9 +130,11 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, m.chat_template)
     data = load_data(
-        lambda path: load_preference_pairs(path, tokenizer, **d.load_kwargs()),
+        lambda path, split: load_preference_pairs(path, tokenizer, **d.load_kwargs(), split=split),
         d.train_file,
         d.eval_file,
+        split=d.split,
+        eval_split=d.eval_split,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,

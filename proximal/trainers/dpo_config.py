@@ -9,6 +9,7 @@ truncated, the held-out KL; DPO's precomputed reference); ``dpo`` and ``simpo`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from proximal.config import option, reworded, section, section_problems
 from proximal.core import DPO_LOSS_TYPES
@@ -26,6 +27,7 @@ from proximal.train.sections import (
     PreferenceDataSection,
     keep_best_problems,
 )
+from proximal.train.trl_names import TRL_NAMES
 
 
 @dataclass
@@ -160,6 +162,8 @@ class PreferenceEvalSection(EvalSection):
 class DPOConfig:
     """``proximal dpo`` configuration."""
 
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["dpo"]
+
     model: PreferencePolicyModel = section(
         PreferencePolicyModel, "The policy π_θ and, frozen, its reference π_ref."
     )
@@ -191,6 +195,8 @@ class DPOConfig:
 @dataclass
 class SimPOConfig:
     """``proximal simpo`` configuration."""
+
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["simpo"]
 
     model: PreferencePolicyModel = section(
         PreferencePolicyModel, "The policy π_θ (SimPO has no reference)."

@@ -9,6 +9,7 @@ GRPO's own. docs/grpo.md explains every field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from proximal.config import check_divides, option, section, section_problems
 from proximal.core.ranges import problem
@@ -26,6 +27,7 @@ from proximal.train.sections import (
     agent_problems,
     keep_best_problems,
 )
+from proximal.train.trl_names import TRL_NAMES
 
 #: ``grpo.loss`` → the loss aggregation it names (proximal.core.stats.masked_aggregate).
 LOSSES = {
@@ -160,6 +162,8 @@ class GRPOLossConfig:
 @dataclass
 class GRPOConfig:
     """Everything a GRPO/RLOO run needs; see docs/grpo.md for each field and what healthy values look like."""
+
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["grpo"]
 
     model: OnlineModelSection = section(OnlineModelSection)
     data: PromptDataSection = section(PromptDataSection)

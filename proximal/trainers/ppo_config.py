@@ -27,6 +27,7 @@ from proximal.train.sections import (
     agent_problems,
     keep_best_problems,
 )
+from proximal.train.trl_names import TRL_NAMES
 
 
 @dataclass
@@ -151,6 +152,8 @@ class PPOOptim(OptimSection):
 @dataclass
 class PPOConfig:
     """Everything a PPO run needs; see docs/ppo.md for each field and what healthy values look like."""
+
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["ppo"]
 
     model: PPOModel = section(PPOModel)
     data: PPOData = section(PPOData)

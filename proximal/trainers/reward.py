@@ -65,9 +65,11 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, cfg.model.chat_template)
     data = load_data(
-        lambda path: load_preference_pairs(path, tokenizer, **d.load_kwargs()),
+        lambda path, split: load_preference_pairs(path, tokenizer, **d.load_kwargs(), split=split),
         d.train_file,
         d.eval_file,
+        split=d.split,
+        eval_split=d.eval_split,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,

@@ -20,6 +20,7 @@ from proximal.train.sections import (
     OptimSection,
     PreferenceDataSection,
 )
+from proximal.train.trl_names import TRL_NAMES
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RMModel(LoRAModelSection):
 @dataclass
 class RMConfig:
     """``proximal rm`` configuration."""
+
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["rm"]
 
     model: RMModel = section(RMModel, "The model the reward model starts from.")
     data: PreferenceDataSection = section(PreferenceDataSection, "Preference pairs.")

@@ -59,9 +59,13 @@ def train(cfg: SFTConfig, resume_dir: str | Path | None = None) -> Path:
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, cfg.model.chat_template)
     data = load_data(
-        lambda path: load_sft_examples(path, tokenizer, **d.load_kwargs(), loss_on=d.loss_on),
+        lambda path, split: load_sft_examples(
+            path, tokenizer, **d.load_kwargs(), split=split, loss_on=d.loss_on
+        ),
         d.train_file,
         d.eval_file,
+        split=d.split,
+        eval_split=d.eval_split,
         steps=t.steps,
         epochs=t.epochs,
         batch_size=t.batch_size,

@@ -23,6 +23,7 @@ from proximal.train.sections import (
     OptimSection,
     PreferenceDataSection,
 )
+from proximal.train.trl_names import TRL_NAMES
 
 
 @dataclass
@@ -92,6 +93,8 @@ class SFTModel(LoRAModelSection):
 @dataclass
 class SFTConfig:
     """``proximal sft`` configuration."""
+
+    FOREIGN_NAMES: ClassVar[dict[str, str]] = TRL_NAMES["sft"]
 
     model: SFTModel = section(
         SFTModel, "The causal LM to fine-tune (all weights, or LoRA adapters)."

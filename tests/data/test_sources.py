@@ -16,13 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from proximal.cli import main
+from proximal.config import PythonObject
 from proximal.data.jsonl import DataError
 from proximal.data.preferences import load_preference_pairs
 from proximal.data.prompts import load_prompts, load_texts
 from proximal.data.sft import load_sft_examples
-from proximal.data.sources import read_rows
+from proximal.data.sources import read_rows, same_rows
 from proximal.logging import read_metrics
 
 datasets = pytest.importorskip("datasets")
@@ -301,3 +303,120 @@ def test_bad_input_is_one_line_and_exit_status_2(assets, tmp_path, hf_home, caps
         assert main(_argv("sft", assets, path, tmp_path / f"bad{i}", *extra)) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and message in err[0], err
+
+
+# ----------------------------------------------------------------------------------------------
+# Data with no rows
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_empty_saved_data_set_or_parquet_file_has_no_records(tmp_path):
+    """datasets' load_from_disk fails on an empty Dataset with an IndexError, pyarrow reads an empty
+    Parquet file as damaged (ArrowInvalid): both are "no records", one DataError."""
+    empty = datasets.Dataset.from_dict({"prompt": [], "response": []})
+    empty.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(train=empty).save_to_disk(str(tmp_path / "saved_dict"))
+    empty.to_parquet(str(tmp_path / "rows.parquet"))
+    (tmp_path / "zero.parquet").write_bytes(b"")
+    cases = {
+        tmp_path / "saved": f"{tmp_path / 'saved'}: no records (an empty data set)",
+        tmp_path
+        / "saved_dict": f"{tmp_path / 'saved_dict'}[train]: no records (an empty data set)",
+        tmp_path
+        / "rows.parquet": f"{tmp_path / 'rows.parquet'}: the file has no records (it is empty)",
+        tmp_path
+        / "zero.parquet": f"{tmp_path / 'zero.parquet'}: the file has no records (it is empty)",
+    }
+    for path, message in cases.items():
+        with pytest.raises(DataError) as e:
+            list(read_rows(path))
+        assert str(e.value) == message
+
+
+def test_a_split_of_a_saved_data_set_dict_reads_even_when_another_split_is_empty(tmp_path):
+    rows = datasets.Dataset.from_list(SFT_ROWS)
+    empty = datasets.Dataset.from_dict({"prompt": [], "response": []})
+    datasets.DatasetDict(train=rows, test=empty).save_to_disk(str(tmp_path / "d"))
+    got = [r for _, r in read_rows(tmp_path / "d")]
+    assert got == SFT_ROWS
+    with pytest.raises(DataError, match=r"d\[test\]: no records"):
+        list(read_rows(tmp_path / "d", split="test"))
+
+
+def test_no_records_from_python_names_the_field_not_a_file(assets):
+    tok = AutoTokenizer.from_pretrained(assets.policy("llama"))
+    rows = PythonObject([], "data.train_file", "data")
+    with pytest.raises(DataError) as e:
+        load_sft_examples(rows, tok, max_length=16)
+    assert str(e.value) == "data.train_file: no records (list of 0 rows given from Python)"
+    with pytest.raises(DataError) as e:
+        load_preference_pairs(PythonObject([], "data.eval_file", "data"), tok, max_length=16)
+    assert str(e.value) == "data.eval_file: no records (list of 0 rows given from Python)"
+
+
+def test_an_empty_saved_data_set_is_one_line_and_exit_status_2(assets, tmp_path, capsys):
+    datasets.Dataset.from_dict({"prompt": [], "response": []}).save_to_disk(str(tmp_path / "e"))
+    capsys.readouterr()  # datasets' own progress line
+    assert main(_argv("sft", assets, tmp_path / "e", tmp_path / "run")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"proximal sft: {tmp_path / 'e'}: no records (an empty data set)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The held-out split: data.eval_split
+# ----------------------------------------------------------------------------------------------
+
+HELD_OUT_ROWS = [{"prompt": "xy ", "response": "7"}, {"prompt": "yx ", "response": "80"}]
+
+
+def test_same_rows_knows_a_split_however_it_is_given(tmp_path):
+    d = tmp_path / "d"
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(SFT_ROWS), test=datasets.Dataset.from_list(HELD_OUT_ROWS)
+    ).save_to_disk(str(d))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
+    rows = [dict(r) for r in SFT_ROWS]
+    assert same_rows(d, None, d, None) and same_rows(d, None, d, "train")
+    assert same_rows(d, "test", d / "test", None)  # a split's subdirectory is that split
+    assert same_rows(str(d), "test", f"{tmp_path}/./d/test", "train")
+    assert not same_rows(d, None, d, "test") and not same_rows(d, None, d / "test", None)
+    assert same_rows(tmp_path / "rows.jsonl", None, tmp_path / "rows.jsonl", None)
+    same, other = (
+        PythonObject(rows, "data.train_file", "data"),
+        PythonObject(list(rows), "x", "data"),
+    )
+    assert same_rows(same, None, PythonObject(rows, "data.eval_file", "data"), None)
+    assert not same_rows(same, None, other, None)  # equal rows, another object: not known equal
+
+
+def _eval_loss(out: Path) -> float:
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0]
+    return row["eval/loss"]
+
+
+def test_eval_split_reads_the_held_out_split_and_the_same_rows_are_said(assets, tmp_path, capsys):
+    d = tmp_path / "d"
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(SFT_ROWS), test=datasets.Dataset.from_list(HELD_OUT_ROWS)
+    ).save_to_disk(str(d))
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT_ROWS))
+    note = "data.eval_file reads the very rows data.train_file reads"
+
+    def run(name, *extra):
+        capsys.readouterr()
+        assert main(_argv("sft", assets, d, tmp_path / name, *extra)) == 0
+        return _eval_loss(tmp_path / name), capsys.readouterr().out
+
+    by_split, out = run("split", "--data.eval_file", str(d), "--data.eval_split", "test")
+    assert note not in out
+    by_file, _ = run("file", "--data.eval_file", str(held_out))
+    by_subdirectory, out = run("subdirectory", "--data.eval_file", str(d / "test"))
+    assert note not in out
+    assert by_split == by_file == by_subdirectory  # the same two rows, the same weights at step 0
+    on_train, out = run("same", "--data.eval_file", str(d))
+    assert on_train != by_file
+    assert (
+        f"proximal sft: {note} ({d}, split 'train'): the held-out metrics measure training rows; "
+        "set data.eval_split (its splits: train, test) or another data.eval_file"
+    ) in out.splitlines()

@@ -258,11 +258,11 @@ def test_cli_runs(base, tmp_path, capsys):
 
 def test_cli_config_errors_are_one_message(base, tmp_path, capsys):
     base_path, _ = base
-    config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learning_rate": 0.1})
+    config = write_yaml(tmp_path / "a.yaml", base_path, tmp_path, train={"learn_rate": 0.1})
     assert main(["sft", "--config", config]) == 2
     err = capsys.readouterr().err
     assert (
-        "train.learning_rate: unknown key (known here: activation_checkpointing, batch_size, "
+        "train.learn_rate: unknown key (known here: activation_checkpointing, batch_size, "
         "compile, cpu_matmul, device," in err
     )
 
