@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 #: A chat template that shows which tools a prompt is offered: their names after "7 ", then each
@@ -165,3 +168,39 @@ class Talk:
 
     def get_reward(self) -> float:
         return frac_a_text(self.last)
+
+
+def spawn(pid_file: str, hang: bool = True) -> int:
+    """Start a child process (``sleep 1234``), write its pid to ``pid_file``, then hang (or return).
+
+    Args:
+        pid_file: where the child's pid goes.
+        hang: never return.
+    """
+    child = subprocess.Popen(["sleep", "1234"])
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(child.pid))
+    os.replace(pid_file + ".tmp", pid_file)
+    if hang:
+        time.sleep(60)
+    return child.pid
+
+
+def chatty(n: int) -> int:
+    """Print ``n`` bytes to stdout and to stderr, return n.
+
+    Args:
+        n: how many.
+    """
+    print("o" * n, end="", flush=True)
+    print("e" * n, end="", file=sys.stderr, flush=True)
+    return n
+
+
+def long_result(n: int) -> str:
+    """A result of ``n`` characters.
+
+    Args:
+        n: its length.
+    """
+    return "x" * n
