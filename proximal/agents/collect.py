@@ -39,12 +39,13 @@ from proximal.agents.env import (
     row_schemas,
     tool_methods,
 )
-from proximal.agents.tools import load_tools
+from proximal.agents.tools import load_tools, tool_schemas
 from proximal.agents.trajectory import STOPS, Trajectory, run_trajectories, to_rollout, turn_rewards
 from proximal.config import ConfigError
 from proximal.rollout.collect import Collected, finite_rows
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
-from proximal.rollout.scoring import Scorer, load_reward_function
+from proximal.rollout.scoring import Scorer
+from proximal.specs import import_spec
 
 __all__ = [
     "AgentCollected",
@@ -81,10 +82,7 @@ def load_environment(spec) -> Callable:
     """The ``env.factory`` spec imported (a class or a function; from Python, taken as it is).
     ConfigError when it cannot be, or when a worker process could not import it (defined in
     ``__main__`` or inside a function)."""
-    try:
-        factory = load_reward_function(spec)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("reward function", "env.factory", 1)) from None
+    factory = import_spec(spec, "env.factory")
     module = getattr(factory, "__module__", None)
     qualname = getattr(factory, "__qualname__", type(factory).__qualname__)
     if module == "__main__" or "<locals>" in qualname:
@@ -106,7 +104,12 @@ def run_tools(env, tools) -> Callable[[dict], list[dict]] | None:
         return None
     factory = load_environment(env.factory) if env.factory is not None else None
     cls = environment_class(factory) if factory is not None else None
-    registered = {**load_tools(tools.functions), **tool_methods(cls)}
+    methods = tool_methods(cls)
+    try:  # made here, so a missing docstring is not reported against a prompt row
+        tool_schemas(methods)
+    except ConfigError as e:
+        raise ConfigError(f"env.factory {cls.__qualname__}: {e}") from None
+    registered = {**load_tools(tools.functions), **methods}
     return row_schemas(registered) if registered else None
 
 

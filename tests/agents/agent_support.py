@@ -204,3 +204,20 @@ def long_result(n: int) -> str:
         n: its length.
     """
     return "x" * n
+
+
+def nodoc(x: int) -> int:
+    return x
+
+
+NOT_CALLABLE = 3
+
+
+class NoDocTool:
+    """The tool form with a method that has no docstring (no schema can be made)."""
+
+    def reset(self, **row):
+        pass
+
+    def poke(self, x: int) -> int:
+        return x
