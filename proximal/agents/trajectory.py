@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from proximal.agents.env import Environments, as_messages
+from proximal.agents.env import AgentError, Environments, as_messages
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.data.collate import pad_left, pad_right
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
@@ -207,6 +207,35 @@ def run_trajectories(
         messages: each prompt's chat messages (None for a text prompt), for ``reset``'s observation.
         logprobs: keep the engine's log μ of each sampled token (``generate(..., logprobs=True)``).
     """
+    trajs = _run_batch(
+        engine, tokenizer, envs, prompt_ids, rows, seeds, params, max_turns, max_tokens,
+        max_context, messages, device, logprobs,
+    )  # fmt: skip
+    # A worker killed by one trajectory's call took the other environments it held: those did
+    # nothing wrong and run again from their own reset, with their own seeds (a resumed run meets
+    # the same failure and runs the same ones again, so it stays exact). The failed one does not;
+    # each round has one fewer, so this ends.
+    todo = sorted(envs.evicted)
+    while todo:
+        for b in todo:  # the thrown-away attempt counts for nothing
+            envs.counts.subtract(trajs[b].counts)
+        envs.counts["reruns"] += len(todo)
+        again = _run_batch(
+            engine, tokenizer, envs, [prompt_ids[b] for b in todo], [rows[b] for b in todo],
+            [seeds[b] for b in todo], params, max_turns, max_tokens, max_context,
+            [messages[b] for b in todo] if messages else None, device, logprobs,
+        )  # fmt: skip
+        for b, t in zip(todo, again):
+            trajs[b] = t
+        todo = [todo[i] for i in sorted(envs.evicted)]
+    return trajs
+
+
+def _run_batch(
+    engine, tokenizer, envs, prompt_ids, rows, seeds, params, max_turns, max_tokens,
+    max_context, messages, device, logprobs,
+) -> list[Trajectory]:  # fmt: skip
+    """:func:`run_trajectories` once over the rows, evicted ones included."""
     B = len(prompt_ids)
     if not (len(rows) == len(seeds) == B):
         raise ValueError(f"run_trajectories: {B} prompts, {len(rows)} rows, {len(seeds)} seeds")
@@ -217,14 +246,16 @@ def run_trajectories(
     stops = set(params.stop_token_ids)
     firsts = envs.reset(rows)  # reads each row's tools column: the tools its trajectory is offered
     messages = messages or [None] * B
-    trajs = [
-        Trajectory(
-            first_prompt(
-                tokenizer, p, messages[b], firsts[b], envs.schemas(b) if envs.tools else None
-            )
-        )
-        for b, p in enumerate(prompt_ids)
-    ]
+    trajs = []
+    for b, p in enumerate(prompt_ids):
+        try:
+            tools = envs.schemas(b) if envs.tools else None
+            trajs.append(Trajectory(first_prompt(tokenizer, p, messages[b], firsts[b], tools)))
+        except (TypeError, ValueError) as e:  # a reset() observation that cannot be a prompt
+            raise AgentError(
+                f"env.factory {envs.name}: reset's observation for row {b} of the batch "
+                f"(prompt {rows[b].get('prompt')!r:.60}): {e}"
+            ) from None
     running = list(range(B))
     for turn in range(max_turns):
         limits = {}
@@ -281,7 +312,14 @@ def run_trajectories(
             if turn + 1 == max_turns:
                 _finish(t, "max_turns", ended=False)
                 continue
-            obs = observation_ids(tokenizer, r.messages)
+            try:
+                obs = observation_ids(tokenizer, r.messages)
+            except Exception as e:  # the template raised (jinja2's TemplateError, ...)
+                raise AgentError(
+                    f"the chat template cannot render the observation after turn {turn + 1} of "
+                    f"row {b} of the batch ({type(e).__name__}: {e}); set model.chat_template to "
+                    "one that renders tool and user messages after an assistant turn"
+                ) from None
             over = len(t.ids) + len(obs) >= max_tokens
             if max_context is not None and len(t.prompt_ids) + len(t.ids) + len(obs) >= max_context:
                 _finish(t, "max_tokens" if over else "context", ended=False)

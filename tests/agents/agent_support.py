@@ -221,3 +221,34 @@ class NoDocTool:
 
     def poke(self, x: int) -> int:
         return x
+
+
+class Crashy:
+    """The step form over ``turns`` turns (a row column, default 1), outcome reward 1.0 — except
+    a row with ``crash`` set: at turn ``crash_at`` (default 1) its step kills its worker process
+    (``crash: exit``) or hangs (``crash: hang``)."""
+
+    def reset(self, turns: int = 1, crash: str | None = None, crash_at: int = 1, **row):
+        self.left, self.crash, self.crash_at, self.turn = int(turns), crash, int(crash_at), 0
+
+    def step(self, text: str):
+        self.turn += 1
+        if self.crash and self.turn == self.crash_at:
+            if self.crash == "exit":
+                os._exit(3)
+            time.sleep(60)
+        self.left -= 1
+        return "ab", 0.0, self.left <= 0
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class BadReset:
+    """An environment whose reset raises."""
+
+    def reset(self, **row):
+        raise KeyError("answer")
+
+    def step(self, text: str):
+        return None, 0.0, True

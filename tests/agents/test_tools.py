@@ -177,6 +177,9 @@ def test_every_outcome_is_counted(envs):
         "agent/tool_timeouts": 0,
         "agent/malformed_calls": 2,
         "agent/env_errors": 0,
+        "agent/results_truncated": 0,
+        "agent/reruns": 0,
+        "agent/dropped": 0,
     }
 
 
