@@ -186,6 +186,7 @@ def agent_eval(
         timeout_s=tools.get("timeout_s", 10.0),
         on_error=tools.get("on_error", "observe"),
         workers=tools.get("workers", 4),
+        max_result_chars=tools.get("max_result_chars", 10_000),
         has_reward_source=has_reward_source,
     )
     budget = env.get("max_tokens")

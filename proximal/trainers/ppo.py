@@ -118,6 +118,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
         columns=prompts.columns,
         source=str(d.prompts),
+        log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
 
@@ -250,10 +251,11 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 max_turns=cfg.env.max_turns,
                 max_tokens=max_length,
                 max_context=context_length(actor),
+                on_failure=cfg.env.on_failure,
                 **source,
             )
         rollout, scores, valid = got.rollout, got.scores, got.valid
-        counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
+        counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
         # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients); log μ, the
         # engine's, came with the rollout (rollout.correction bypass: π_old := μ, not computed). When the

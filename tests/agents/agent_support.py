@@ -252,3 +252,19 @@ class BadReset:
 
     def step(self, text: str):
         return None, 0.0, True
+
+
+class AlwaysOne:
+    """One turn, outcome reward 1.0 — but a turn holding the row's ``crash_if`` character kills
+    its worker process: a planted crash that depends on what the policy sampled."""
+
+    def reset(self, crash_if: str = "", **row):
+        self.crash_if = crash_if
+
+    def step(self, text: str):
+        if self.crash_if and self.crash_if in text:
+            os._exit(3)
+        return None, 0.0, True
+
+    def get_reward(self) -> float:
+        return 1.0

@@ -381,3 +381,44 @@ def test_tools_in_a_run_are_counted_and_never_hang(tmp_path, monkeypatch, capsys
     assert any("timeout_s" in x for x in texts)
     assert any(x.startswith("error: malformed tool call") for x in texts)
     assert '{"n": 3, "square": 9}' in texts  # a non-text result written as JSON
+
+
+@pytest.mark.parametrize("on_failure", ["zero", "drop"])
+def test_a_crash_fails_only_its_own_trajectory(assets, tmp_path, capsys, on_failure):
+    """Fault 3 in a run: an environment that always rewards 1.0 and kills its worker when the
+    policy's turn holds "b". Only those trajectories fail (the others sharing their worker used to
+    fail too, trained as score 0). With zero, score/env is exactly the share that did not fail;
+    with drop, the failed ones (and a group they leave with one member) are out of the update, and
+    score/env over the trajectories kept is 1.0."""
+    prompts = _prompts(tmp_path, crash_if="b")
+    run_dir = tmp_path / on_failure
+    cfg = grpo_config(
+        assets.policy("llama"),
+        prompts,
+        run_dir,
+        model={"reward_functions": []},
+        env={"factory": "agent_support:AlwaysOne", "max_turns": 1}
+        | ({"on_failure": "drop"} if on_failure == "drop" else {}),  # zero: the default
+        tools={"workers": 2},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    # samples.jsonl holds the rows trained on: all 8 with zero, the kept ones with drop
+    stepped = [s["trajectory"] for s in samples if s["trajectory"]["stop"] != "turn_length"]
+    crashed = ["b" in t["turns"][0]["agent"] for t in stepped]
+    assert [t["failed"] for t in stepped] == crashed
+    failed = round(sum(r["agent/failed"] * 8 for r in rows))
+    assert 0 < failed < 16  # the seed gives both
+    assert sum(r["agent/env_errors"] for r in rows) == 2 * failed  # its step and its get_reward
+    if on_failure == "zero":
+        assert sum(crashed) == failed
+    for r in rows:
+        if on_failure == "zero":
+            assert r["score/env"] == pytest.approx(1.0 - r["agent/failed"], abs=1e-6)
+            assert r["agent/dropped"] == 0
+        else:
+            assert r["agent/dropped"] >= round(r["agent/failed"] * 8)
+            if r["agent/dropped"] < 8:
+                assert r["score/env"] == 1.0
