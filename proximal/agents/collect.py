@@ -300,6 +300,12 @@ def agent_collect(
     if on_failure == "drop":
         dropped = dropped_rows(failed, valid, group_size)
         valid = valid & ~dropped
+        if dist.global_sum(int(valid.sum()), device) == 0:  # as finite_rows stops for NaN alone
+            raise FloatingPointError(
+                f"step {step}: every trajectory of the batch failed (or scored non-finite), and "
+                "env.on_failure: drop leaves no row to train on (env.on_failure: zero trains on "
+                "failed ones with outcome reward 0)"
+            )
     counts = envs.take_counts()
     counts["agent/dropped"] = int(dropped.sum())
     return AgentCollected(

@@ -90,3 +90,49 @@ def test_a_reset_that_raises_is_one_line(tok):
     assert str(e.value) == (
         "env.factory BadReset: reset failed for row 0 of the batch (prompt 'ab'): KeyError: 'answer'"
     )
+
+
+def test_drop_leaves_failed_rows_out_and_lone_groups_whole():
+    """env.on_failure: drop, G = 4: group 0 loses row 0 and keeps a baseline over its other three;
+    group 1 is left with one member, whose baseline would be its own score: dropped whole."""
+    from proximal.agents.collect import dropped_rows
+    from proximal.core.grpo import grpo_advantages
+
+    failed = torch.tensor([True, False, False, False, True, True, True, False])
+    valid = torch.ones(8, dtype=torch.bool)
+    dropped = dropped_rows(failed, valid, 4)
+    assert dropped.tolist() == [True, False, False, False, True, True, True, True]
+    assert dropped_rows(failed, valid, 1).tolist() == failed.tolist()  # PPO: the failed rows
+    scores = torch.tensor([0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0])
+    adv, train, _ = grpo_advantages(
+        scores,
+        valid & ~dropped,
+        torch.ones(8, dtype=torch.bool),
+        4,
+        scale="group",
+        eps=1e-4,
+        skip_uniform_groups=False,
+        mask_truncated=False,
+    )
+    # rows 1-3: mean 0.5, sample std 0.5
+    expected = [0.0, 0.5 / 0.5001, 0.0, -0.5 / 0.5001, 0.0, 0.0, 0.0, 0.0]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-7)
+    assert train.tolist() == [False, True, True, True, False, False, False, False]
+
+
+def test_a_long_tool_result_is_cut_and_counted():
+    from agent_support import add, long_result
+
+    envs = Environments(
+        tools={"long_result": long_result, "add": add},
+        call_format="minimal",
+        workers=0,
+        max_result_chars=100,
+    )
+    out = envs.step({0: "[long_result 250] [add 1 2]", 1: "[long_result 100]"})
+    assert [m["content"] for m in out[0].messages] == [
+        "x" * 100 + "… [cut: 250 characters, tools.max_result_chars = 100]",
+        "3",
+    ]
+    assert out[1].messages[0]["content"] == "x" * 100
+    assert envs.take_counts()["agent/results_truncated"] == 1
