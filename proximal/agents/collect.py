@@ -43,7 +43,14 @@ from proximal.agents.env import (
     tool_methods,
 )
 from proximal.agents.tools import load_tools, tool_schemas
-from proximal.agents.trajectory import STOPS, Trajectory, run_trajectories, to_rollout, turn_rewards
+from proximal.agents.trajectory import (
+    STOPS,
+    Trajectory,
+    check_chat_template,
+    run_trajectories,
+    to_rollout,
+    turn_rewards,
+)
 from proximal.config import ConfigError
 from proximal.rollout.collect import Collected, finite_rows
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
@@ -55,6 +62,7 @@ __all__ = [
     "agent_collect",
     "agent_step_metrics",
     "build_environments",
+    "check_template",
     "context_length",
     "run_tools",
 ]
@@ -202,6 +210,16 @@ def build_environments(
         )
     envs.pool.start()
     return envs
+
+
+def check_template(envs: Environments, tokenizer) -> None:
+    """:func:`~proximal.agents.trajectory.check_chat_template` for a run's environments, once its
+    tokenizer is loaded and before any step: their workers are closed when it fails."""
+    try:
+        check_chat_template(tokenizer, bool(envs.tools))
+    except Exception:
+        envs.close()
+        raise
 
 
 def agent_collect(

@@ -150,6 +150,50 @@ def observation_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"])
 
 
+#: The text of the stand-in tool result :func:`check_chat_template` looks for in the rendering.
+_PROBE = "probe-result-7291"
+
+
+def check_chat_template(tokenizer, tools: bool) -> None:
+    """Stop before anything trains when the chat template cannot carry a multi-turn rollout.
+
+    A stand-in conversation — a user turn, an assistant turn (with a tool call when ``tools``),
+    its result (a ``tool`` message when ``tools``, else a ``user`` one) — is rendered the way
+    :func:`observation_ids` renders every observation. AgentError (one line, exit status 2,
+    suggesting ``model.chat_template``) when the template raises, drops the result (its text is
+    not in the rendering: the policy would never read one, while ``samples.jsonl`` recorded it as
+    shown), or ends no assistant turn with the EOS token (a turn stops there, and what follows is
+    appended). Without a chat template, observations are their text as it is: nothing to check.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return
+    role = "tool" if tools else "user"
+    result = {"role": role, "content": _PROBE, **({"name": "probe"} if tools else {})}
+    assistant = {"role": "assistant", "content": "x"}
+    if tools:
+        assistant["tool_calls"] = [
+            {"type": "function", "function": {"name": "probe", "arguments": {}}}
+        ]
+    conversation = [{"role": "user", "content": "x"}, assistant, result]
+    hint = "set model.chat_template to a template that supports multi-turn tool use"
+    try:
+        text = apply_template(conversation, tokenizer, "chat template check")
+    except Exception as e:  # jinja2's TemplateError, a template's raise_exception(...)
+        raise AgentError(
+            f"the chat template raises on a {role} message after an assistant turn "
+            f"({type(e).__name__}: {e}); {hint}"
+        ) from None
+    if _PROBE not in text:
+        raise AgentError(
+            f"the chat template drops {role} messages: a {role} result's text does not appear when "
+            f"it is rendered after an assistant turn, so the policy would never read one; {hint}"
+        )
+    try:
+        observation_ids(tokenizer, [result])
+    except ValueError as e:
+        raise AgentError(f"{e}; {hint}") from None
+
+
 def first_prompt(tokenizer, prompt_ids: list[int], messages: list[dict] | None, observation, tools):
     """The prompt ids once ``reset()``'s observation is added (TRL's rule: appended to the last
     user message, or to a text prompt as it is); ``prompt_ids`` as loaded when there is none.

@@ -140,11 +140,14 @@ def _capture_output(path: str) -> threading.Thread:
     os.close(write)
 
     def copy() -> None:
-        with open(path, "ab", buffering=0) as f:
-            full = False
-            while chunk := os.read(read, 65536):
-                if full:
-                    continue
+        # opened at the first print (a call runs in a step, once the run directory exists), and
+        # drained to the end whatever happens, so a tool never blocks on a full pipe
+        f, full = None, False
+        while chunk := os.read(read, 65536):
+            if full:
+                continue
+            try:
+                f = f or open(path, "ab", buffering=0)  # noqa: SIM115 - open for the thread's life
                 room = LOG_CAP - f.seek(0, os.SEEK_END)
                 f.write(chunk[: max(room, 0)])
                 if len(chunk) > room:
@@ -153,6 +156,10 @@ def _capture_output(path: str) -> threading.Thread:
                         "output dropped]\n".encode()
                     )
                     full = True
+            except OSError:  # the log cannot be written: the prints are dropped
+                full = True
+        if f is not None:
+            f.close()
 
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()

@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import agent_collect, context_length, run_environments, run_tools
+from proximal.agents.collect import (
+    agent_collect,
+    check_template,
+    context_length,
+    run_environments,
+    run_tools,
+)
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -120,6 +126,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
+    if envs is not None:  # observations go through the chat template: checked before any step
+        check_template(envs, tokenizer)
     evaluation = training_eval(
         cfg.eval,
         tokenizer,

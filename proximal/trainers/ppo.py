@@ -27,6 +27,7 @@ import torch
 from proximal import dist
 from proximal.agents.collect import (
     agent_collect,
+    check_template,
     context_length,
     run_environments,
     run_tools,
@@ -124,6 +125,8 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
+    if envs is not None:  # observations go through the chat template: checked before any step
+        check_template(envs, tokenizer)
     evaluation = training_eval(
         cfg.eval,
         tokenizer,

@@ -9,10 +9,14 @@ import sys
 import time
 
 #: A chat template that shows which tools a prompt is offered: their names after "7 ", then each
-#: message as "8 <content> ", then "9 " for the generation prompt (the tiny tokenizers' characters).
+#: message as "8 <content> " (an assistant's "9 <content><eos>"), then "9 " for the generation
+#: prompt (the tiny tokenizers' characters).
 TOOLS_TEMPLATE = (
     "{% if tools %}7 {% for t in tools %}{{ t['function']['name'] ~ ' ' }}{% endfor %}{% endif %}"
-    "{% for m in messages %}{{ '8 ' ~ m['content'] ~ ' ' }}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '9 ' ~ m['content'] ~ eos_token }}"  # EOS ends a turn
+    "{% else %}{{ '8 ' ~ m['content'] ~ ' ' }}{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}9 {% endif %}"
 )
 

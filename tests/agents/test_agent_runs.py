@@ -311,8 +311,8 @@ def test_conversational_rows_name_their_tools_and_the_limit_holds_with_the_schem
     assert sampled and sampled <= want
 
 
-def _scripted(monkeypatch, tok):
-    """Make every engine write SCRIPT[row] as a row's first turn (then sample as it would)."""
+def _scripted(monkeypatch, tok, script=SCRIPT):
+    """Make every engine write script[row] as a row's first turn (then sample as it would)."""
     from proximal.rollout.engine import HFEngine
 
     generate = HFEngine.generate
@@ -321,7 +321,7 @@ def _scripted(monkeypatch, tok):
     def scripted(self, ids, mask, seeds, params, *, logprobs=False):
         out, mu = generate(self, ids, mask, seeds, params, logprobs=True)
         rows = [
-            tok(SCRIPT[i % len(SCRIPT)], add_special_tokens=False)["input_ids"] + [eos]
+            tok(script[i % len(script)], add_special_tokens=False)["input_ids"] + [eos]
             for i in range(len(ids))
         ]
         width = max(out.shape[1], *(len(r) for r in rows))
@@ -422,3 +422,45 @@ def test_a_crash_fails_only_its_own_trajectory(assets, tmp_path, capsys, on_fail
             assert r["agent/dropped"] >= round(r["agent/failed"] * 8)
             if r["agent/dropped"] < 8:
                 assert r["score/env"] == 1.0
+
+
+def test_a_chatty_tool_prints_to_tools_log_and_long_results_are_cut(tmp_path, monkeypatch, capfd):
+    """Fault 7: a tool's prints went to the trainer's stdout (15.7 MB in a two-step run). Now to
+    tools.log in the run directory; and a result past tools.max_result_chars is cut, counted."""
+    from proximal.tasks.calculator import build_tokenizer, make_task_data
+
+    make_task_data(
+        tmp_path / "data", n_sft_train=4, n_sft_eval=2, n_prompts_train=8, n_prompts_eval=2
+    )
+    _scripted(monkeypatch, build_tokenizer(), script=["[chatty 5000]", "[long_result 30]"])
+    cfg = grpo_config(
+        tmp_path / "data" / "base_model",
+        tmp_path / "data" / "prompts_train.jsonl",
+        tmp_path / "run",
+        model={"reward_functions": ["proximal.tasks.calculator:verify"]},
+        rollout={"batch_size": 4, "group_size": 2, "max_new_tokens": 20},
+        grpo={"micro_batch_size": 4},
+        env={"max_turns": 2, "max_tokens": 85},  # room for the cut result (the context is 96)
+        tools={
+            "functions": ["agent_support:chatty", "agent_support:long_result"],
+            "format": "minimal",
+            "workers": 2,
+            "max_result_chars": 5,
+        },
+        train={"steps": 1},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capfd.readouterr().err
+    out, err = capfd.readouterr()
+    assert "ooooo" not in out and "eeeee" not in err
+    log = (tmp_path / "run" / "tools.log").read_text()
+    assert log.count("o" * 5000) == 4 and log.count("e" * 5000) == 4  # 4 rows called it
+    [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["agent/results_truncated"] >= 4  # every long_result of turn 1 (and any of turn 2)
+    texts = [
+        m["content"]
+        for s in read_jsonl(tmp_path / "run" / "samples.jsonl")
+        for m in s["trajectory"]["turns"][0]["observation"]
+    ]
+    cut = "xxxxx… [cut: 30 characters, tools.max_result_chars = 5]"
+    assert texts.count(cut) == 4 and texts.count("5000") == 4
