@@ -464,3 +464,35 @@ def test_a_chatty_tool_prints_to_tools_log_and_long_results_are_cut(tmp_path, mo
     ]
     cut = "xxxxx… [cut: 30 characters, tools.max_result_chars = 5]"
     assert texts.count(cut) == 4 and texts.count("5000") == 4
+
+
+@pytest.mark.parametrize(
+    ("sections", "line"),
+    [
+        (  # fault 4: a 40-line traceback, exit status 1
+            {"env": {"factory": "agent_support:BadReset", "max_turns": 2}},
+            "proximal grpo: env.factory BadReset: reset failed for row 0 of the batch (prompt ",
+        ),
+        (  # fault 5: the run trained with every tool result dropped from what the policy read
+            {
+                "model": {
+                    "chat_template": "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                    "{{ m['content'] ~ eos_token }}{% elif m['role'] == 'user' %}"
+                    "{{ m['content'] }}{% endif %}{% endfor %}"
+                },
+                "tools": {"functions": ["agent_support:add"], "format": "minimal"},
+            },
+            "proximal grpo: the chat template drops tool messages: ",
+        ),
+    ],
+)
+def test_environment_and_template_failures_stop_in_one_line(
+    assets, tmp_path, capsys, sections, line
+):
+    cfg = grpo_config(assets.policy("llama"), _prompts(tmp_path), tmp_path / "run", **sections)
+    cfg["tools"] = {"workers": 1, **cfg.get("tools", {})}
+    assert grpo_main(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(line) and "Traceback" not in "\n".join(err)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or read_jsonl(metrics) == []  # no step ran
