@@ -10,11 +10,14 @@ worker and whatever the user's code started), and the worker is replaced by a fr
 :meth:`WorkerPool.close` kills the worker with every process a tool started (``killpg``), and the
 worker is reaped. A worker dies with its trainer even when the trainer is SIGKILLed: on Linux the
 kernel sends it SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, set first thing in
-:func:`main`, then the parent's pid is checked, for a parent that died before that); and a
-watchdog thread in the worker polls ``getppid()`` every 0.5 s and kills the worker's whole group
-when the parent is gone — the only guard on other systems, and the one for a pool started from a
-thread other than the main one (``PR_SET_PDEATHSIG`` fires when the *thread* that started the
-child exits, which would kill a healthy worker, so it is not set then).
+:func:`main`, then the parent's pid is checked, for a parent that died before that); a watchdog
+thread in the worker polls ``getppid()`` every 0.5 s and kills the worker's whole group when the
+parent is gone — the guard on other systems, and the one for a pool started from a thread other
+than the main one (``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits,
+which would kill a healthy worker, so it is not set then); and a guardian process in the worker's
+group (:func:`_guardian`) waits on a pipe only the trainer holds open and kills the group when it
+closes — so what a tool started dies with the trainer too (the kernel's SIGKILL leaves the
+worker no time to), and a worker whose main thread holds the GIL in a C call still goes.
 
 A tool's own prints (stdout, stderr — its children's too) go to ``log`` (the run's ``tools.log``),
 at most :data:`LOG_CAP` bytes of it, then one line saying the rest was dropped: never to the
@@ -79,10 +82,15 @@ LOG_CAP = 10 * 2**20
 WATCH_S = 0.5
 
 
-def main(fd: int, parent: int, pdeathsig: bool = True, log: str | None = None) -> None:
+def main(
+    fd: int, parent: int, pdeathsig: bool = True, log: str | None = None, alive: int | None = None
+) -> None:
     """A worker process's entry point: guard against outliving ``parent`` (the trainer's pid: the
-    module docstring), send its tools' prints to ``log``, say it is ready, and serve requests on
-    the socket ``fd`` until it closes."""
+    module docstring; ``alive``, the read end of a pipe only the trainer can write to, for the
+    guardian), send its tools' prints to ``log``, say it is ready, and serve requests on the socket
+    ``fd`` until it closes."""
+    if alive is not None:  # first, while this process has one thread: it forks
+        _guardian(alive, fd)
     if pdeathsig:
         _die_with_parent()
     if os.getppid() != parent:  # the trainer died before the guard was set
@@ -98,6 +106,22 @@ def main(fd: int, parent: int, pdeathsig: bool = True, log: str | None = None) -
         os.close(1)
         os.close(2)
         copier.join(timeout=1)
+
+
+def _guardian(alive: int, fd: int) -> None:
+    """Fork the guardian: a process of this worker's group that blocks reading ``alive`` (nothing
+    is ever written; the end of file comes when the trainer is gone, however it ended) and then
+    kills the group — the worker, if the kernel has not already, and whatever its tools started and
+    left running, which ``PR_SET_PDEATHSIG`` alone would leave behind. It is killed with the group
+    when the pool ends or replaces the worker."""
+    if os.fork() == 0:
+        try:
+            os.close(fd)  # the worker's socket: the trainer must see it close when the worker dies
+            while os.read(alive, 1):
+                pass
+        finally:
+            _kill_group()
+    os.close(alive)
 
 
 def _die_with_parent() -> None:
@@ -243,12 +267,15 @@ class Job:
     env: bool = False
 
 
-def _command(fd: int, parent: int, pdeathsig: bool, log: str | None) -> list[str]:
+def _command(
+    fd: int, parent: int, pdeathsig: bool, log: str | None, alive: int | None = None
+) -> list[str]:
     """The command line of a worker process: a fresh interpreter running :func:`main`."""
     return [
         sys.executable,
         "-c",
-        f"from proximal.agents.worker import main; main({fd}, {parent}, {pdeathsig}, {log!r})",
+        "from proximal.agents.worker import main; "
+        f"main({fd}, {parent}, {pdeathsig}, {log!r}, {alive})",
     ]
 
 
@@ -264,15 +291,15 @@ class _Worker:
     and :meth:`kill` can never miss it. ``ready`` turns True when the worker's first message (it is
     up and guarded) has been read: a job's time limit starts then."""
 
-    def __init__(self, log: str | None = None):
+    def __init__(self, log: str | None = None, alive: int | None = None):
         mine, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # PR_SET_PDEATHSIG fires when the starting *thread* exits: from another thread, the
         # watchdog alone guards the worker.
         main_thread = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
-            _command(theirs.fileno(), os.getpid(), main_thread, log),
-            pass_fds=(theirs.fileno(),),
+            _command(theirs.fileno(), os.getpid(), main_thread, log, alive),
+            pass_fds=(theirs.fileno(),) + ((alive,) if alive is not None else ()),
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -325,10 +352,15 @@ class WorkerPool:
         self._culprits: set[int] = set()  # slots whose own call killed their environment's worker
         self._local = Handler() if n == 0 else None
         self.replaced = 0  # workers killed and replaced (timeouts, deaths)
+        # The workers' guardians read the first end; this process alone holds the second (not
+        # inheritable), so they see the end of file only when it is gone.
+        self._alive: tuple[int, int] | None = None
 
     def _worker(self, w: int) -> _Worker:
+        if self._alive is None and os.name == "posix":
+            self._alive = os.pipe()
         if self._workers[w] is None:
-            self._workers[w] = _Worker(self.log)
+            self._workers[w] = _Worker(self.log, self._alive[0] if self._alive else None)
         return self._workers[w]
 
     def _replace(self, w: int, culprit: int | None = None) -> None:
@@ -443,6 +475,10 @@ class WorkerPool:
                     pass
                 worker.kill()  # its group: a tool's children still running, or a hung worker
             self._workers[w] = None
+        if self._alive is not None:
+            for end in self._alive:
+                os.close(end)
+            self._alive = None
 
     def __enter__(self) -> WorkerPool:
         return self

@@ -111,8 +111,9 @@ TRAINER = textwrap.dedent(
 @pytest.mark.parametrize("started_by", ["main", "thread"])
 def test_a_killed_trainer_leaves_no_worker(tmp_path, started_by):
     """Fault 2: the trainer SIGKILLed while a tool call hangs; its worker used to live on under
-    init. From another thread, PR_SET_PDEATHSIG would kill the worker when that thread ends (the
-    call after it must still work), so the watchdog guards it."""
+    init, and with it the ``sleep`` its tool started. From another thread, PR_SET_PDEATHSIG would
+    kill the worker when that thread ends (the call after it must still work), so it is not set
+    there."""
     script, pid_file = tmp_path / "trainer.py", tmp_path / "child"
     script.write_text(TRAINER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -132,8 +133,7 @@ def test_a_killed_trainer_leaves_no_worker(tmp_path, started_by):
         trainer.kill()
         trainer.wait(timeout=5)
         assert gone_within(worker, 3.0), f"worker {worker} outlived its SIGKILLed trainer"
-        if started_by == "thread":  # the watchdog kills the worker's whole group
-            assert gone_within(child, 3.0), f"the tool's child {child} outlived the trainer"
+        assert gone_within(child, 3.0), f"the tool's child {child} outlived the trainer"
     finally:
         trainer.kill()
         trainer.wait(timeout=5)
