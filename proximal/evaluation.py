@@ -38,6 +38,7 @@ from proximal.rollout.scoring import (
     load_reward_function,
     reward_argument_problems,
 )
+from proximal.specs import import_spec
 from proximal.tasks.digits import gold as digits_gold
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
@@ -186,6 +187,7 @@ def agent_eval(
         timeout_s=tools.get("timeout_s", 10.0),
         on_error=tools.get("on_error", "observe"),
         workers=tools.get("workers", 4),
+        max_result_chars=tools.get("max_result_chars", 10_000),
         has_reward_source=has_reward_source,
     )
     budget = env.get("max_tokens")
@@ -563,7 +565,10 @@ def training_eval(
         columns=section.columns,
         tools=row_schemas(agent.envs.tools) if agent and agent.envs.tools else None,
     )
-    extra = {name: load_reward_function(spec) for name, spec in (section.scores or {}).items()}
+    extra = {
+        name: import_spec(spec, f"eval.scores.{name}")
+        for name, spec in (section.scores or {}).items()
+    }
     functions = {**(functions or {}), **extra}
     # a column a function needs and these prompts lack: said now, not at the first evaluation
     problems = reward_argument_problems(functions, prompts.column_names(), str(section.prompts))

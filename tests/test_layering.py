@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     # data and models, independent of each other
     "data": 1,
     "models": 1,
+    "specs": 1,  # import_spec: the one import path of user code (needs config's ConfigError)
     # what is built from them: rollouts, and the built-in tasks with their gold scores
     "rollout": 2,
     "tasks": 2,

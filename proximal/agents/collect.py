@@ -32,25 +32,37 @@ import torch
 
 from proximal import dist
 from proximal.agents.env import (
+    BATCH_COUNTS,
     COUNTS,
+    MAX_RESULT_CHARS,
+    ON_FAILURE,
     Environments,
     check_offered,
     environment_class,
     row_schemas,
     tool_methods,
 )
-from proximal.agents.tools import load_tools
-from proximal.agents.trajectory import STOPS, Trajectory, run_trajectories, to_rollout, turn_rewards
+from proximal.agents.tools import load_tools, tool_schemas
+from proximal.agents.trajectory import (
+    STOPS,
+    Trajectory,
+    check_chat_template,
+    run_trajectories,
+    to_rollout,
+    turn_rewards,
+)
 from proximal.config import ConfigError
 from proximal.rollout.collect import Collected, finite_rows
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
-from proximal.rollout.scoring import Scorer, load_reward_function
+from proximal.rollout.scoring import Scorer
+from proximal.specs import import_spec
 
 __all__ = [
     "AgentCollected",
     "agent_collect",
     "agent_step_metrics",
     "build_environments",
+    "check_template",
     "context_length",
     "run_tools",
 ]
@@ -64,6 +76,15 @@ class AgentCollected(Collected):
     trajectories: list[Trajectory] | None = None
     turn_rewards: torch.Tensor | None = None
     counts: dict[str, int] | None = None  # this rank's agent/<count> of the step (tool calls, ...)
+    dropped: torch.Tensor | None = None  # (B,) bool: left out by env.on_failure: drop
+
+    def nonfinite_rows(self) -> int:
+        """This rank's rows left out for a non-finite score (not those ``env.on_failure: drop``
+        left out: ``valid`` holds both)."""
+        left_out = ~self.valid
+        if self.dropped is not None:
+            left_out = left_out & ~self.dropped
+        return int(left_out.sum())
 
     def metrics(self) -> dict[str, float]:
         """The step's ``agent/*`` metrics over every rank (:func:`agent_step_metrics`)."""
@@ -81,10 +102,7 @@ def load_environment(spec) -> Callable:
     """The ``env.factory`` spec imported (a class or a function; from Python, taken as it is).
     ConfigError when it cannot be, or when a worker process could not import it (defined in
     ``__main__`` or inside a function)."""
-    try:
-        factory = load_reward_function(spec)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("reward function", "env.factory", 1)) from None
+    factory = import_spec(spec, "env.factory")
     module = getattr(factory, "__module__", None)
     qualname = getattr(factory, "__qualname__", type(factory).__qualname__)
     if module == "__main__" or "<locals>" in qualname:
@@ -106,16 +124,28 @@ def run_tools(env, tools) -> Callable[[dict], list[dict]] | None:
         return None
     factory = load_environment(env.factory) if env.factory is not None else None
     cls = environment_class(factory) if factory is not None else None
-    registered = {**load_tools(tools.functions), **tool_methods(cls)}
+    methods = tool_methods(cls)
+    try:  # made here, so a missing docstring is not reported against a prompt row
+        tool_schemas(methods)
+    except ConfigError as e:
+        raise ConfigError(f"env.factory {cls.__qualname__}: {e}") from None
+    registered = {**load_tools(tools.functions), **methods}
     return row_schemas(registered) if registered else None
 
 
 def run_environments(
-    env, tools, *, has_reward_source: bool, columns: list[dict] | None, source: str
+    env,
+    tools,
+    *,
+    has_reward_source: bool,
+    columns: list[dict] | None,
+    source: str,
+    log: str | None = None,
 ) -> Environments | None:
     """A run's environments from its ``env`` and ``tools`` config sections (``factory``,
-    ``max_turns``…; ``functions``, ``format``, ``timeout_s``, ``on_error``, ``workers``), through
-    :func:`build_environments`; None when neither names anything — a single-turn run."""
+    ``max_turns``…; ``functions``, ``format``, ``timeout_s``, ``on_error``, ``workers``,
+    ``max_result_chars``), through :func:`build_environments`; None when neither names anything —
+    a single-turn run. ``log``: where the tools' prints go (the run's ``tools.log``)."""
     if env.factory is None and not tools.functions:
         return None
     return build_environments(
@@ -125,6 +155,8 @@ def run_environments(
         timeout_s=tools.timeout_s,
         on_error=tools.on_error,
         workers=tools.workers,
+        max_result_chars=tools.max_result_chars,
+        log=log,
         has_reward_source=has_reward_source,
         columns=columns,
         source=source,
@@ -142,6 +174,8 @@ def build_environments(
     has_reward_source: bool,
     columns: list[dict] | None = None,
     source: str = "data.prompts",
+    max_result_chars: int | None = MAX_RESULT_CHARS,
+    log: str | None = None,
 ) -> Environments:
     """The run's :class:`~proximal.agents.env.Environments` from ``env.factory`` and
     ``tools.functions`` (imported and checked here, before any model loads), its workers started.
@@ -159,6 +193,8 @@ def build_environments(
             timeout_s=timeout_s,
             on_error=on_error,
             workers=workers,
+            max_result_chars=max_result_chars,
+            log=log,
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"env/tools: {e}") from None
@@ -174,6 +210,16 @@ def build_environments(
         )
     envs.pool.start()
     return envs
+
+
+def check_template(envs: Environments, tokenizer) -> None:
+    """:func:`~proximal.agents.trajectory.check_chat_template` for a run's environments, once its
+    tokenizer is loaded and before any step: their workers are closed when it fails."""
+    try:
+        check_chat_template(tokenizer, bool(envs.tools))
+    except Exception:
+        envs.close()
+        raise
 
 
 def agent_collect(
@@ -199,11 +245,17 @@ def agent_collect(
     missing_eos_penalty: float | None = None,
     nonfinite: str = "skip",
     group_size: int = 1,
+    on_failure: str = "zero",
 ) -> AgentCollected:
     """:func:`proximal.rollout.collect.collect` with a multi-turn trajectory per row (module
     docstring): the same prompts, rows, seeds and guards; ``max_new_tokens`` is one turn's limit,
     ``max_turns`` / ``max_tokens`` / ``max_context`` end a trajectory (``env.*``; the model's
-    context). ``stop_strings`` must be empty (a turn ends at a stop token)."""
+    context). ``stop_strings`` must be empty (a turn ends at a stop token). ``on_failure``
+    (``env.on_failure``, :data:`~proximal.agents.env.ON_FAILURE`): a failed trajectory scores 0
+    (``zero``), or is left out of the update (``drop``) through ``valid``, the rows a non-finite
+    score leaves out (:func:`dropped_rows`)."""
+    if on_failure not in ON_FAILURE:
+        raise ConfigError(f"env.on_failure = {on_failure!r}; expected one of {ON_FAILURE}")
     if stop_strings:
         raise ConfigError("rollout.stop_strings cannot be used with env/tools")
     t0 = time.perf_counter()
@@ -268,6 +320,18 @@ def agent_collect(
     T = rollout.response_ids.shape[1]
     per_turn = turn_rewards(trajs, T, device=device)
     valid = finite_rows(scores, texts, step=step, policy=nonfinite, device=device)
+    dropped = torch.zeros_like(valid)
+    if on_failure == "drop":
+        dropped = dropped_rows(failed, valid, group_size)
+        valid = valid & ~dropped
+        if dist.global_sum(int(valid.sum()), device) == 0:  # as finite_rows stops for NaN alone
+            raise FloatingPointError(
+                f"step {step}: every trajectory of the batch failed (or scored non-finite), and "
+                "env.on_failure: drop leaves no row to train on (env.on_failure: zero trains on "
+                "failed ones with outcome reward 0)"
+            )
+    counts = envs.take_counts()
+    counts["agent/dropped"] = int(dropped.sum())
     return AgentCollected(
         rollout,
         texts,
@@ -278,8 +342,23 @@ def agent_collect(
         generate_s,
         trajectories=trajs,
         turn_rewards=per_turn,
-        counts=envs.take_counts(),
+        counts=counts,
+        dropped=dropped,
     )
+
+
+def dropped_rows(failed: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: the rows ``env.on_failure: drop`` leaves out of the update — the failed ones and,
+    for GRPO/RLOO (``group_size`` > 1; rows g·G … g·G + G − 1 one group), every row of a group the
+    drop leaves with fewer than two members (``valid`` rows not failed): its baseline would be the
+    member's own score. The rest of a group keeps its baseline over its remaining members (they
+    stay ``valid``, the failed ones do not)."""
+    dropped = failed.clone()
+    if group_size > 1:
+        left = (valid & ~failed).view(-1, group_size).sum(1)
+        lone = (left < 2) & failed.view(-1, group_size).any(1)
+        dropped |= lone.repeat_interleave(group_size)
+    return dropped
 
 
 def context_length(model) -> int | None:
@@ -305,7 +384,8 @@ def agent_step_metrics(trajs: list[Trajectory], counts: dict[str, int], device) 
     """The step's ``agent/*`` metrics over every rank's trajectories: means per trajectory (turns,
     observation tokens, the failed share, each stop reason's share), agent tokens per turn, and the
     counts of :data:`~proximal.agents.env.COUNTS` (tool calls, errors, timeouts, malformed calls,
-    environment errors) summed, with tool calls per trajectory."""
+    environment errors, results cut) and :data:`~proximal.agents.env.BATCH_COUNTS` (trajectories
+    run again, dropped) summed, with tool calls per trajectory."""
     n = len(trajs)
     turns = sum(len(t.turns) for t in trajs)
     agent = sum(t.agent_tokens() for t in trajs)
@@ -316,12 +396,12 @@ def agent_step_metrics(trajs: list[Trajectory], counts: dict[str, int], device) 
         sum(len(t.ids) - t.agent_tokens() for t in trajs),
         sum(t.failed for t in trajs),
         *(sum(t.stop == s for t in trajs) for s in STOPS),
-        *(counts.get(f"agent/{k}", 0) for k in COUNTS),
+        *(counts.get(f"agent/{k}", 0) for k in (*COUNTS, *BATCH_COUNTS)),
     ]
     total = dist.all_reduce_sum(torch.tensor(sums, dtype=torch.float64, device=device)).tolist()
     N, turns, agent, obs, failed = total[:5]
     stops = total[5 : 5 + len(STOPS)]
-    counted = dict(zip(COUNTS, total[5 + len(STOPS) :]))
+    counted = dict(zip((*COUNTS, *BATCH_COUNTS), total[5 + len(STOPS) :]))
     N = max(N, 1.0)
     out = {
         "agent/turns": turns / N,

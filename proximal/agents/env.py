@@ -40,12 +40,17 @@ Everything the user wrote runs in worker processes (:mod:`proximal.agents.worker
 * a tool that raises, times out, or a malformed call: with ``tools.on_error = "observe"`` (the
   default) the error text is the tool message and the trajectory goes on; with ``"end"`` the
   trajectory ends there and its outcome reward is 0;
-* an environment that raises in ``step``, or that is lost (its worker was killed for a timeout):
-  the trajectory ends, outcome reward 0 — there is no state to go on from;
-* an environment that raises in ``reset``: an error (a bug in the environment, not a policy's
-  mistake).
+* an environment that raises in ``step``, or that is lost (its worker was killed for a timeout
+  or died under its call): the trajectory *fails* — it ends, and ``env.on_failure`` decides what
+  training does with it (:data:`ON_FAILURE`: outcome reward 0, or left out of the update);
+* the other trajectories whose environments lived in that worker did nothing wrong: their calls
+  answer ``evicted`` (:attr:`StepResult.evicted`) and
+  :func:`~proximal.agents.trajectory.run_trajectories` runs them again from their own reset;
+* an environment that raises in ``reset``: :class:`AgentError`, one line naming the class and the
+  row (a bug in the environment, not a policy's mistake).
 
-Every outcome is counted (:data:`COUNTS`).
+A tool's result longer than ``max_result_chars`` is cut there, with a marker saying so. Every
+outcome is counted (:data:`COUNTS`, :data:`BATCH_COUNTS`).
 """
 
 from __future__ import annotations
@@ -65,9 +70,25 @@ from proximal.agents.tools import (
     tool_schemas,
 )
 from proximal.agents.worker import Job, WorkerPool
+from proximal.config import ConfigError
 
 #: ``tools.on_error``: what a tool's error, timeout or a malformed call does.
 ON_ERROR = ("observe", "end")
+
+#: ``env.on_failure``: what training does with a failed trajectory — ``zero``: its outcome reward
+#: is 0 and it is trained on; ``drop``: it is left out of the update (and a GRPO/RLOO group it
+#: leaves with fewer than two members goes with it), as a non-finite score is.
+ON_FAILURE = ("zero", "drop")
+
+#: ``tools.max_result_chars``' default: a tool's result longer than this is cut, with a marker.
+MAX_RESULT_CHARS = 10_000
+
+
+class AgentError(ConfigError):
+    """A failure of the user's environment, tools or chat template that stops the run — an
+    environment that raises in ``reset``, a chat template that cannot render an observation: one
+    line naming the class or function and the row (exit status 2, docs/errors.md)."""
+
 
 #: The counters of :attr:`Environments.counts`, logged as ``agent/<name>`` per step.
 COUNTS = (
@@ -76,6 +97,13 @@ COUNTS = (
     "tool_timeouts",  # calls killed after tools.timeout_s
     "malformed_calls",  # calls that could not be read, or named no tool
     "env_errors",  # environments that raised in step or get_reward, or were lost
+    "results_truncated",  # tool results cut at tools.max_result_chars
+)
+
+#: Counts of a whole batch, logged as ``agent/<name>`` per step beside :data:`COUNTS`.
+BATCH_COUNTS = (
+    "reruns",  # trajectories run again from their reset: another's call killed their worker
+    "dropped",  # trajectories left out of the update (env.on_failure: drop; their group-mates)
 )
 
 Observation = str | list[dict] | None
@@ -87,8 +115,10 @@ class StepResult:
 
     messages: the observation as chat messages to append (empty when there is none).
     reward: the turn's reward (0.0 for none). done: the trajectory ends here.
-    failed: it ended by a failure (``tools.on_error = "end"``, a raising or lost environment): its
-    outcome reward is 0. counts: this turn's share of :data:`COUNTS`.
+    failed: it ended by a failure (``tools.on_error = "end"``, a raising or lost environment):
+    ``env.on_failure`` decides what training does with it. evicted: its environment went with a
+    worker another trajectory's call killed — it is to be run again from its reset (it is done
+    here, neither failed nor counted). counts: this turn's share of :data:`COUNTS`.
     """
 
     messages: list[dict]
@@ -96,6 +126,7 @@ class StepResult:
     done: bool = False
     failed: bool = False
     counts: Counter = field(default_factory=Counter)
+    evicted: bool = False
 
 
 def as_messages(observation: Observation, role: str = "user") -> list[dict]:
@@ -127,7 +158,12 @@ class Environments:
     alone. ``tools``: ``{name: function}`` (:func:`proximal.agents.tools.load_tools`).
     ``call_format``: ``"hermes"`` or ``"minimal"``. ``workers``: worker processes (0 = run in this
     process, no timeouts: for debugging). ``timeout_s``: the limit of every call into the user's
-    code. ``on_error``: :data:`ON_ERROR`.
+    code. ``on_error``: :data:`ON_ERROR`. ``max_result_chars``: a tool's result is cut there (None:
+    never). ``log``: the file the workers' prints go to (the run's ``tools.log``; None: this
+    process's stdout).
+
+    :attr:`evicted` holds the batch's slots whose environment went with a worker another slot's
+    call killed (:class:`~proximal.agents.worker.WorkerPool`): to be run again from their reset.
     """
 
     def __init__(
@@ -141,9 +177,13 @@ class Environments:
         workers: int = 4,
         open: str = "[",
         close: str = "]",
+        max_result_chars: int | None = MAX_RESULT_CHARS,
+        log: str | None = None,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"tools.on_error = {on_error!r}; expected one of {ON_ERROR}")
+        if max_result_chars is not None and max_result_chars < 1:
+            raise ValueError(f"tools.max_result_chars = {max_result_chars} must be ≥ 1 (or null)")
         self.factory = factory
         self.functions = dict(tools or {})
         cls = environment_class(factory) if factory is not None else None
@@ -165,8 +205,11 @@ class Environments:
             )
         self.parse = call_parser(call_format, open, close)
         self.on_error = on_error
-        self.pool = WorkerPool(workers, timeout_s)
+        self.max_result_chars = max_result_chars
+        self.name = cls.__qualname__ if cls is not None else None
+        self.pool = WorkerPool(workers, timeout_s, log)
         self.counts: Counter = Counter()
+        self.evicted: set[int] = set()
         self._live: set[int] = set()  # slots whose environment is alive
         self._offered: dict[int, list[str] | None] = {}  # slot -> its row's tools (None: all)
 
@@ -191,6 +234,8 @@ class Environments:
         """A fresh environment for each row (slot b = row b) and its first observation (None: the
         prompt is the first turn). Without an environment class, every observation is None."""
         self.release()
+        self.pool.forget()
+        self.evicted.clear()
         self._offered = {
             b: offered_tools(row.get("tools"), self.tools) for b, row in enumerate(rows)
         }
@@ -200,8 +245,10 @@ class Environments:
         out = []
         for b, (status, value) in enumerate(self.pool.run(jobs)):
             if status != "ok":
-                raise RuntimeError(
-                    f"the environment's reset failed for row {b} ({status}: {value})"
+                prompt = rows[b].get("prompt")
+                raise AgentError(
+                    f"env.factory {self.name}: reset failed for row {b} of the batch (prompt "
+                    f"{prompt!r:.60}): {value if status == 'error' else f'{status}, {value}'}"
                 )
             self._live.add(b)
             out.append(value)
@@ -226,6 +273,10 @@ class Environments:
                     continue
                 except (TypeError, ValueError) as e:
                     status, value = "error", f"step must return (observation, reward, done): {e}"
+            if status == "evicted":
+                self.evicted.add(b)
+                out[b] = StepResult([], done=True, evicted=True)
+                continue
             counts = Counter(env_errors=1, tool_timeouts=int(status == "timeout"))
             out[b] = StepResult([], 0.0, True, True, counts)
         self._count(out)
@@ -274,6 +325,8 @@ class Environments:
                         if jobs[what].env:  # the environment went with the killed worker
                             r.counts["env_errors"] += 1
                             r.done = r.failed = True
+                    elif status == "evicted":  # another's call killed its worker: run again
+                        r.evicted = r.done = True
                     elif status == "lost" and jobs[what].env:  # no state left to go on from
                         r.counts["env_errors"] += 1
                         r.done = r.failed = True
@@ -283,7 +336,12 @@ class Environments:
                     text = f"error: {text}"
                     if self.on_error == "end":
                         r.done = r.failed = True
+                text, cut = self._bounded(text)
+                r.counts["results_truncated"] += cut
                 r.messages.append({"role": "tool", "name": name, "content": text})
+            if r.evicted:  # this attempt is thrown away: nothing of it counts
+                self.evicted.add(b)
+                r = StepResult([], done=True, evicted=True)
             if r.done:
                 r.messages = []
             out[b] = r
@@ -304,9 +362,22 @@ class Environments:
                     continue
                 except (TypeError, ValueError):
                     pass
-            self.counts["env_errors"] += 1
+            if status == "evicted":
+                self.evicted.add(b)
+            else:
+                self.counts["env_errors"] += 1
             out[b] = None
         return out
+
+    def _bounded(self, text: str) -> tuple[str, int]:
+        """A tool message cut at ``max_result_chars``, with a marker saying how long it was; and
+        whether it was cut."""
+        limit = self.max_result_chars
+        if limit is None or len(text) <= limit:
+            return text, 0
+        return text[
+            :limit
+        ] + f"… [cut: {len(text)} characters, tools.max_result_chars = {limit}]", 1
 
     def release(self) -> None:
         """Forget the batch's environments (in their workers)."""
@@ -318,8 +389,9 @@ class Environments:
         self.pool.close()
 
     def take_counts(self) -> dict[str, int]:
-        """The counts since the last call, as ``{"agent/<name>": n}`` for every name of :data:`COUNTS`."""
-        out = {f"agent/{k}": int(self.counts[k]) for k in COUNTS}
+        """The counts since the last call, as ``{"agent/<name>": n}`` for every name of
+        :data:`COUNTS` and :data:`BATCH_COUNTS`."""
+        out = {f"agent/{k}": int(self.counts[k]) for k in (*COUNTS, *BATCH_COUNTS)}
         self.counts.clear()
         return out
 

@@ -38,7 +38,7 @@ from typing import Any, get_type_hints
 from transformers.utils import get_json_schema
 
 from proximal.config import ConfigError
-from proximal.rollout.scoring import load_reward_function
+from proximal.specs import import_spec
 
 #: The call formats: ``tools.format``.
 FORMATS = ("hermes", "minimal")
@@ -68,26 +68,39 @@ Call = ToolCall | Malformed
 # ----------------------------------------------------------------------------------------------
 
 
-def load_tools(specs: Sequence[str | Callable]) -> dict[str, Callable]:
+def load_tools(
+    specs: Sequence[str | Callable], field: str = "tools.functions"
+) -> dict[str, Callable]:
     """``{name: function}`` for ``tools.functions``: each ``module:function`` imported (a callable
-    taken as it is), named by its ``__name__`` as the model calls it. ConfigError for two tools of
-    one name, or one that is not a plain function a worker process can import."""
+    taken as it is, :func:`~proximal.specs.import_spec`), named by its ``__name__`` as the model
+    calls it, its schema made once here (:func:`tool_schemas`). ConfigError naming the entry —
+    ``tools.functions[2] 'mod:calc': ...`` — for one that cannot be imported, is not a plain
+    function a worker process can import, has no schema (a docstring or type hint missing), or
+    shares its name with another."""
     out: dict[str, Callable] = {}
-    for spec in specs:
-        fn = load_reward_function(spec)
+    for i, spec in enumerate(specs):
+        where = f"{field}[{i}]"
+        fn = import_spec(spec, where)
+        shown = spec if isinstance(spec, str) else getattr(fn, "__qualname__", repr(fn))
         name = getattr(fn, "__name__", None)
         if not inspect.isfunction(fn) or name is None or name == "<lambda>":
             raise ConfigError(
-                f"tool {spec!r}: expected a plain function defined at the top of a module (a "
+                f"{where} {shown!r}: expected a plain function defined at the top of a module (a "
                 f"worker process imports it by name), got {type(fn).__name__}"
             )
         if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
             raise ConfigError(
-                f"tool {name!r} is defined in {fn.__module__}.{fn.__qualname__}, which a worker "
-                "process cannot import; define it at the top of an importable module"
+                f"{where}: tool {name!r} is defined in {fn.__module__}.{fn.__qualname__}, which a "
+                "worker process cannot import; define it at the top of an importable module"
             )
         if name in out:
-            raise ConfigError(f"two tools are named {name!r}; a tool's name is how it is called")
+            raise ConfigError(
+                f"{where}: two tools are named {name!r}; a tool's name is how it is called"
+            )
+        try:
+            tool_schemas({name: fn})
+        except ConfigError as e:
+            raise ConfigError(f"{where} {shown!r}: {e}") from None
         out[name] = fn
     return out
 

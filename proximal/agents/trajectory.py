@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from proximal.agents.env import Environments, as_messages
+from proximal.agents.env import AgentError, Environments, as_messages
 from proximal.data.chat import apply_template, content_of, encode_prompt
 from proximal.data.collate import pad_left, pad_right
 from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
@@ -150,6 +150,50 @@ def observation_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"])
 
 
+#: The text of the stand-in tool result :func:`check_chat_template` looks for in the rendering.
+_PROBE = "probe-result-7291"
+
+
+def check_chat_template(tokenizer, tools: bool) -> None:
+    """Stop before anything trains when the chat template cannot carry a multi-turn rollout.
+
+    A stand-in conversation — a user turn, an assistant turn (with a tool call when ``tools``),
+    its result (a ``tool`` message when ``tools``, else a ``user`` one) — is rendered the way
+    :func:`observation_ids` renders every observation. AgentError (one line, exit status 2,
+    suggesting ``model.chat_template``) when the template raises, drops the result (its text is
+    not in the rendering: the policy would never read one, while ``samples.jsonl`` recorded it as
+    shown), or ends no assistant turn with the EOS token (a turn stops there, and what follows is
+    appended). Without a chat template, observations are their text as it is: nothing to check.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return
+    role = "tool" if tools else "user"
+    result = {"role": role, "content": _PROBE, **({"name": "probe"} if tools else {})}
+    assistant = {"role": "assistant", "content": "x"}
+    if tools:
+        assistant["tool_calls"] = [
+            {"type": "function", "function": {"name": "probe", "arguments": {}}}
+        ]
+    conversation = [{"role": "user", "content": "x"}, assistant, result]
+    hint = "set model.chat_template to a template that supports multi-turn tool use"
+    try:
+        text = apply_template(conversation, tokenizer, "chat template check")
+    except Exception as e:  # jinja2's TemplateError, a template's raise_exception(...)
+        raise AgentError(
+            f"the chat template raises on a {role} message after an assistant turn "
+            f"({type(e).__name__}: {e}); {hint}"
+        ) from None
+    if _PROBE not in text:
+        raise AgentError(
+            f"the chat template drops {role} messages: a {role} result's text does not appear when "
+            f"it is rendered after an assistant turn, so the policy would never read one; {hint}"
+        )
+    try:
+        observation_ids(tokenizer, [result])
+    except ValueError as e:
+        raise AgentError(f"{e}; {hint}") from None
+
+
 def first_prompt(tokenizer, prompt_ids: list[int], messages: list[dict] | None, observation, tools):
     """The prompt ids once ``reset()``'s observation is added (TRL's rule: appended to the last
     user message, or to a text prompt as it is); ``prompt_ids`` as loaded when there is none.
@@ -207,6 +251,35 @@ def run_trajectories(
         messages: each prompt's chat messages (None for a text prompt), for ``reset``'s observation.
         logprobs: keep the engine's log μ of each sampled token (``generate(..., logprobs=True)``).
     """
+    trajs = _run_batch(
+        engine, tokenizer, envs, prompt_ids, rows, seeds, params, max_turns, max_tokens,
+        max_context, messages, device, logprobs,
+    )  # fmt: skip
+    # A worker killed by one trajectory's call took the other environments it held: those did
+    # nothing wrong and run again from their own reset, with their own seeds (a resumed run meets
+    # the same failure and runs the same ones again, so it stays exact). The failed one does not;
+    # each round has one fewer, so this ends.
+    todo = sorted(envs.evicted)
+    while todo:
+        for b in todo:  # the thrown-away attempt counts for nothing
+            envs.counts.subtract(trajs[b].counts)
+        envs.counts["reruns"] += len(todo)
+        again = _run_batch(
+            engine, tokenizer, envs, [prompt_ids[b] for b in todo], [rows[b] for b in todo],
+            [seeds[b] for b in todo], params, max_turns, max_tokens, max_context,
+            [messages[b] for b in todo] if messages else None, device, logprobs,
+        )  # fmt: skip
+        for b, t in zip(todo, again):
+            trajs[b] = t
+        todo = [todo[i] for i in sorted(envs.evicted)]
+    return trajs
+
+
+def _run_batch(
+    engine, tokenizer, envs, prompt_ids, rows, seeds, params, max_turns, max_tokens,
+    max_context, messages, device, logprobs,
+) -> list[Trajectory]:  # fmt: skip
+    """:func:`run_trajectories` once over the rows, evicted ones included."""
     B = len(prompt_ids)
     if not (len(rows) == len(seeds) == B):
         raise ValueError(f"run_trajectories: {B} prompts, {len(rows)} rows, {len(seeds)} seeds")
@@ -217,14 +290,16 @@ def run_trajectories(
     stops = set(params.stop_token_ids)
     firsts = envs.reset(rows)  # reads each row's tools column: the tools its trajectory is offered
     messages = messages or [None] * B
-    trajs = [
-        Trajectory(
-            first_prompt(
-                tokenizer, p, messages[b], firsts[b], envs.schemas(b) if envs.tools else None
-            )
-        )
-        for b, p in enumerate(prompt_ids)
-    ]
+    trajs = []
+    for b, p in enumerate(prompt_ids):
+        try:
+            tools = envs.schemas(b) if envs.tools else None
+            trajs.append(Trajectory(first_prompt(tokenizer, p, messages[b], firsts[b], tools)))
+        except (TypeError, ValueError) as e:  # a reset() observation that cannot be a prompt
+            raise AgentError(
+                f"env.factory {envs.name}: reset's observation for row {b} of the batch "
+                f"(prompt {rows[b].get('prompt')!r:.60}): {e}"
+            ) from None
     running = list(range(B))
     for turn in range(max_turns):
         limits = {}
@@ -281,7 +356,14 @@ def run_trajectories(
             if turn + 1 == max_turns:
                 _finish(t, "max_turns", ended=False)
                 continue
-            obs = observation_ids(tokenizer, r.messages)
+            try:
+                obs = observation_ids(tokenizer, r.messages)
+            except Exception as e:  # the template raised (jinja2's TemplateError, ...)
+                raise AgentError(
+                    f"the chat template cannot render the observation after turn {turn + 1} of "
+                    f"row {b} of the batch ({type(e).__name__}: {e}); set model.chat_template to "
+                    "one that renders tool and user messages after an assistant turn"
+                ) from None
             over = len(t.ids) + len(obs) >= max_tokens
             if max_context is not None and len(t.prompt_ids) + len(t.ids) + len(obs) >= max_context:
                 _finish(t, "max_tokens" if over else "context", ended=False)

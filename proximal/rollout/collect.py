@@ -37,6 +37,10 @@ class Collected:
     positions: list[int]  # each row's index in the global batch of rows
     generate_s: float  # seconds spent generating
 
+    def nonfinite_rows(self) -> int:
+        """This rank's rows left out of training for a non-finite score."""
+        return int((~self.valid).sum())
+
 
 def load_inputs(
     reward_functions: list,

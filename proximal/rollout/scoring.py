@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import functools
-import importlib
 import inspect
 import numbers
 import os
@@ -52,13 +51,14 @@ from typing import Any
 import torch
 
 from proximal import dist
-from proximal.config import ConfigError, PythonObject
+from proximal.config import PythonObject
 from proximal.data.chat import apply_template, encode_prompt
 from proximal.data.collate import pad_right
 from proximal.models.heads import last_token_scores
 from proximal.models.loading import load_sequence_scorer, load_tokenizer
 from proximal.models.parallel import load_dtype, prepare_frozen
 from proximal.rollout.sampling import Rollout
+from proximal.specs import import_spec
 
 #: What proximal itself passes to a reward function beside the prompt row's columns (a column may not
 #: take one of these names).
@@ -94,30 +94,9 @@ class TrainerState:
 
 
 def load_reward_function(spec: str | Callable) -> Callable:
-    """A callable as it is; ``module:function`` imported. ConfigError naming the spec when it can't."""
-    if isinstance(spec, PythonObject):  # a callable a config holds from Python
-        spec = spec.value
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise ConfigError(
-            f"reward function {spec!r}: expected 'module:function' or a callable, "
-            f"got {type(spec).__name__}"
-        )
-    if ":" not in spec:
-        raise ConfigError(f"reward function {spec!r}: expected 'module:function'")
-    module, name = spec.split(":", 1)
-    if (
-        "" not in sys.path and os.getcwd() not in sys.path
-    ):  # like `python -m`: modules beside the config work
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward function {spec!r}: cannot import ({e})") from e
-    if not callable(fn):
-        raise ConfigError(f"reward function {spec!r}: not callable")
-    return fn
+    """A callable as it is; ``module:function`` imported. ConfigError naming the spec when it can't
+    (:func:`proximal.specs.import_spec`, the one import path of user code)."""
+    return import_spec(spec, "reward function")
 
 
 def reward_function_name(spec: str | Callable) -> str:

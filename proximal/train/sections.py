@@ -786,6 +786,7 @@ class EvalSection:
 CALL_FORMATS = ("hermes", "minimal")
 #: ``tools.on_error`` (proximal.agents.env.ON_ERROR; repeated so reading a config needs no agents).
 ON_TOOL_ERROR = ("observe", "end")
+ON_FAILURE = ("zero", "drop")  # proximal.agents.env.ON_FAILURE (agents is not below train)
 
 
 def _spec_problem(spec, field: str) -> str | None:
@@ -815,6 +816,14 @@ class EnvSection:
         None,
         "Response budget of a trajectory: agent and observation tokens after the prompt; a turn "
         "that would pass it is not started. null = env.max_turns × rollout.max_new_tokens.",
+    )
+    on_failure: str = option(
+        "zero",
+        "A failed trajectory (its environment raised in step or get_reward, its call killed its "
+        "worker, or tools.on_error: end): zero (outcome reward 0, trained on) or drop (left out "
+        "of the update and its normalisers, as a non-finite score is; a GRPO/RLOO group left with "
+        "fewer than two members is dropped whole). Counted in agent/failed, agent/dropped.",
+        choices=ON_FAILURE,
     )
 
     def problems(self, name: str = "env") -> list[str]:
@@ -862,6 +871,11 @@ class ToolsSection:
         "Worker processes per training process running tools and environments (trajectory b "
         "on worker b mod n); 0 = in the training process, no timeout (for debugging).",
     )
+    max_result_chars: int | None = option(
+        10_000,
+        "A tool's result (or error text) longer than this many characters is cut there, with a "
+        "marker saying how long it was (counted in agent/results_truncated). null = never cut.",
+    )
 
     def problems(self, name: str = "tools") -> list[str]:
         e = []
@@ -872,6 +886,8 @@ class ToolsSection:
             e.append(f"{name}.timeout_s = {self.timeout_s} must be > 0 seconds, or null")
         if self.workers < 0:
             e.append(f"{name}.workers = {self.workers} must be ≥ 0 (0 = in this process)")
+        if self.max_result_chars is not None and self.max_result_chars < 1:
+            e.append(f"{name}.max_result_chars = {self.max_result_chars} must be ≥ 1, or null")
         return e
 
 

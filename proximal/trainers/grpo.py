@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import agent_collect, context_length, run_environments, run_tools
+from proximal.agents.collect import (
+    agent_collect,
+    check_template,
+    context_length,
+    run_environments,
+    run_tools,
+)
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -115,10 +121,13 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
         columns=prompts.columns,
         source=str(d.prompts),
+        log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
+    if envs is not None:  # observations go through the chat template: checked before any step
+        check_template(envs, tokenizer)
     evaluation = training_eval(
         cfg.eval,
         tokenizer,
@@ -223,10 +232,11 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 max_turns=cfg.env.max_turns,
                 max_tokens=max_length,
                 max_context=context_length(actor),
+                on_failure=cfg.env.on_failure,
                 **source,
             )
             got.scores = got.scores + got.turn_rewards.sum(1)
-        counters["skipped_nonfinite"] += int(dist.global_sum(int((~got.valid).sum())))
+        counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
         # 4. Experience: log π_old (the policy that sampled; μ > 1 iterations all ratio against it — not
         # computed when the batch gets one optimiser step: π_old is then the policy in the update's own

@@ -27,6 +27,7 @@ import torch
 from proximal import dist
 from proximal.agents.collect import (
     agent_collect,
+    check_template,
     context_length,
     run_environments,
     run_tools,
@@ -118,11 +119,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
         columns=prompts.columns,
         source=str(d.prompts),
+        log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
     max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
+    if envs is not None:  # observations go through the chat template: checked before any step
+        check_template(envs, tokenizer)
     evaluation = training_eval(
         cfg.eval,
         tokenizer,
@@ -250,10 +254,11 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 max_turns=cfg.env.max_turns,
                 max_tokens=max_length,
                 max_context=context_length(actor),
+                on_failure=cfg.env.on_failure,
                 **source,
             )
         rollout, scores, valid = got.rollout, got.scores, got.valid
-        counters["skipped_nonfinite"] += int(dist.global_sum(int((~valid).sum())))
+        counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
         # 4. Experience: log π_old, log π_ref and V_old on the sampled tokens (no gradients); log μ, the
         # engine's, came with the rollout (rollout.correction bypass: π_old := μ, not computed). When the

@@ -311,8 +311,8 @@ def test_conversational_rows_name_their_tools_and_the_limit_holds_with_the_schem
     assert sampled and sampled <= want
 
 
-def _scripted(monkeypatch, tok):
-    """Make every engine write SCRIPT[row] as a row's first turn (then sample as it would)."""
+def _scripted(monkeypatch, tok, script=SCRIPT):
+    """Make every engine write script[row] as a row's first turn (then sample as it would)."""
     from proximal.rollout.engine import HFEngine
 
     generate = HFEngine.generate
@@ -321,7 +321,7 @@ def _scripted(monkeypatch, tok):
     def scripted(self, ids, mask, seeds, params, *, logprobs=False):
         out, mu = generate(self, ids, mask, seeds, params, logprobs=True)
         rows = [
-            tok(SCRIPT[i % len(SCRIPT)], add_special_tokens=False)["input_ids"] + [eos]
+            tok(script[i % len(script)], add_special_tokens=False)["input_ids"] + [eos]
             for i in range(len(ids))
         ]
         width = max(out.shape[1], *(len(r) for r in rows))
@@ -381,3 +381,118 @@ def test_tools_in_a_run_are_counted_and_never_hang(tmp_path, monkeypatch, capsys
     assert any("timeout_s" in x for x in texts)
     assert any(x.startswith("error: malformed tool call") for x in texts)
     assert '{"n": 3, "square": 9}' in texts  # a non-text result written as JSON
+
+
+@pytest.mark.parametrize("on_failure", ["zero", "drop"])
+def test_a_crash_fails_only_its_own_trajectory(assets, tmp_path, capsys, on_failure):
+    """Fault 3 in a run: an environment that always rewards 1.0 and kills its worker when the
+    policy's turn holds "b". Only those trajectories fail (the others sharing their worker used to
+    fail too, trained as score 0). With zero, score/env is exactly the share that did not fail;
+    with drop, the failed ones (and a group they leave with one member) are out of the update, and
+    score/env over the trajectories kept is 1.0."""
+    prompts = _prompts(tmp_path, crash_if="b")
+    run_dir = tmp_path / on_failure
+    cfg = grpo_config(
+        assets.policy("llama"),
+        prompts,
+        run_dir,
+        model={"reward_functions": []},
+        env={"factory": "agent_support:AlwaysOne", "max_turns": 1}
+        | ({"on_failure": "drop"} if on_failure == "drop" else {}),  # zero: the default
+        tools={"workers": 2},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    # samples.jsonl holds the rows trained on: all 8 with zero, the kept ones with drop
+    stepped = [s["trajectory"] for s in samples if s["trajectory"]["stop"] != "turn_length"]
+    crashed = ["b" in t["turns"][0]["agent"] for t in stepped]
+    assert [t["failed"] for t in stepped] == crashed
+    failed = round(sum(r["agent/failed"] * 8 for r in rows))
+    assert 0 < failed < 16  # the seed gives both
+    assert sum(r["agent/env_errors"] for r in rows) == 2 * failed  # its step and its get_reward
+    if on_failure == "zero":
+        assert sum(crashed) == failed
+    for r in rows:
+        if on_failure == "zero":
+            assert r["score/env"] == pytest.approx(1.0 - r["agent/failed"], abs=1e-6)
+            assert r["agent/dropped"] == 0
+        else:
+            assert r["agent/dropped"] >= round(r["agent/failed"] * 8)
+            if r["agent/dropped"] < 8:
+                assert r["score/env"] == 1.0
+
+
+def test_a_chatty_tool_prints_to_tools_log_and_long_results_are_cut(tmp_path, monkeypatch, capfd):
+    """Fault 7: a tool's prints went to the trainer's stdout (15.7 MB in a two-step run). Now to
+    tools.log in the run directory; and a result past tools.max_result_chars is cut, counted."""
+    from proximal.tasks.calculator import build_tokenizer, make_task_data
+
+    make_task_data(
+        tmp_path / "data", n_sft_train=4, n_sft_eval=2, n_prompts_train=8, n_prompts_eval=2
+    )
+    _scripted(monkeypatch, build_tokenizer(), script=["[chatty 5000]", "[long_result 30]"])
+    cfg = grpo_config(
+        tmp_path / "data" / "base_model",
+        tmp_path / "data" / "prompts_train.jsonl",
+        tmp_path / "run",
+        model={"reward_functions": ["proximal.tasks.calculator:verify"]},
+        rollout={"batch_size": 4, "group_size": 2, "max_new_tokens": 20},
+        grpo={"micro_batch_size": 4},
+        env={"max_turns": 2, "max_tokens": 85},  # room for the cut result (the context is 96)
+        tools={
+            "functions": ["agent_support:chatty", "agent_support:long_result"],
+            "format": "minimal",
+            "workers": 2,
+            "max_result_chars": 5,
+        },
+        train={"steps": 1},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capfd.readouterr().err
+    out, err = capfd.readouterr()
+    assert "ooooo" not in out and "eeeee" not in err
+    log = (tmp_path / "run" / "tools.log").read_text()
+    assert log.count("o" * 5000) == 4 and log.count("e" * 5000) == 4  # 4 rows called it
+    [row] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["agent/results_truncated"] >= 4  # every long_result of turn 1 (and any of turn 2)
+    texts = [
+        m["content"]
+        for s in read_jsonl(tmp_path / "run" / "samples.jsonl")
+        for m in s["trajectory"]["turns"][0]["observation"]
+    ]
+    cut = "xxxxx… [cut: 30 characters, tools.max_result_chars = 5]"
+    assert texts.count(cut) == 4 and texts.count("5000") == 4
+
+
+@pytest.mark.parametrize(
+    ("sections", "line"),
+    [
+        (  # fault 4: a 40-line traceback, exit status 1
+            {"env": {"factory": "agent_support:BadReset", "max_turns": 2}},
+            "proximal grpo: env.factory BadReset: reset failed for row 0 of the batch (prompt ",
+        ),
+        (  # fault 5: the run trained with every tool result dropped from what the policy read
+            {
+                "model": {
+                    "chat_template": "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                    "{{ m['content'] ~ eos_token }}{% elif m['role'] == 'user' %}"
+                    "{{ m['content'] }}{% endif %}{% endfor %}"
+                },
+                "tools": {"functions": ["agent_support:add"], "format": "minimal"},
+            },
+            "proximal grpo: the chat template drops tool messages: ",
+        ),
+    ],
+)
+def test_environment_and_template_failures_stop_in_one_line(
+    assets, tmp_path, capsys, sections, line
+):
+    cfg = grpo_config(assets.policy("llama"), _prompts(tmp_path), tmp_path / "run", **sections)
+    cfg["tools"] = {"workers": 1, **cfg.get("tools", {})}
+    assert grpo_main(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(line) and "Traceback" not in "\n".join(err)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or read_jsonl(metrics) == []  # no step ran

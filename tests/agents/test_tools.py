@@ -177,6 +177,9 @@ def test_every_outcome_is_counted(envs):
         "agent/tool_timeouts": 0,
         "agent/malformed_calls": 2,
         "agent/env_errors": 0,
+        "agent/results_truncated": 0,
+        "agent/reruns": 0,
+        "agent/dropped": 0,
     }
 
 
@@ -257,3 +260,27 @@ def test_environment_mistakes_are_named():
         Environments(Nothing, workers=0)
     with pytest.raises(ValueError, match="needs an environment, tools, or both"):
         Environments(workers=0)
+
+
+def test_messages_name_the_field_they_read():
+    """Fault 6: a bad tools.functions entry was reported as a 'reward function', and a tool with
+    no docstring against a data row (the prompt loader made the schemas)."""
+    from types import SimpleNamespace
+
+    from proximal.agents.collect import load_environment, run_tools
+
+    with pytest.raises(ConfigError, match=r"^tools.functions\[1\] 'no_such_module:calc': cannot"):
+        load_tools(["agent_support:add", "no_such_module:calc"])
+    with pytest.raises(
+        ConfigError, match=r"^tools.functions\[0\] 'agent_support:NOT_CALLABLE': not"
+    ):
+        load_tools(["agent_support:NOT_CALLABLE"])
+    with pytest.raises(
+        ConfigError, match=r"^tools.functions\[1\] 'agent_support:nodoc': tool 'nodoc': no schema"
+    ):
+        load_tools(["agent_support:add", "agent_support:nodoc"])
+    with pytest.raises(ConfigError, match=r"^env.factory 'no_such_module:Env': cannot import"):
+        load_environment("no_such_module:Env")
+    env = SimpleNamespace(factory="agent_support:NoDocTool")
+    with pytest.raises(ConfigError, match=r"^env.factory NoDocTool: tool 'poke': no schema"):
+        run_tools(env, SimpleNamespace(functions=[]))
