@@ -156,7 +156,7 @@ class Run:
     #: far, ``{"metric", "value", "step"}`` (saved in every checkpoint's counters, so it survives a
     #: resume); the step whose row set a new best.
     best_metric: str | None = None
-    best_mode: str = "max"
+    best_mode: str = "max"  # resolved: max or min
     best: dict | None = None
     new_best_step: int | None = None
 
@@ -345,12 +345,18 @@ class Run:
                 )
 
     # ------------------------------------------------------------------ the best checkpoint
-    def track_best(self, metric: str | None, mode: str = "max") -> None:
+    def track_best(self, metric: str | None, mode: str = "auto") -> None:
         """Keep the checkpoint of the best ``metric`` (``output.keep_best``: an ``eval/*`` name;
-        None: nothing to do), larger better with ``mode`` max, smaller with min. Every row
-        :meth:`log` writes after step 0 that holds it is compared; a new best makes
-        :meth:`new_best` true for that step, and the trainer then checkpoints it."""
-        self.best_metric, self.best_mode = metric, mode
+        None: nothing to do), larger better with ``mode`` max, smaller with min, and auto as
+        :func:`resolve_best_mode` resolves it (said in one line). Every row :meth:`log` writes after step 0
+        that holds it is compared; a new best makes :meth:`new_best` true for that step, and the
+        trainer then checkpoints it."""
+        resolved, why = resolve_best_mode(metric, mode) if metric is not None else (mode, "")
+        self.best_metric, self.best_mode = metric, resolved
+        if metric is not None and self.is_main:
+            self.say(
+                f"keep best: {metric}, {'smaller' if resolved == 'min' else 'larger'} is better ({why})"
+            )
 
     def _note_best(self, step: int, metrics: dict) -> None:
         m = self.best_metric
@@ -438,6 +444,21 @@ class Run:
             self.logger.close()
         dist.barrier()
         signals.restore()
+
+
+#: The metrics ``output.keep_best_mode: auto`` takes as better smaller besides names ending in "loss":
+#: the held-out KL of the policy to its reference, per sequence and per token.
+MIN_METRICS = ("eval/kl", "eval/kl_per_token", "eval/kl_ref")
+
+
+def resolve_best_mode(metric: str, mode: str) -> tuple[str, str]:
+    """``output.keep_best_mode`` for ``metric``: ``(max | min, why)``. An explicit max or min stands;
+    auto is min for a name ending in "loss" and for :data:`MIN_METRICS`, max otherwise."""
+    if mode != "auto":
+        return mode, f"output.keep_best_mode = {mode}"
+    if metric.endswith("loss") or metric in MIN_METRICS:
+        return "min", "output.keep_best_mode = auto: min for a loss or a KL"
+    return "max", "output.keep_best_mode = auto: max for any metric but a loss or a KL"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

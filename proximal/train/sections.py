@@ -338,8 +338,8 @@ class BatchTrainSection(TrainSection):
         return e
 
 
-#: ``output.keep_best_mode``.
-KEEP_BEST_MODES = ("max", "min")
+#: ``output.keep_best_mode``: auto chooses by the metric's name (:func:`proximal.train.run.resolve_best_mode`).
+KEEP_BEST_MODES = ("auto", "max", "min")
 
 
 @dataclass
@@ -372,9 +372,10 @@ class OutputSection:
         "--resume. null = keep only the newest.",
     )
     keep_best_mode: str = option(
-        "max",
+        "auto",
         "Whether output.keep_best's metric is better larger (max: a score, accuracy) or smaller "
-        "(min: a loss, a KL).",
+        "(min: a loss, a KL). auto: min for a name ending in 'loss' and for eval/kl, "
+        "eval/kl_per_token and eval/kl_ref, max otherwise; the run prints the mode it uses.",
         choices=KEEP_BEST_MODES,
     )
 
@@ -387,7 +388,10 @@ class OutputSection:
                 "eval/<name> (e.g. eval/score, eval/loss), or null"
             )
         if self.keep_best_mode not in KEEP_BEST_MODES:
-            e.append(f"{name}.keep_best_mode = {self.keep_best_mode!r} is not one of max, min")
+            e.append(
+                f"{name}.keep_best_mode = {self.keep_best_mode!r} is not one of "
+                f"{', '.join(KEEP_BEST_MODES)}"
+            )
         return e + missing_extras(self.tensorboard, self.wandb_project)
 
 
