@@ -86,7 +86,8 @@ def load_data(
     """``load(path)`` of the training file and, when given, the held-out file; the run's step count
     (:func:`proximal.train.batches.plan_steps`). Bad data and a batch larger than the data raise here,
     before any model loads; so does ``run``'s :class:`~proximal.train.run.RunFinished` when
-    ``--resume auto`` finds its checkpoint at that step count."""
+    ``--resume auto`` finds its checkpoint at that step count. ``run`` learns the step count
+    (:meth:`~proximal.train.run.Run.plan`: "auto" compiling weighs its cost against it)."""
     train, train_report = load(train_file)
     held, eval_report = load(eval_file) if eval_file else ([], None)
     total = plan_steps(
@@ -98,7 +99,7 @@ def load_data(
         train_file=train_file,
     )
     if run is not None:
-        run.check_finished(total)
+        run.plan(total)
     return Data(train, held, train_report, eval_report, total)
 
 

@@ -21,6 +21,7 @@ from proximal.compare_report import collect_run
 from proximal.config import ConfigError, check_valid, describe, load_config, save_config, section
 from proximal.models import kernels
 from proximal.rollout.engine import HFEngine
+from proximal.train import run as run_module
 from proximal.train.run import Run, open_run
 from proximal.train.sections import TrainSection
 from proximal.trainers.ppo import PPOConfig
@@ -44,6 +45,7 @@ def backend(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "cache_path", lambda: tmp_path / "cache" / "cpu_matmul.json")
     monkeypatch.setattr(kernels, "probe_seconds", lambda: {"blas": [2.0] * 4, "onednn": [1.0] * 4})
     monkeypatch.setattr(kernels, "busy_load", lambda: None)  # a quiet machine: the result is kept
+    monkeypatch.setattr(run_module, "busy_cpu_note", lambda *a, **k: None)  # and no busy note
 
 
 def test_the_field_its_values_and_its_errors(tmp_path):
@@ -83,11 +85,13 @@ def _open(tmp_path, **kw) -> Run:
 
 
 def _said(capsys, run: Run) -> list[str]:
-    """What rank 0 prints when the run begins, the cpu matmul line among it."""
+    """The cpu matmul line rank 0 writes to run.log when the run begins (printed only with
+    output.verbose: nothing of it on stdout here)."""
     capsys.readouterr()
     run.begin(Config(), start=0, total=1, counters={}, progress=False)
     run.finish()
-    return [line for line in capsys.readouterr().out.splitlines() if "cpu matmul" in line]
+    assert "cpu matmul" not in capsys.readouterr().out
+    return [line for line in (run.dir / "run.log").read_text().splitlines() if "cpu matmul" in line]
 
 
 def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch, capsys):
@@ -206,3 +210,26 @@ def test_off_the_cpu_no_backend_is_recorded_and_the_engine_must_be_given_its_mod
     assert "cpu_matmul" not in info["actor"] and "decode" not in info["actor"]
     with pytest.raises(ValueError, match="the engine's model is not one of the models given"):
         run.record_models(engine=HFEngine(other, 0), actor=actor)
+
+
+def test_the_backend_line_and_the_busy_note_go_to_run_log_unless_verbose(
+    tmp_path, backend, monkeypatch, capfd
+):
+    """Issue 37: the CPU products' line (with "auto"'s probe) and a busy machine's note are written to
+    run.log and models.json, and printed only with output.verbose."""
+    busy = "the CPU is busy (load average 3.0 from other processes on 2 cores, and 1 torch threads here)"
+    monkeypatch.setattr(run_module, "busy_cpu_note", lambda *a, **k: busy)
+    for verbose in (False, True):
+        run = _open(tmp_path / str(verbose), verbose=verbose)
+        assert run.cpu_matmul["busy"] == busy  # models.json's record of each CPU model
+        capfd.readouterr()
+        run.begin(Config(), start=0, total=1, counters={}, progress=False)
+        run.finish()
+        out = capfd.readouterr().out
+        log = (run.dir / "run.log").read_text().splitlines()
+        matmul = f"proximal test: cpu matmul: {run.cpu_matmul['backend']} ({run.cpu_matmul['why']})"
+        assert matmul in log and f"proximal test: {busy}" in log
+        assert (matmul in out.splitlines()) is verbose
+        assert (busy in out) is verbose
+        if not verbose:
+            assert "cpu matmul" not in out and "busy" not in out

@@ -452,3 +452,30 @@ def test_keep_best_mode_auto_resolves_by_the_metric_name(metric, mode, want):
     from proximal.train.run import resolve_best_mode
 
     assert resolve_best_mode(metric, mode)[0] == want
+
+
+def test_a_smoke_run_of_a_hidden_256_model_does_not_compile_under_auto(tmp_path, capfd):
+    """``train.compile: auto`` (the default) weighs compiling against the run's length: a 3-step run
+    of a hidden-256 model (one process, CPU, no LoRA: every other condition of auto holds) stays
+    eager, and models.json records the decision, the length and why (issue 37)."""
+    tok = build_char_tokenizer(LETTERS + "=")
+    base_path = build_tiny_causal_lm(tmp_path / "base256", tok, seed=0, hidden=256, heads=4)
+    cfg = make_cfg(
+        base_path,
+        tmp_path,
+        repeat_task(8, seed=1),
+        **{"train.steps": 3, "train.batch_size": 2, "train.micro_batch_size": 2},
+    )
+    assert cfg.train.compile == "auto"
+    out = train(cfg)
+    record = json.loads((out / "models.json").read_text())["model"]["compile"]
+    assert record["blocks"] == 0 and record["steps"] == 3 and record["pays"] is False
+    assert record["why"].startswith(
+        "train.compile = auto: hidden size 256 ≥ 256: 3 steps × about 0.1 s saved a step"
+    )
+    log = (out / "run.log").read_text()
+    assert "proximal sft: compile: model: eager" in log
+    # quiet by default: the backend's line is in run.log, not on stdout
+    assert "proximal sft: cpu matmul: " in log
+    printed = capfd.readouterr().out
+    assert "cpu matmul" not in printed and "compile:" not in printed
