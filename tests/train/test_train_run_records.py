@@ -233,3 +233,39 @@ def test_the_backend_line_and_the_busy_note_go_to_run_log_unless_verbose(
         assert (busy in out) is verbose
         if not verbose:
             assert "cpu matmul" not in out and "busy" not in out
+
+
+def test_a_resumed_run_keeps_the_decode_path_it_recorded(tmp_path, backend, capsys):
+    """Issue 37: where the run being resumed decoded with the model's own forward, a resume that could
+    take the lean step decodes the model's own way too (models.json says why); where it took the lean
+    step and this process cannot, one printed line says the numbers now differ."""
+    llama = _lm("llama", **LLAMA)
+    run = _open(tmp_path / "a", cpu_matmul="blas")
+    run.recorded = {"actor": {"decode": {"path": "generate", "reason": "a lean step failed"}}}
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    engine = HFEngine(llama, 0)
+    assert engine.decode_path()["path"] == "lean"  # a fresh run would take the lean step
+    capsys.readouterr()
+    info = run.record_models(engine=engine, actor=llama)
+    run.finish()
+    assert info["actor"]["decode"] == {
+        "path": "generate",
+        "reason": "the run being resumed decoded so (a lean step failed)",
+    }
+    assert "differ" not in capsys.readouterr().out
+
+    gpt2 = _lm("gpt2", **GPT2)
+    run = _open(tmp_path / "b", cpu_matmul="blas")
+    run.recorded = {"actor": {"decode": {"path": "lean", "reason": None}}}
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    engine = HFEngine(gpt2, 0)
+    capsys.readouterr()
+    run.record_models(engine=engine, actor=gpt2)
+    run.finish()
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if "run being resumed" in s]
+    assert line.startswith(
+        "proximal test: decode: the run being resumed took the lean step, which this process "
+        "cannot (GPT2LMHeadModel is not one of"
+    ) and line.endswith(
+        "from here its numbers differ from an uninterrupted run's in the last digits"
+    )
