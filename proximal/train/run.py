@@ -744,7 +744,9 @@ def open_run(
     seed_everything(seed)
     busy = None
     if dev.type == "cpu":
-        quiet.append(f"cpu matmul: {backend} ({why})")
+        # Printed where the backend asked for is not what runs (oneDNN missing); else run.log's
+        line = f"cpu matmul: {backend} ({why})"
+        (notes if "; but " in why else quiet).append(line)
         busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
         quiet += [busy] if busy else []
         if matmul_before is not None and backend != matmul_before:

@@ -84,14 +84,18 @@ def _open(tmp_path, **kw) -> Run:
     )
 
 
-def _said(capsys, run: Run) -> list[str]:
-    """The cpu matmul line rank 0 writes to run.log when the run begins (printed only with
-    output.verbose: nothing of it on stdout here)."""
+def _said(capsys, run: Run, printed: bool = False) -> list[str]:
+    """The cpu matmul line rank 0 writes to run.log when the run begins; on stdout too only where
+    ``printed`` (the config's choice is not what runs; else only with output.verbose)."""
     capsys.readouterr()
     run.begin(Config(), start=0, total=1, counters={}, progress=False)
     run.finish()
-    assert "cpu matmul" not in capsys.readouterr().out
-    return [line for line in (run.dir / "run.log").read_text().splitlines() if "cpu matmul" in line]
+    logged = [
+        line for line in (run.dir / "run.log").read_text().splitlines() if "cpu matmul" in line
+    ]
+    out = [line for line in capsys.readouterr().out.splitlines() if "cpu matmul" in line]
+    assert out == (logged if printed else [])
+    return logged
 
 
 def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch, capsys):
@@ -104,7 +108,7 @@ def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch,
     run = _open(tmp_path / "b", cpu_matmul="blas")
     want = "onednn" if kernels._OP is not None else "blas"
     assert kernels.backend()[0] == run.cpu_matmul["backend"] == want
-    (line,) = _said(capsys, run)
+    (line,) = _said(capsys, run, printed=want != "onednn")  # printed where oneDNN is missing
     assert line.startswith(
         f"proximal test: cpu matmul: {want} (PROXIMAL_CPU_MATMUL=onednn overrides "
         "train.cpu_matmul = blas"
@@ -269,3 +273,21 @@ def test_a_resumed_run_keeps_the_decode_path_it_recorded(tmp_path, backend, caps
     ) and line.endswith(
         "from here its numbers differ from an uninterrupted run's in the last digits"
     )
+
+
+def test_a_backend_asked_for_and_missing_is_printed_all_the_same(
+    tmp_path, backend, monkeypatch, capfd
+):
+    """``train.cpu_matmul: onednn`` where this torch has no oneDNN product runs BLAS: that changes the
+    result the config asked for, so the line is printed without output.verbose."""
+    monkeypatch.setattr(kernels, "_op_problems", lambda: ("no oneDNN here", "no oneDNN product"))
+    run = _open(tmp_path, cpu_matmul="onednn")
+    capfd.readouterr()
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    run.finish()
+    line = (
+        "proximal test: cpu matmul: blas (train.cpu_matmul = onednn; but no oneDNN here: torch's "
+        "F.linear instead)"
+    )
+    assert line in capfd.readouterr().out.splitlines()
+    assert line in (run.dir / "run.log").read_text().splitlines()
