@@ -169,6 +169,7 @@ class Run:
     #: The ``models.json`` of the run being resumed (``{}`` for a fresh run): its recorded choices.
     recorded: dict = field(default_factory=dict)
     log_path: Path | None = None
+    pending_log: list[str] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -284,7 +285,9 @@ class Run:
                         else "started"
                     )
                     + f" ({time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+                    + "".join(f"{line}\n" for line in self.pending_log)
                 )
+            self.pending_log.clear()
             for line in self.quiet:
                 self.note(line)
             slow = bfloat16_note(self.device, precision, rollout_precision)
@@ -376,7 +379,8 @@ class Run:
             self._append_log(f"proximal {self.command}: {line}")
 
     def _append_log(self, text: str) -> None:
-        if self.log_path is None:
+        if self.log_path is None:  # said before begin opened run.log: written there then
+            self.pending_log.append(text)
             return
         try:
             with self.log_path.open("a") as fh:

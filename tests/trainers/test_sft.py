@@ -428,9 +428,9 @@ def test_keep_best_of_eval_loss_keeps_the_lowest_loss_by_default(base, tmp_path,
     from proximal.train.checkpoint import best_step
 
     assert best_step(out / "checkpoints") == lowest
-    assert "keep best: eval/loss, smaller is better (output.keep_best_mode = auto" in (
-        capsys.readouterr().out
-    )
+    said = "keep best: eval/loss, smaller is better (output.keep_best_mode = auto"
+    assert said in capsys.readouterr().out
+    assert said in (out / "run.log").read_text()  # said before run.log opened: written there then
 
 
 @pytest.mark.parametrize(
