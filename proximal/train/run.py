@@ -328,7 +328,8 @@ class Run:
             if self.cpu_matmul is not None and on_cpu:
                 info[name]["cpu_matmul"] = dict(self.cpu_matmul)
             if engine is not None and module is engine.model:
-                before = self.recorded.get(name, {}).get("decode")
+                entry = self.recorded.get(name)
+                before = entry.get("decode") if isinstance(entry, dict) else None
                 followed = engine.follow_recorded(before) if isinstance(before, dict) else None
                 info[name]["decode"] = engine.decode_path()
             record = getattr(module, "_proximal_compile", None)
@@ -748,18 +749,21 @@ def open_run(
     seed_everything(seed)
     busy = None
     if dev.type == "cpu":
-        # Printed where the backend asked for is not what runs (oneDNN missing); else run.log's
+        # Printed where it changes a result — a resumed run that cannot use the backend it recorded,
+        # a backend asked for and missing (oneDNN) — else a line of run.log
         line = f"cpu matmul: {backend} ({why})"
-        (notes if "; but " in why else quiet).append(line)
-        busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
-        quiet += [busy] if busy else []
         if matmul_before is not None and backend != matmul_before:
+            quiet.append(line)
             notes.insert(
                 0,
                 f"cpu matmul: {backend}, not the {matmul_before} the run being resumed used "
                 f"({why}): from here its numbers differ from an uninterrupted run's in the last "
                 "digits",
             )
+        else:
+            (notes if "; but " in why else quiet).append(line)
+        busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
+        quiet += [busy] if busy else []
     if ckpt is not None:
         manifest = json.loads((ckpt / MANIFEST).read_text())
         step, wrote = int(manifest["step"]), manifest.get("command", command)
