@@ -34,11 +34,14 @@ def option(
     choices: tuple | None = None,
     default_factory: Any = dataclasses.MISSING,
     python: str | None = None,
+    aliases: dict[str, Any] | None = None,
 ) -> Any:
-    """A documented config field. ``choices`` restricts the allowed values and is checked on load.
+    """A documented config field. ``choices`` restricts the allowed values and is checked on load;
+    ``aliases`` maps other spellings (compared lower-case, YAML's booleans as ``true``/``false``) to
+    one of them.
     ``python``: a field that names a checkpoint or data file also takes, from Python, the thing itself
     (:data:`PYTHON_KINDS`: ``"model"`` or ``"data"``; see :class:`PythonObject`)."""
-    metadata = {"help": help, "choices": choices, "python": python}
+    metadata = {"help": help, "choices": choices, "python": python, "aliases": aliases}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -62,6 +65,7 @@ def reworded(base: type, name: str, help: str) -> Any:
         choices=f.metadata.get("choices"),
         default_factory=f.default_factory,
         python=f.metadata.get("python"),
+        aliases=f.metadata.get("aliases"),
     )
 
 
@@ -397,6 +401,10 @@ def _apply(
                 continue
             _apply(getattr(cfg, key), value, where + ".", errors, renamed, foreign)
             continue
+        aliases = fields[key].metadata.get("aliases") or {}
+        spelled = str(value).strip().lower() if isinstance(value, (str, bool)) else None
+        if spelled in aliases:
+            value = aliases[spelled]
         try:
             coerced = _coerce(value, tp, where)
         except ConfigError as e:

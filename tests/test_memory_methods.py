@@ -514,7 +514,8 @@ def test_a_cpu_run_is_planned_in_host_memory_against_the_machine_s_ram(tmp_path,
     [
         (64, {"train.compile": "blocks"}, True),
         (64, {}, False),  # auto: below AUTO_MIN_HIDDEN
-        (256, {}, True),  # auto: wide enough, one process on a CPU
+        (256, {"train.steps": 1000}, True),  # auto: wide enough, one process, a long run
+        (256, {"train.steps": 3}, False),  # auto: a smoke run does not repay compiling
         (256, {"model.lora_r": 8}, False),  # auto: not with LoRA
         (256, {"train.activation_checkpointing": True}, False),
         (256, {"train.compile": "eager"}, False),

@@ -367,7 +367,7 @@ def setup_from_args(
                 )
             critic = reward
     if run is not None:
-        fields["compiled"] = compiles(run.compile, fields, actor_arch, world)
+        fields["compiled"] = compiles(run.compile, fields, actor_arch, world, run.steps)
     memory = args.gpu_memory
     if cpu:
         memory = args.host_memory or host_memory_bytes()
@@ -389,24 +389,27 @@ def setup_from_args(
     return setup, run
 
 
-def compiles(choice: str, fields: dict, arch, world: int) -> bool:
+def compiles(choice: str, fields: dict, arch, world: int, steps: int | None = None) -> bool:
     """Whether a run's ``train.compile`` compiles its blocks (so the plan counts the compiled
     graphs): 'blocks' in one process; 'auto' where proximal.models.compiled's rule does — one process
-    on a CPU, no LoRA, no activation checkpointing, a hidden size of at least AUTO_MIN_HIDDEN."""
+    on a CPU, no LoRA, no activation checkpointing, a hidden size of at least AUTO_MIN_HIDDEN, and a
+    run of ``steps`` long enough to repay compiling (``compiled.pays``). A length the config does not give
+    (``train.steps`` null: the data's epochs decide it) is counted as compiling: a plan errs high."""
     if world > 1 or choice not in ("blocks", "auto"):
         return False
     if choice == "blocks":
         return True
     # lazy: the rule's threshold lives with the compiling code, which imports torch (--run has)
-    from proximal.models.compiled import AUTO_MIN_HIDDEN
+    from proximal.models.compiled import AUTO_MIN_HIDDEN, pays
 
-    return (
+    eligible = (
         fields.get("device") == "cpu"
         and not fields.get("lora_rank")
         and not fields.get("activation_checkpointing")
         and arch is not None
         and arch.hidden_size >= AUTO_MIN_HIDDEN
     )
+    return eligible and (steps is None or pays(steps, arch.hidden_size)[0])
 
 
 def host_memory_bytes() -> int | None:

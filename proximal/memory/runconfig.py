@@ -55,6 +55,7 @@ class RunPlan:
     fields: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     compile: str = "eager"  # train.compile ('eager' where the command has no such field)
+    steps: int | None = None  # train.steps (None: the data's epochs decide the run's length)
 
 
 def read_yaml(path: str | Path) -> tuple[dict, str]:
@@ -167,6 +168,9 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
         )
     if "train.compile" in values:
         plan.compile = get("train.compile", str, None)
+    # train.compile auto weighs compiling against the run's length (None: epochs decide it)
+    steps = values.get("train.steps")
+    plan.steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     f["lora_rank"] = get("model.lora_r", int, 0)
     targets = values.get("model.lora_target_modules") or ["all-linear"]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):

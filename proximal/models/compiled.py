@@ -25,10 +25,15 @@ differ from eager mode by float32 round-off (tests/models/test_compiled.py).
 
 "auto" compiles where it was measured to pay and is safe: one process, a CPU, no LoRA adapters, no
 activation checkpointing, blocks at least :data:`AUTO_MIN_HIDDEN` wide (below it a step is
-milliseconds and compiling costs more than a short run saves), and a toolchain that compiles a small
-function forward and backward (:func:`toolchain_problem`, checked once per process). "blocks" compiles
-wherever the toolchain works (one process); where it does not the run goes on in eager mode, slower,
-and says why.
+milliseconds and compiling costs more than a short run saves), a run long enough for the time
+compiling saves to repay what it costs (:func:`pays`: the run's step count × about
+:data:`STEP_SAVING_S` a step at hidden 256, taken to grow with the width, against about
+:data:`COMPILE_COST_S` of compiling; a 3-step smoke run stays eager), and a toolchain that compiles a
+small function forward and backward (:func:`toolchain_problem`, checked once per process). A resumed
+run takes the length verdict its run directory recorded (``models.json``), so extending
+``train.steps`` does not switch it between compiled and eager (their numbers differ by float32
+round-off). "blocks" compiles wherever the toolchain works (one process); where it does not the run
+goes on in eager mode, slower, and says why. ``false`` and ``off`` mean "eager" (:func:`normalize`).
 """
 
 from __future__ import annotations
@@ -41,22 +46,71 @@ from proximal.models.loading import unwrap
 
 #: ``train.compile``'s values.
 CHOICES = ("auto", "blocks", "eager")
+#: Other spellings of "eager" (:func:`normalize`): YAML reads ``false`` and ``off`` as false.
+EAGER_ALIASES = ("false", "off")
 #: "auto" compiles models whose hidden size is at least this (docs/performance.md has the measurements).
 AUTO_MIN_HIDDEN = 256
+#: "auto"'s estimate of what compiling costs a run, in seconds: measured on a 2-core AMD EPYC (Zen 3),
+#: the tiny benchmark work's 6-step PPO run took 105.6 s with an empty Inductor cache against about
+#: 31 s eager (47.3 s from the cache; docs/performance.md). The first run of a checkout pays the
+#: empty cache's cost, so that is the estimate.
+COMPILE_COST_S = 75.0
+#: "auto"'s estimate of what compiled blocks save a step of a hidden-256 model, in seconds: the tiny
+#: work's PPO step 1.38 → 1.27 s on a 2-core Xeon and 3.75 → 3.66 s on a 2-core Zen 3
+#: (benchmarks/README.md, issue 27). Taken to grow with the width (the elementwise passes do): an
+#: underestimate for wider models (the wide work, hidden 512: 21.2 → 20.0 s a step).
+STEP_SAVING_S = 0.1
 
 _PROBLEM: dict[str, str | None] = {}  # device type → toolchain_problem's answer, once per process
 _CHOICE = (
     "eager"  # this process's train.compile: a training run sets it (configure); else no compiling
 )
+#: The run's step count (:func:`plan`) and the length verdict its run directory recorded (a resume;
+#: :func:`configure`), for "auto"'s :func:`pays`.
+_STEPS: int | None = None
+_RECORDED: bool | None = None
 
 
-def configure(choice: str) -> None:
+def normalize(choice) -> str:
+    """``train.compile`` with its other spellings of "eager" (false, off; YAML's boolean false) read
+    as "eager"; other values as they are."""
+    if choice is False or (isinstance(choice, str) and choice.strip().lower() in EAGER_ALIASES):
+        return "eager"
+    return choice
+
+
+def configure(choice: str, *, recorded: bool | None = None) -> None:
     """Set this process's ``train.compile`` for the models prepared after it (a training run's start;
-    a process that never calls it compiles nothing). ValueError outside :data:`CHOICES`."""
-    global _CHOICE
+    a process that never calls it compiles nothing). ``recorded``: the length verdict of the run being
+    resumed (``models.json``'s ``"pays"``), which "auto" then takes instead of :func:`pays`; the run's
+    step count is :func:`plan`'s. ValueError outside :data:`CHOICES`."""
+    global _CHOICE, _STEPS, _RECORDED
+    choice = normalize(choice)
     if choice not in CHOICES:
         raise ValueError(f"train.compile = {choice!r} is not one of {', '.join(CHOICES)}")
-    _CHOICE = choice
+    _CHOICE, _STEPS, _RECORDED = choice, None, recorded
+
+
+def plan(steps: int | None) -> None:
+    """The run's step count (``train.steps``, or the steps its epochs make), for "auto"'s
+    :func:`pays`; known before the models are prepared."""
+    global _STEPS
+    _STEPS = steps
+
+
+def pays(steps: int | None, hidden: int) -> tuple[bool, str]:
+    """Whether compiling a hidden-``hidden`` model's blocks repays its cost over a run of ``steps``
+    steps, and why: ``steps`` × :data:`STEP_SAVING_S` × hidden / 256 saved against
+    :data:`COMPILE_COST_S` of compiling. An unknown length (None) does not compile."""
+    if steps is None:
+        return False, "the run's length is not known, so compiling may not pay"
+    saving = STEP_SAVING_S * hidden / 256
+    total = steps * saving
+    verdict = ">" if total > COMPILE_COST_S else "≤"
+    return total > COMPILE_COST_S, (
+        f"{steps} steps × about {saving:.2g} s saved a step at hidden size {hidden} = {total:.3g} s "
+        f"{verdict} about {COMPILE_COST_S:.0f} s of compiling"
+    )
 
 
 def choice() -> str:
@@ -149,9 +203,45 @@ def decide(
     hidden: int | None,
     lora: bool,
     activation_checkpointing: bool,
+    steps: int | None = None,
+    recorded: bool | None = None,
 ) -> tuple[bool, str]:
-    """Whether to compile a model's blocks, and why (``choice`` is ``train.compile``). The toolchain
-    is not consulted here (:func:`apply` does, only when this says yes)."""
+    """Whether to compile a model's blocks, and why (``choice`` is ``train.compile``). "auto" asks
+    last whether the run is long enough (:func:`pays` over ``steps``), or takes ``recorded``, the
+    verdict of the run being resumed. The toolchain is not consulted here (:func:`apply` does, only
+    when this says yes)."""
+    go, why = _before_length(
+        choice,
+        device_type=device_type,
+        world_size=world_size,
+        hidden=hidden,
+        lora=lora,
+        activation_checkpointing=activation_checkpointing,
+    )
+    if go is not None:
+        return go, why
+    if recorded is not None:
+        return recorded, (
+            f"{why}: {'compiled' if recorded else 'eager'} as the run being resumed recorded "
+            "(models.json), so that its numbers continue"
+        )
+    go, reason = pays(steps, hidden)
+    if go:
+        return True, f"{why}: {reason}"
+    return False, f"{why}: {reason}, eager (train.compile = blocks asks)"
+
+
+def _before_length(
+    choice: str,
+    *,
+    device_type: str,
+    world_size: int,
+    hidden: int | None,
+    lora: bool,
+    activation_checkpointing: bool,
+) -> tuple[bool | None, str]:
+    """:func:`decide` up to the run's length: ``(go, why)``, or ``(None, why)`` where "auto" is left
+    with the length to ask."""
     source = f"train.compile = {choice}"
     if choice == "eager":
         return False, source
@@ -173,7 +263,7 @@ def decide(
             f"{source}: hidden size {hidden} < {AUTO_MIN_HIDDEN}, too small to repay compiling "
             "(train.compile = blocks asks)"
         )
-    return True, f"{source}: hidden size {hidden} ≥ {AUTO_MIN_HIDDEN}"
+    return None, f"{source}: hidden size {hidden} ≥ {AUTO_MIN_HIDDEN}"
 
 
 def _raise_limits(count: int) -> None:
@@ -198,17 +288,25 @@ def apply(
 ) -> dict:
     """Compile ``model``'s blocks in place when :func:`decide` and the toolchain allow; return (and
     keep on the model as ``_proximal_compile``, for models.json) ``{"blocks": n compiled, "why": ...}``.
-    ``choice``: ``train.compile``; None takes this process's (:func:`configure`)."""
-    choice = _CHOICE if choice is None else choice
+    ``choice``: ``train.compile``; None takes this process's (:func:`configure`). Where "auto" asked
+    whether the run is long enough, the record also holds ``"steps"`` (the run's, :func:`plan`) and
+    ``"pays"`` (the verdict, which a resumed run takes: :func:`recorded_verdict`)."""
+    choice = _CHOICE if choice is None else normalize(choice)
     device_type = next(model.parameters()).device.type
     stack = blocks(model)
-    go, why = decide(
-        choice,
+    facts = dict(
         device_type=device_type,
         world_size=world_size,
         hidden=_hidden(model),
         lora=hasattr(model, "peft_config"),
         activation_checkpointing=activation_checkpointing,
+    )
+    go, why = decide(choice, **facts, steps=_STEPS, recorded=_RECORDED)
+    # The length verdict, where "auto" asked for it: a resumed run takes it (configure's recorded).
+    length = (
+        {"steps": _STEPS, "pays": go}
+        if choice == "auto" and _before_length(choice, **facts)[0] is None
+        else None
     )
     if go and stack is None:
         go, why = (
@@ -226,8 +324,20 @@ def apply(
             block.compile()
         n = len(stack)
     record = {"blocks": n, "why": why}
+    if length is not None:
+        record.update(length)
     model._proximal_compile = record
     return record
+
+
+def recorded_verdict(models: dict) -> bool | None:
+    """The length verdict ``"pays"`` of a run's ``models.json`` (``{name: entry}``), the first model's
+    that has one; None where none does (a run that never asked, or an older run directory)."""
+    for entry in models.values():
+        record = entry.get("compile") if isinstance(entry, dict) else None
+        if isinstance(record, dict) and isinstance(record.get("pays"), bool):
+            return record["pays"]
+    return None
 
 
 def eager_blocks():

@@ -25,9 +25,14 @@ when all of these hold, and is ``torch.nn.functional.linear`` otherwise:
   (:data:`PROBE_SHAPES`, some tens of milliseconds, :func:`probe_seconds`) takes oneDNN where it is
   faster than torch's BLAS by more than the probe's noise (:func:`decide`), and the result is kept
   per machine — CPU model, torch version, thread count — in ``~/.cache/proximal/cpu_matmul.json``
-  (:func:`auto_backend`), so later runs read it instead; ``PROXIMAL_CPU_MATMUL`` (onednn, blas,
-  auto) overrides the choice. (Measured: MKL takes its AVX2 path on AMD's AVX-512 CPUs, half
-  oneDNN's rate there; on Intel's, MKL runs AVX-512 itself; the probe needs no list of either.)
+  (:func:`auto_backend`), so later runs read it instead. Where nothing is cached and the machine is
+  busy (:func:`busy_load`), or the probe's rounds are noisier than :data:`PROBE_CACHE_NOISE`, a timing
+  would be noise and could flip between two starts: "auto" then takes torch's BLAS by rule, caches
+  nothing, and says so. A resumed run takes the backend its run directory recorded
+  (``configure(recorded=...)``), so its numbers continue the run's bit for bit.
+  ``PROXIMAL_CPU_MATMUL`` (onednn, blas, auto) overrides the choice. (Measured: MKL takes its AVX2
+  path on AMD's AVX-512 CPUs, half oneDNN's rate there; on Intel's, MKL runs AVX-512 itself; the
+  probe needs no list of either.)
 
 The oneDNN operators are torch internals (``torch.ops.mkldnn._linear_pointwise`` and, for the
 weights packed for decoding, ``_reorder_linear_weight``): :func:`configure` looks each one up and
@@ -94,11 +99,13 @@ PROBE_SHAPES = ((512, 256, 256), (512, 256, 1024), (512, 1024, 256))
 PROBE_ROUNDS = 4
 #: The smallest relative difference taken as real, whatever the rounds' spread says.
 PROBE_MIN_MARGIN = 0.05
-#: A measurement noisier than this (a busy machine: rounds of one backend apart by more) decides
-#: for the process but is not kept, so the next run measures again; so does one taken while other
-#: processes kept the cores busy (:func:`busy_load`), which slows both backends alike and hides
-#: from the rounds' spread.
+#: A measurement noisier than this (a busy machine: rounds of one backend apart by more) is not
+#: trusted: "auto" takes torch's BLAS by rule and keeps nothing, so the next run measures again; so
+#: is a machine whose other processes keep the cores busy (:func:`busy_load`), which slows both
+#: backends alike and hides from the rounds' spread: there nothing is measured.
 PROBE_CACHE_NOISE = 0.25
+#: "auto"'s backend where a measurement cannot be trusted: torch's own (the public path).
+RULE_BACKEND = "blas"
 #: Where "auto"'s measurements are kept (:func:`cache_path`): one entry per :func:`machine_key`.
 CACHE_NAME = "cpu_matmul.json"
 
@@ -129,16 +136,22 @@ def decide(seconds: dict[str, list[float]]) -> tuple[str, dict]:
 
 
 def describe(record: dict) -> str:
-    """``decide``'s record in words: "oneDNN 412, BLAS 201 GFLOP/s on 2 threads (noise 3 %)", and
-    the machine's load where it was busy (the measurement is then not cached)."""
-    r = record["rates"]
+    """``decide``'s record in words: "oneDNN 412, BLAS 201 GFLOP/s on 2 threads (noise 3 %)"; for a
+    choice by rule (:func:`auto_backend`'s ``"rule"``), the rule and why."""
     busy = record.get("busy_load")
-    return (
+    if record.get("rule") == "busy":
+        return (
+            f"torch's BLAS by rule: the machine is busy (load {busy:.1f} beyond the free cores), "
+            "so a timing would be noise; nothing measured or cached"
+        )
+    r = record["rates"]
+    rates = (
         f"oneDNN {r['onednn'] / 1e9:.0f}, BLAS {r['blas'] / 1e9:.0f} GFLOP/s on "
-        f"{record.get('threads', '?')} threads (noise {100 * record['noise']:.0f} %"
-        + (f"; busy machine, load {busy:.1f}, not cached" if busy is not None else "")
-        + ")"
+        f"{record.get('threads', '?')} threads (noise {100 * record['noise']:.0f} %)"
     )
+    if record.get("rule") == "noisy":
+        return f"torch's BLAS by rule: the probe was too noisy to trust, {rates}; not cached"
+    return rates
 
 
 def probe_seconds(rounds: int = PROBE_ROUNDS) -> dict[str, list[float]]:
@@ -229,10 +242,12 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
     """ "auto"'s backend on this machine: the cached measurement for :func:`machine_key` when
     ``path`` (:func:`cache_path`) has one, else ``probe()``'s (:func:`decide`), written there — other
     machines' entries kept, the file replaced whole; a cache that cannot be read is measured again,
-    one that cannot be written is left (the choice stands for this process), and so is a measurement
-    noisier than :data:`PROBE_CACHE_NOISE` or taken on a busy machine (:func:`busy_load`, kept in
-    the record as ``busy_load``). Returns ``(backend,
-    record)`` with the record's ``key``, ``threads`` and ``cached`` (whether it was read)."""
+    one that cannot be written is left (the choice stands for this process). Where a timing cannot
+    be trusted the backend is :data:`RULE_BACKEND` by rule and nothing is cached: on a busy machine
+    (:func:`busy_load`, kept as ``busy_load``; nothing is measured, ``"rule": "busy"``), or where the
+    probe was noisier than :data:`PROBE_CACHE_NOISE` (``"rule": "noisy"``, its rates kept). Returns
+    ``(backend, record)`` with the record's ``key``, ``threads`` and ``cached`` (whether it was
+    read)."""
     path = cache_path() if path is None else path
     key = machine_key()
     entries = read_cache(path)
@@ -244,13 +259,19 @@ def auto_backend(probe=None, path: Path | None = None) -> tuple[str, dict]:
         and isinstance(hit.get("noise"), (int, float))
     ):
         return hit["backend"], {**hit, "cached": True}
-    backend, record = decide((probe or probe_seconds)())
-    record.update(key=key, threads=torch.get_num_threads())
     busy = busy_load()
     if busy is not None:
-        record["busy_load"] = busy
-    if record["noise"] > PROBE_CACHE_NOISE or busy is not None:
-        return backend, {**record, "cached": False}
+        record = {"backend": RULE_BACKEND, "rule": "busy", "busy_load": busy}
+        return RULE_BACKEND, {
+            **record,
+            "key": key,
+            "threads": torch.get_num_threads(),
+            "cached": False,
+        }
+    backend, record = decide((probe or probe_seconds)())
+    record.update(key=key, threads=torch.get_num_threads())
+    if record["noise"] > PROBE_CACHE_NOISE:
+        return RULE_BACKEND, {**record, "backend": RULE_BACKEND, "rule": "noisy", "cached": False}
     entries[key] = record
     write_cache(path, entries)
     return backend, {**record, "cached": False}
@@ -292,13 +313,14 @@ def _test_product(what: str, compute: Callable[[], Tensor], want: Tensor) -> str
     return None
 
 
-def configure(choice: str = "auto") -> tuple[str, str]:
+def configure(choice: str = "auto", recorded: str | None = None) -> tuple[str, str]:
     """Set this process's backend for float32 CPU products from ``choice`` (``train.cpu_matmul``:
     auto, onednn or blas), unless ``PROXIMAL_CPU_MATMUL`` overrides it; return ``(backend, why)``,
     backend "onednn" or "blas". oneDNN asked for where its operator is missing or wrong is "blas",
     and a missing or wrong reorder operator leaves the weights unpacked; ``why`` says so. "auto"
-    takes :func:`auto_backend`'s measured choice (kept for :func:`probed`; ``why`` gives its rates).
-    ConfigError for a value outside :data:`CHOICES`."""
+    takes ``recorded`` where given (the backend a resumed run recorded, so that its numbers
+    continue; nothing is measured), else :func:`auto_backend`'s choice (kept for :func:`probed`;
+    ``why`` gives its rates, or its rule). ConfigError for a value outside :data:`CHOICES`."""
     global _BACKEND, _REORDER, _PROBED
     if choice not in CHOICES:
         raise ConfigError(f"train.cpu_matmul = {choice!r} is not one of {', '.join(CHOICES)}")
@@ -310,6 +332,8 @@ def configure(choice: str = "auto") -> tuple[str, str]:
         if env != choice:
             choice, source = env, f"{ENV}={env} overrides train.cpu_matmul = {choice}"
     _PROBED = None
+    if choice == "auto" and recorded in ("onednn", "blas"):
+        choice, source = recorded, f"{source}: {recorded}, as the run being resumed recorded"
     backend, why = choice, source
     if choice in ("auto", "onednn"):
         linear, packing = _op_problems()
@@ -323,8 +347,14 @@ def configure(choice: str = "auto") -> tuple[str, str]:
         else:
             if choice == "auto":
                 backend, _PROBED = auto_backend()
-                how = "cached measurement" if _PROBED["cached"] else "measured"
-                why = f"{source}: {how}, {describe(_PROBED)}"
+                how = (
+                    "cached measurement, "
+                    if _PROBED["cached"]
+                    else ""
+                    if "rule" in _PROBED
+                    else "measured, "
+                )
+                why = f"{source}: {how}{describe(_PROBED)}"
             if backend == "onednn" and packing is not None:
                 _REORDER = None  # packed_weights packs nothing: each product reorders its weight
                 why = f"{why}; decode weights are not packed ({packing})"

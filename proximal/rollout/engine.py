@@ -330,6 +330,24 @@ class HFEngine:
             out["copy_bytes"] = sum(p.numel() * p.element_size() for p in self.decoder.parameters())
         return out
 
+    def follow_recorded(self, recorded: dict) -> str | None:
+        """Take the decode path a resumed run's ``models.json`` recorded (``{"path", "reason"}``, as
+        :meth:`decode_path` wrote it), so that its numbers continue the run's: where that run decoded
+        with the model's own forward and this engine would take the lean step, it decodes the
+        model's own way too (the same tokens; the logits, and so the rollouts' log-probabilities,
+        may differ by float32 round-off). Where that run took the lean step and this engine cannot,
+        returns a line saying so; None otherwise."""
+        path = recorded.get("path")
+        if path == "generate" and self._lean_reason is None:
+            self._lean_reason = f"the run being resumed decoded so ({recorded.get('reason') or 'no reason recorded'})"
+        elif path == "lean" and self._lean_reason is not None:
+            return (
+                "decode: the run being resumed took the lean step, which this process cannot "
+                f"({self._lean_reason}): from here its numbers differ from an uninterrupted run's "
+                "in the last digits"
+            )
+        return None
+
     def describe_decode(self) -> str:
         """The decode path in words, for the line a run prints at its start."""
         if self._lean_reason is None:

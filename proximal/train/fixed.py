@@ -90,8 +90,10 @@ def load_data(
     ``eval_split`` (null: ``split``); the run's step count (:func:`proximal.train.batches.plan_steps`).
     Bad data and a batch larger than the data raise here, before any model loads; so does ``run``'s
     :class:`~proximal.train.run.RunFinished` when ``--resume auto`` finds its checkpoint at that
-    step count. Held-out rows that are the training rows themselves (the same file, directory
-    split or object) are said in one line: the held-out metrics would measure training rows."""
+    step count. ``run`` learns the step count (:meth:`~proximal.train.run.Run.plan`: "auto"
+    compiling weighs its cost against it). Held-out rows that are the training rows themselves (the
+    same file, directory split or object) are said in one line: the held-out metrics would measure
+    training rows."""
     held_split = split if eval_split is None else eval_split
     train, train_report = load(train_file, split)
     held, eval_report = load(eval_file, held_split) if eval_file else ([], None)
@@ -107,7 +109,7 @@ def load_data(
         train_file=train_file,
     )
     if run is not None:
-        run.check_finished(total)
+        run.plan(total)
     return Data(train, held, train_report, eval_report, total)
 
 

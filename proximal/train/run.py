@@ -65,6 +65,8 @@ from proximal.train.perf import measure_peak, step_metrics
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+#: The run directory's log of what the run said and chose (:meth:`Run.say`, :meth:`Run.note`).
+RUN_LOG = "run.log"
 #: Line-per-step logs that a resumed run cuts back to its checkpoint.
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 #: ``resume_dir`` of :func:`open_run` for ``--resume auto``: continue the run in ``output_dir`` from
@@ -156,9 +158,18 @@ class Run:
     #: far, ``{"metric", "value", "step"}`` (saved in every checkpoint's counters, so it survives a
     #: resume); the step whose row set a new best.
     best_metric: str | None = None
-    best_mode: str = "max"
+    best_mode: str = "max"  # resolved: max or min
     best: dict | None = None
     new_best_step: int | None = None
+    #: Lines for ``run.log`` only (printed too with ``verbose``, ``output.verbose``): the choices that
+    #: change no result (the CPU products' backend and why, a busy machine's note). Every line the
+    #: run says goes to ``run.log`` as well (:meth:`say`), from :meth:`begin` on.
+    quiet: list[str] = field(default_factory=list)
+    verbose: bool = False
+    #: The ``models.json`` of the run being resumed (``{}`` for a fresh run): its recorded choices.
+    recorded: dict = field(default_factory=dict)
+    log_path: Path | None = None
+    pending_log: list[str] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -188,6 +199,13 @@ class Run:
                         obj
                     )  # the run may have been extended: the schedule's shape changed
         return int(state["step"]), dict(state.get("counters", {}))
+
+    def plan(self, total: int) -> None:
+        """The run's step count, known before any model loads: "auto" compiling weighs its cost
+        against it (:func:`proximal.models.compiled.plan`), and under ``--resume auto`` a finished run
+        stops here (:meth:`check_finished`)."""
+        compiled.plan(total)
+        self.check_finished(total)
 
     def check_finished(self, total: int) -> None:
         """Under ``--resume auto``, raise :class:`RunFinished` when the checkpoint is the run's last
@@ -257,6 +275,21 @@ class Run:
             self.logger = MetricsLogger(
                 self.dir, tensorboard=tensorboard, wandb_project=wandb_project
             )
+            self.log_path = self.dir / RUN_LOG
+            with self.log_path.open("a" if self.resume_from is not None else "w") as fh:
+                fh.write(
+                    f"--- proximal {self.command}: "
+                    + (
+                        f"resumed from {self.resume_from.name}"
+                        if self.resume_from is not None
+                        else "started"
+                    )
+                    + f" ({time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+                    + "".join(f"{line}\n" for line in self.pending_log)
+                )
+            self.pending_log.clear()
+            for line in self.quiet:
+                self.note(line)
             slow = bfloat16_note(self.device, precision, rollout_precision)
             for note in self.notes + ([slow] if slow else []):
                 self.say(note)
@@ -287,6 +320,7 @@ class Run:
         self.shapes = {
             name: model_shape(m) if m is not None else None for name, m in models.items()
         }
+        followed = None
         for name, module in models.items():
             if name not in info:
                 continue
@@ -294,6 +328,9 @@ class Run:
             if self.cpu_matmul is not None and on_cpu:
                 info[name]["cpu_matmul"] = dict(self.cpu_matmul)
             if engine is not None and module is engine.model:
+                entry = self.recorded.get(name)
+                before = entry.get("decode") if isinstance(entry, dict) else None
+                followed = engine.follow_recorded(before) if isinstance(before, dict) else None
                 info[name]["decode"] = engine.decode_path()
             record = getattr(module, "_proximal_compile", None)
             if record is not None:
@@ -305,9 +342,15 @@ class Run:
             (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
             if engine is not None:
                 self.say(f"decode: {engine.describe_decode()}")
+            if followed:
+                self.say(followed)
             line = compile_line(info)
             if line:
                 self.say(line)
+            else:  # "auto" left every model eager: the reasons go to run.log
+                line = compile_line(info, every=True)
+                if line:
+                    self.note(line)
         return info
 
     def utilisation(self, seconds: float, *, flops: float, tokens: int) -> dict[str, float]:
@@ -320,12 +363,31 @@ class Run:
 
     def say(self, line: str) -> None:
         """Print ``proximal <command>: <line>`` (the caller decides which ranks speak), above the
-        progress bar when there is one."""
+        progress bar when there is one, and append it to ``run.log`` once :meth:`begin` opened it."""
         text = f"proximal {self.command}: {line}"
+        self._append_log(text)
         if self.bar is not None:
             tqdm.write(text)
         else:
             print(text, flush=True)
+
+    def note(self, line: str) -> None:
+        """A line for ``run.log`` only, printed as :meth:`say` prints only with ``output.verbose``:
+        what the run chose where the choice changes no result (rank 0's)."""
+        if self.verbose:
+            self.say(line)
+        else:
+            self._append_log(f"proximal {self.command}: {line}")
+
+    def _append_log(self, text: str) -> None:
+        if self.log_path is None:  # said before begin opened run.log: written there then
+            self.pending_log.append(text)
+            return
+        try:
+            with self.log_path.open("a") as fh:
+                fh.write(text + "\n")
+        except OSError:  # the log is a record, never a reason to stop a run
+            pass
 
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
         """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
@@ -345,12 +407,18 @@ class Run:
                 )
 
     # ------------------------------------------------------------------ the best checkpoint
-    def track_best(self, metric: str | None, mode: str = "max") -> None:
+    def track_best(self, metric: str | None, mode: str = "auto") -> None:
         """Keep the checkpoint of the best ``metric`` (``output.keep_best``: an ``eval/*`` name;
-        None: nothing to do), larger better with ``mode`` max, smaller with min. Every row
-        :meth:`log` writes after step 0 that holds it is compared; a new best makes
-        :meth:`new_best` true for that step, and the trainer then checkpoints it."""
-        self.best_metric, self.best_mode = metric, mode
+        None: nothing to do), larger better with ``mode`` max, smaller with min, and auto as
+        :func:`resolve_best_mode` resolves it (said in one line). Every row :meth:`log` writes after step 0
+        that holds it is compared; a new best makes :meth:`new_best` true for that step, and the
+        trainer then checkpoints it."""
+        resolved, why = resolve_best_mode(metric, mode) if metric is not None else (mode, "")
+        self.best_metric, self.best_mode = metric, resolved
+        if metric is not None and self.is_main:
+            self.say(
+                f"keep best: {metric}, {'smaller' if resolved == 'min' else 'larger'} is better ({why})"
+            )
 
     def _note_best(self, step: int, metrics: dict) -> None:
         m = self.best_metric
@@ -440,6 +508,21 @@ class Run:
         signals.restore()
 
 
+#: The metrics ``output.keep_best_mode: auto`` takes as better smaller besides names ending in "loss":
+#: the held-out KL of the policy to its reference, per sequence and per token.
+MIN_METRICS = ("eval/kl", "eval/kl_per_token", "eval/kl_ref")
+
+
+def resolve_best_mode(metric: str, mode: str) -> tuple[str, str]:
+    """``output.keep_best_mode`` for ``metric``: ``(max | min, why)``. An explicit max or min stands;
+    auto is min for a name ending in "loss" and for :data:`MIN_METRICS`, max otherwise."""
+    if mode != "auto":
+        return mode, f"output.keep_best_mode = {mode}"
+    if metric.endswith("loss") or metric in MIN_METRICS:
+        return "min", "output.keep_best_mode = auto: min for a loss or a KL"
+    return "max", "output.keep_best_mode = auto: max for any metric but a loss or a KL"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory since the previous call, the largest over processes: on CUDA the allocator's
     (``torch.cuda.max_memory_allocated``, then reset); on CPU the process's resident set (Linux's
@@ -490,17 +573,21 @@ def resident_models(**models) -> dict[str, dict]:
     return out
 
 
-def compile_line(info: dict[str, dict]) -> str | None:
+def compile_line(info: dict[str, dict], every: bool = False) -> str | None:
     """The start line on ``train.compile`` from models.json's entries: which models run compiled blocks
     and why, which do not and why — printed when a model compiled, or when compiling was asked for and
     could not be done (``blocks`` declined, or the toolchain failing); a model "auto" leaves eager
-    says nothing. None otherwise."""
+    says nothing (``every``: the line all the same, for ``run.log``). None otherwise."""
     records = {name: e["compile"] for name, e in info.items() if "compile" in e}
     asked = (
         "train.compile = blocks"  # at the start of a reason (an "auto" reason may name it after)
     )
-    if not any(
-        r["blocks"] or "; but " in r["why"] or r["why"].startswith(asked) for r in records.values()
+    if not records or not (
+        every
+        or any(
+            r["blocks"] or "; but " in r["why"] or r["why"].startswith(asked)
+            for r in records.values()
+        )
     ):
         return None
     groups: dict[tuple[int, str], list[str]] = {}
@@ -511,6 +598,26 @@ def compile_line(info: dict[str, dict]) -> str | None:
         for (n, why), names in groups.items()
     ]
     return "compile: " + "; ".join(parts)
+
+
+def recorded_models(run_dir: Path) -> dict:
+    """The ``models.json`` of the run in ``run_dir`` (``{name: entry}``), or ``{}`` where it has none
+    or it cannot be read (a run from before it was written: its choices are made afresh)."""
+    try:
+        models = json.loads((run_dir / "models.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return models if isinstance(models, dict) else {}
+
+
+def recorded_matmul(models: dict) -> str | None:
+    """The CPU products' backend a run's ``models.json`` recorded (``"onednn"`` or ``"blas"``, the
+    first model's that has one), or None."""
+    for entry in models.values():
+        matmul = entry.get("cpu_matmul") if isinstance(entry, dict) else None
+        if isinstance(matmul, dict) and matmul.get("backend") in ("onednn", "blas"):
+            return matmul["backend"]
+    return None
 
 
 def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:
@@ -579,10 +686,11 @@ def open_run(
     cpu_matmul: str = "auto",
     total: int | None = None,
     compile: str = "eager",
+    verbose: bool = False,
 ) -> Run:
     """Everything before the first model loads: the device, the backend of the float32 CPU products
     (``cpu_matmul``, ``train.cpu_matmul``: auto, onednn or blas, set process-wide by
-    :func:`proximal.models.kernels.configure` and printed at the start on a CPU), whether the models
+    :func:`proximal.models.kernels.configure` and recorded at the start on a CPU), whether the models
     prepared from here compile their blocks (``compile``, ``train.compile``, process-wide through
     :func:`proximal.models.compiled.configure`; "eager" for a caller that does not say), the process group,
     the seed, the run directory's guard (or the checkpoint to resume, verified).
@@ -591,17 +699,18 @@ def open_run(
     continues the run in ``output_dir`` when it has an intact checkpoint and starts it otherwise
     (replacing the files of an earlier launch that never wrote one; a directory whose checkpoints
     are all damaged is refused). ``total``: the run's step count when the caller knows it before
-    loading anything (ppo, grpo), so that ``--resume auto`` of a finished run stops here."""
+    loading anything (ppo, grpo), so that ``--resume auto`` of a finished run stops here, and
+    "auto" compiling knows the run's length (:meth:`Run.plan`; the others call it once their data
+    is read).
+
+    A resumed run takes the choices its run directory's ``models.json`` recorded — the CPU
+    products' backend, "auto" compiling's length verdict, the decode path (:meth:`Run.record_models`)
+    — so that its numbers continue the uninterrupted run's; where it cannot (the recorded backend is
+    missing on this host, ``PROXIMAL_CPU_MATMUL`` overrides it) it says so in one line. The
+    backend's line and a busy machine's note go to ``run.log`` and ``models.json``; printed only with
+    ``verbose`` (``output.verbose``)."""
     dev = resolve_device(device)
-    backend, why = kernels.configure(cpu_matmul)
-    compiled.configure(compile)  # train.compile, for the models prepared from here
     dist.init(dev, dist_timeout_s)
-    if dist.is_distributed() and dev.type == "cpu":  # every rank multiplies as rank 0 chose
-        backend, why, probed = dist.broadcast_object((backend, why, kernels.probed()))
-        kernels.adopt(backend, why)
-    else:
-        probed = kernels.probed()
-    seed_everything(seed)
     auto = isinstance(resume_dir, str) and resume_dir == AUTO
     run_dir = Path(output_dir if auto or resume_dir is None else resume_dir)
     # A directory that cannot be written is found now, not at the first checkpoint (rank 0 looks:
@@ -610,10 +719,7 @@ def open_run(
     if problem is not None:
         raise ConfigError(problem)
     notes: list[str] = []
-    if dev.type == "cpu":
-        notes.append(f"cpu matmul: {backend} ({why})")
-        busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
-        notes += [busy] if busy else []
+    quiet: list[str] = []  # run.log's (and output.verbose's) lines: choices that change no result
     ckpt, step = None, None
     if resume_dir is not None:
         ckpt, found_notes = find_checkpoint(run_dir / "checkpoints")
@@ -629,6 +735,35 @@ def open_run(
                 f"--resume {run_dir}: no intact checkpoint under {run_dir / 'checkpoints'} "
                 f"({damaged or 'none was ever written'})"
             )
+    # The choices made by measurement: a resumed run takes those its run directory recorded, so
+    # that its numbers continue the run's (kernels.configure, compiled.configure).
+    recorded = recorded_models(run_dir) if ckpt is not None else {}
+    matmul_before = recorded_matmul(recorded)
+    backend, why = kernels.configure(cpu_matmul, recorded=matmul_before)
+    compiled.configure(compile, recorded=compiled.recorded_verdict(recorded))
+    if dist.is_distributed() and dev.type == "cpu":  # every rank multiplies as rank 0 chose
+        backend, why, probed = dist.broadcast_object((backend, why, kernels.probed()))
+        kernels.adopt(backend, why)
+    else:
+        probed = kernels.probed()
+    seed_everything(seed)
+    busy = None
+    if dev.type == "cpu":
+        # Printed where it changes a result — a resumed run that cannot use the backend it recorded,
+        # a backend asked for and missing (oneDNN) — else a line of run.log
+        line = f"cpu matmul: {backend} ({why})"
+        if matmul_before is not None and backend != matmul_before:
+            quiet.append(line)
+            notes.insert(
+                0,
+                f"cpu matmul: {backend}, not the {matmul_before} the run being resumed used "
+                f"({why}): from here its numbers differ from an uninterrupted run's in the last "
+                "digits",
+            )
+        else:
+            (notes if "; but " in why else quiet).append(line)
+        busy = busy_cpu_note(torch.get_num_threads() * dist.launched_world_size())
+        quiet += [busy] if busy else []
     if ckpt is not None:
         manifest = json.loads((ckpt / MANIFEST).read_text())
         step, wrote = int(manifest["step"]), manifest.get("command", command)
@@ -664,9 +799,11 @@ def open_run(
     if matmul is not None and probed is not None:  # train.cpu_matmul: auto's measurement
         matmul["probe"] = {
             k: probed[k]
-            for k in ("rates", "noise", "threads", "key", "cached", "busy_load")
+            for k in ("rates", "noise", "threads", "key", "cached", "busy_load", "rule")
             if k in probed
         }
+    if matmul is not None and busy is not None:
+        matmul["busy"] = busy
     run = Run(
         command,
         run_dir,
@@ -677,9 +814,12 @@ def open_run(
         cpu_matmul=matmul,
         auto=auto,
         checkpoint_step=step,
+        quiet=quiet,
+        verbose=verbose,
+        recorded=recorded,
     )
     if total is not None:
-        run.check_finished(total)
+        run.plan(total)
     # From here a stop signal asks the run to stop after the step in progress (signals.py); the
     # handlers stay until Run.finish (or the command's end, proximal.train.command).
     signals.install()

@@ -20,6 +20,8 @@ from proximal.data.sft import ON_EMPTY, ON_TOO_LONG
 from proximal.data.sources import columns_problems, source_problem
 from proximal.logging import missing_extras
 from proximal.models.compiled import CHOICES as COMPILE
+from proximal.models.compiled import EAGER_ALIASES
+from proximal.models.compiled import normalize as normalize_compile
 from proximal.models.kernels import CHOICES as CPU_MATMUL
 
 #: ``train.logprobs`` (proximal.models.output.LOGPROBS_PATHS; spelled here so that reading a config
@@ -204,22 +206,29 @@ class TrainSection:
         "some tens of milliseconds at the start times both on a small transformer block's "
         "products and takes oneDNN where it beats the BLAS by more than the probe's noise; the "
         "result is cached per CPU model, torch version and thread count in "
-        "~/.cache/proximal/cpu_matmul.json. The environment variable PROXIMAL_CPU_MATMUL (the "
-        "same values) overrides it. The run prints and records in models.json which one it "
-        "used and why, with the measured rates.",
+        "~/.cache/proximal/cpu_matmul.json. With nothing cached on a busy machine (or a probe "
+        "noisier than 25 %) a timing would be noise: 'auto' then takes the BLAS by rule. A resumed "
+        "run takes the backend it recorded. The environment variable PROXIMAL_CPU_MATMUL (the "
+        "same values) overrides it. The run records in models.json and run.log which one it "
+        "used and why, with the measured rates (printed with output.verbose).",
         choices=CPU_MATMUL,
     )
     compile: str = option(
         "auto",
         "Compile each transformer block of the models with torch.compile, which fuses the "
         "elementwise work around the matrix products (RMSNorm, rotary embedding, SwiGLU, residual "
-        "sums) forward and backward: 'blocks' compiles them, 'eager' never does, 'auto' compiles in "
-        "one process on a CPU for models with a hidden size of at least 256 and no LoRA adapters or "
-        "activation checkpointing, where it was measured to pay. The first steps compile (about 20 s "
-        "on 2 cores, a few seconds once Inductor's cache holds the graphs); the numbers differ from "
-        "eager mode by float32 round-off. Where torch.compile cannot run (no C++ compiler) the run "
-        "goes on in eager mode and says why; models.json records what each model ran.",
+        "sums) forward and backward: 'blocks' compiles them, 'eager' (or false, off) never does, "
+        "'auto' compiles in one process on a CPU for models with a hidden size of at least 256 and "
+        "no LoRA adapters or activation checkpointing, where the run is long enough to repay "
+        "compiling: its steps × about 0.1 s saved a step (at hidden 256, more when wider) must "
+        "exceed about 75 s of compiling, so at hidden 256 from 751 steps (a 3-step smoke run stays "
+        "eager). The first steps compile (measured on 2 cores: about 75 s with an empty Inductor "
+        "cache, about 16 s from it); the numbers differ from eager mode by float32 round-off, and a "
+        "resumed run keeps the decision it recorded. Where torch.compile cannot run (no C++ "
+        "compiler) the run goes on in eager mode and says why; models.json records what each model "
+        "ran and why.",
         choices=COMPILE,
+        aliases={a: "eager" for a in EAGER_ALIASES},
     )
     save_every: int = option(
         50, "Write a checkpoint every N steps, and always after the last (0 = only then)."
@@ -242,7 +251,7 @@ class TrainSection:
             e.append(
                 f"{name}.cpu_matmul = {self.cpu_matmul!r} is not one of {', '.join(CPU_MATMUL)}"
             )
-        if self.compile not in COMPILE:
+        if normalize_compile(self.compile) not in COMPILE:
             e.append(f"{name}.compile = {self.compile!r} is not one of {', '.join(COMPILE)}")
         if self.save_every < 0:
             e.append(
@@ -338,8 +347,8 @@ class BatchTrainSection(TrainSection):
         return e
 
 
-#: ``output.keep_best_mode``.
-KEEP_BEST_MODES = ("max", "min")
+#: ``output.keep_best_mode``: auto chooses by the metric's name (:func:`proximal.train.run.resolve_best_mode`).
+KEEP_BEST_MODES = ("auto", "max", "min")
 
 
 @dataclass
@@ -358,6 +367,14 @@ class OutputSection:
         "use --resume to continue it.",
     )
     progress: bool = option(True, "Show a progress bar with ETA.")
+    verbose: bool = option(
+        False,
+        "Also print the start's choices that change no result — the CPU products' backend and its "
+        "probe (train.cpu_matmul), a busy machine's note, the compile decision where every model "
+        "stays eager — which otherwise go only to run.log in output.dir (and models.json). A "
+        "choice that changes a result (a resumed run that cannot use the backend it recorded) is "
+        "printed either way.",
+    )
     tensorboard: bool = option(False, "Also log to TensorBoard (needs the tensorboard extra).")
     wandb_project: str | None = option(
         None, "Also log to this Weights & Biases project (needs the wandb extra)."
@@ -372,9 +389,10 @@ class OutputSection:
         "--resume. null = keep only the newest.",
     )
     keep_best_mode: str = option(
-        "max",
+        "auto",
         "Whether output.keep_best's metric is better larger (max: a score, accuracy) or smaller "
-        "(min: a loss, a KL).",
+        "(min: a loss, a KL). auto: min for a name ending in 'loss' and for eval/kl, "
+        "eval/kl_per_token and eval/kl_ref, max otherwise; the run prints the mode it uses.",
         choices=KEEP_BEST_MODES,
     )
 
@@ -387,7 +405,10 @@ class OutputSection:
                 "eval/<name> (e.g. eval/score, eval/loss), or null"
             )
         if self.keep_best_mode not in KEEP_BEST_MODES:
-            e.append(f"{name}.keep_best_mode = {self.keep_best_mode!r} is not one of max, min")
+            e.append(
+                f"{name}.keep_best_mode = {self.keep_best_mode!r} is not one of "
+                f"{', '.join(KEEP_BEST_MODES)}"
+            )
         return e + missing_extras(self.tensorboard, self.wandb_project)
 
 

@@ -126,6 +126,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         resume_dir=resume_dir,
         cpu_matmul=t.cpu_matmul,
         compile=t.compile,
+        verbose=cfg.output.verbose,
     )
     tokenizer = load_tokenizer(m.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, m.chat_template)

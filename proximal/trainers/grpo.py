@@ -100,6 +100,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         compile=t.compile,
         resume_dir=resume_dir,
         total=t.steps,
+        verbose=cfg.output.verbose,
     )
     d = cfg.data
     functions, prompts = load_inputs(

@@ -96,6 +96,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         compile=t.compile,
         resume_dir=resume_dir,
         total=t.steps,
+        verbose=cfg.output.verbose,
     )
     d = (
         cfg.data

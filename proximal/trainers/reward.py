@@ -61,6 +61,7 @@ def train(cfg: RMConfig, resume_dir: str | Path | None = None) -> Path:
         resume_dir=resume_dir,
         cpu_matmul=t.cpu_matmul,
         compile=t.compile,
+        verbose=cfg.output.verbose,
     )
     tokenizer = load_tokenizer(cfg.model.path, role="model.path", padding_side="right")
     set_chat_template(tokenizer, cfg.model.chat_template)

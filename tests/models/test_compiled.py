@@ -5,16 +5,19 @@ sequence length (proximal.models.compiled)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from proximal.config import load_config, section
 from proximal.models import compiled, kernels
 from proximal.models.tiny import tiny_config
 from proximal.rollout import decode
 from proximal.rollout.engine import HFEngine, SamplingParams, bfloat16_copy
 from proximal.train.run import compile_line
+from proximal.train.sections import TrainSection
 
 
 def _model(arch: str = "llama", hidden: int = 64, layers: int = 2, seed: int = 0):
@@ -38,7 +41,13 @@ def test_blocks_are_the_stack_of_identical_layers():
         ("eager", {}, False, "train.compile = eager"),
         ("blocks", {"hidden": 32}, True, "train.compile = blocks"),
         ("blocks", {"world_size": 2}, False, "several processes"),
-        ("auto", {}, True, "hidden size 256 ≥ 256"),
+        ("auto", {"steps": 1000}, True, "hidden size 256 ≥ 256: 1000 steps"),
+        ("auto", {"steps": 3}, False, "hidden size 256 ≥ 256: 3 steps"),
+        ("auto", {}, False, "the run's length is not known"),
+        ("auto", {"steps": 3, "recorded": True}, True, "as the run being resumed recorded"),
+        ("auto", {"steps": 1000, "recorded": False}, False, "as the run being resumed recorded"),
+        ("auto", {"steps": 1000, "hidden": 255, "recorded": True}, False, "255 < 256"),
+        ("blocks", {"steps": 3, "recorded": False}, True, "train.compile = blocks"),
         ("auto", {"hidden": 255}, False, "hidden size 255 < 256"),
         ("auto", {"hidden": None}, False, "hidden size None < 256"),
         ("auto", {"device_type": "cuda"}, False, "on cuda it is not measured"),
@@ -54,6 +63,59 @@ def test_decide(choice, kwargs, go, says):
     got, why = compiled.decide(choice, **{**base, **kwargs})
     assert got is go
     assert why.startswith(f"train.compile = {choice}") and says in why
+
+
+def test_auto_compiles_only_where_the_run_repays_compiling():
+    """steps × STEP_SAVING_S × hidden / 256 against COMPILE_COST_S (issue 37): at hidden 256 the
+    saving is 0.1 s a step against 75 s, so 750 steps are not enough and 751 are; at hidden 512 the
+    saving doubles and 376 steps are enough. A 3-step smoke run never compiles."""
+    assert (compiled.STEP_SAVING_S, compiled.COMPILE_COST_S) == (0.1, 75.0)
+    assert compiled.pays(750, 256)[0] is False and compiled.pays(751, 256)[0] is True
+    assert compiled.pays(375, 512)[0] is False and compiled.pays(376, 512)[0] is True
+    assert compiled.pays(3, 256) == (
+        False,
+        "3 steps × about 0.1 s saved a step at hidden size 256 = 0.3 s ≤ about 75 s of compiling",
+    )
+    assert compiled.pays(None, 4096)[0] is False
+
+
+@dataclasses.dataclass
+class _Config:
+    train: TrainSection = section(TrainSection)
+
+    def validate(self) -> list[str]:
+        return self.train.problems()
+
+
+@pytest.mark.parametrize("spelled", ["false", "off", "False", "OFF", False])
+def test_false_and_off_are_eager(spelled):
+    """``train.compile: false`` / ``off`` (YAML reads both as a boolean) and the CLI's strings."""
+    assert compiled.normalize(spelled) == "eager"
+    assert load_config(_Config, overrides={"train.compile": spelled}).train.compile == "eager"
+    built = _Config()
+    built.train.compile = spelled  # a config built in code (the Python API)
+    assert built.validate() == []
+
+
+def test_a_smoke_run_of_a_hidden_256_model_stays_eager_under_auto(monkeypatch):
+    """The run's length as open_run / load_data give it (compiled.plan): 3 steps, hidden 256, one
+    process on a CPU, no LoRA: eager, and the record says why and holds the verdict a resume takes."""
+    monkeypatch.setattr(compiled, "_CHOICE", compiled._CHOICE)
+    monkeypatch.setattr(compiled, "_STEPS", None)
+    monkeypatch.setattr(compiled, "_RECORDED", None)
+    monkeypatch.setitem(compiled._PROBLEM, "cpu", None)  # a working toolchain: not the reason
+    compiled.configure("auto")
+    compiled.plan(3)
+    model = _model(hidden=256, layers=2)
+    record = compiled.apply(model)
+    assert record["blocks"] == 0 and compiled.compiled_blocks(model) == 0
+    assert record["steps"] == 3 and record["pays"] is False
+    assert record["why"].startswith("train.compile = auto: hidden size 256 ≥ 256: 3 steps")
+    assert compiled.recorded_verdict({"actor": {"compile": record}, "x": {}}) is False
+    # resumed: the recorded verdict stands whatever the length now
+    compiled.configure("auto", recorded=False)
+    compiled.plan(100000)
+    assert compiled.apply(_model(hidden=256, layers=2))["blocks"] == 0
 
 
 def test_a_process_compiles_nothing_until_a_run_configures_it(monkeypatch):

@@ -21,6 +21,7 @@ from proximal.compare_report import collect_run
 from proximal.config import ConfigError, check_valid, describe, load_config, save_config, section
 from proximal.models import kernels
 from proximal.rollout.engine import HFEngine
+from proximal.train import run as run_module
 from proximal.train.run import Run, open_run
 from proximal.train.sections import TrainSection
 from proximal.trainers.ppo import PPOConfig
@@ -44,6 +45,7 @@ def backend(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "cache_path", lambda: tmp_path / "cache" / "cpu_matmul.json")
     monkeypatch.setattr(kernels, "probe_seconds", lambda: {"blas": [2.0] * 4, "onednn": [1.0] * 4})
     monkeypatch.setattr(kernels, "busy_load", lambda: None)  # a quiet machine: the result is kept
+    monkeypatch.setattr(run_module, "busy_cpu_note", lambda *a, **k: None)  # and no busy note
 
 
 def test_the_field_its_values_and_its_errors(tmp_path):
@@ -82,12 +84,18 @@ def _open(tmp_path, **kw) -> Run:
     )
 
 
-def _said(capsys, run: Run) -> list[str]:
-    """What rank 0 prints when the run begins, the cpu matmul line among it."""
+def _said(capsys, run: Run, printed: bool = False) -> list[str]:
+    """The cpu matmul line rank 0 writes to run.log when the run begins; on stdout too only where
+    ``printed`` (the config's choice is not what runs; else only with output.verbose)."""
     capsys.readouterr()
     run.begin(Config(), start=0, total=1, counters={}, progress=False)
     run.finish()
-    return [line for line in capsys.readouterr().out.splitlines() if "cpu matmul" in line]
+    logged = [
+        line for line in (run.dir / "run.log").read_text().splitlines() if "cpu matmul" in line
+    ]
+    out = [line for line in capsys.readouterr().out.splitlines() if "cpu matmul" in line]
+    assert out == (logged if printed else [])
+    return logged
 
 
 def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch, capsys):
@@ -100,7 +108,7 @@ def test_open_run_applies_the_choice_and_says_so(tmp_path, backend, monkeypatch,
     run = _open(tmp_path / "b", cpu_matmul="blas")
     want = "onednn" if kernels._OP is not None else "blas"
     assert kernels.backend()[0] == run.cpu_matmul["backend"] == want
-    (line,) = _said(capsys, run)
+    (line,) = _said(capsys, run, printed=want != "onednn")  # printed where oneDNN is missing
     assert line.startswith(
         f"proximal test: cpu matmul: {want} (PROXIMAL_CPU_MATMUL=onednn overrides "
         "train.cpu_matmul = blas"
@@ -206,3 +214,80 @@ def test_off_the_cpu_no_backend_is_recorded_and_the_engine_must_be_given_its_mod
     assert "cpu_matmul" not in info["actor"] and "decode" not in info["actor"]
     with pytest.raises(ValueError, match="the engine's model is not one of the models given"):
         run.record_models(engine=HFEngine(other, 0), actor=actor)
+
+
+def test_the_backend_line_and_the_busy_note_go_to_run_log_unless_verbose(
+    tmp_path, backend, monkeypatch, capfd
+):
+    """Issue 37: the CPU products' line (with "auto"'s probe) and a busy machine's note are written to
+    run.log and models.json, and printed only with output.verbose."""
+    busy = "the CPU is busy (load average 3.0 from other processes on 2 cores, and 1 torch threads here)"
+    monkeypatch.setattr(run_module, "busy_cpu_note", lambda *a, **k: busy)
+    for verbose in (False, True):
+        run = _open(tmp_path / str(verbose), verbose=verbose)
+        assert run.cpu_matmul["busy"] == busy  # models.json's record of each CPU model
+        capfd.readouterr()
+        run.begin(Config(), start=0, total=1, counters={}, progress=False)
+        run.finish()
+        out = capfd.readouterr().out
+        log = (run.dir / "run.log").read_text().splitlines()
+        matmul = f"proximal test: cpu matmul: {run.cpu_matmul['backend']} ({run.cpu_matmul['why']})"
+        assert matmul in log and f"proximal test: {busy}" in log
+        assert (matmul in out.splitlines()) is verbose
+        assert (busy in out) is verbose
+        if not verbose:
+            assert "cpu matmul" not in out and "busy" not in out
+
+
+def test_a_resumed_run_keeps_the_decode_path_it_recorded(tmp_path, backend, capsys):
+    """Issue 37: where the run being resumed decoded with the model's own forward, a resume that could
+    take the lean step decodes the model's own way too (models.json says why); where it took the lean
+    step and this process cannot, one printed line says the numbers now differ."""
+    llama = _lm("llama", **LLAMA)
+    run = _open(tmp_path / "a", cpu_matmul="blas")
+    run.recorded = {"actor": {"decode": {"path": "generate", "reason": "a lean step failed"}}}
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    engine = HFEngine(llama, 0)
+    assert engine.decode_path()["path"] == "lean"  # a fresh run would take the lean step
+    capsys.readouterr()
+    info = run.record_models(engine=engine, actor=llama)
+    run.finish()
+    assert info["actor"]["decode"] == {
+        "path": "generate",
+        "reason": "the run being resumed decoded so (a lean step failed)",
+    }
+    assert "differ" not in capsys.readouterr().out
+
+    gpt2 = _lm("gpt2", **GPT2)
+    run = _open(tmp_path / "b", cpu_matmul="blas")
+    run.recorded = {"actor": {"decode": {"path": "lean", "reason": None}}}
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    engine = HFEngine(gpt2, 0)
+    capsys.readouterr()
+    run.record_models(engine=engine, actor=gpt2)
+    run.finish()
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if "run being resumed" in s]
+    assert line.startswith(
+        "proximal test: decode: the run being resumed took the lean step, which this process "
+        "cannot (GPT2LMHeadModel is not one of"
+    ) and line.endswith(
+        "from here its numbers differ from an uninterrupted run's in the last digits"
+    )
+
+
+def test_a_backend_asked_for_and_missing_is_printed_all_the_same(
+    tmp_path, backend, monkeypatch, capfd
+):
+    """``train.cpu_matmul: onednn`` where this torch has no oneDNN product runs BLAS: that changes the
+    result the config asked for, so the line is printed without output.verbose."""
+    monkeypatch.setattr(kernels, "_op_problems", lambda: ("no oneDNN here", "no oneDNN product"))
+    run = _open(tmp_path, cpu_matmul="onednn")
+    capfd.readouterr()
+    run.begin(Config(), start=0, total=1, counters={}, progress=False)
+    run.finish()
+    line = (
+        "proximal test: cpu matmul: blas (train.cpu_matmul = onednn; but no oneDNN here: torch's "
+        "F.linear instead)"
+    )
+    assert line in capfd.readouterr().out.splitlines()
+    assert line in (run.dir / "run.log").read_text().splitlines()

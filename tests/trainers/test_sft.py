@@ -394,3 +394,88 @@ def test_every_field_is_documented(tmp_path):
     for name, _, _, help_ in describe(SFTConfig):
         assert help_, name
         assert f"`{name}`" in doc, f"docs/sft.md does not document {name}"
+
+
+def test_keep_best_of_eval_loss_keeps_the_lowest_loss_by_default(base, tmp_path, capsys):
+    """``output.keep_best: eval/loss`` with keep_best_mode left at its default (auto) keeps the step
+    of the lowest held-out loss, and the start line says it takes smaller as better (issue 37)."""
+    base_path, _ = base
+    cfg = make_cfg(
+        base_path,
+        tmp_path,
+        repeat_task(64, seed=1),
+        repeat_task(16, seed=2),
+        **{
+            "optim.lr": 3e-3,
+            "train.steps": 6,
+            "train.batch_size": 16,
+            "train.eval_every": 2,
+            "train.save_every": 0,
+            "train.keep_checkpoints": 1,
+            "output.keep_best": "eval/loss",
+        },
+    )
+    assert cfg.output.keep_best_mode == "auto"
+    out = train(cfg)
+    losses = {
+        r["step"]: r["eval/loss"]
+        for r in read_metrics(out / "metrics.jsonl")
+        if "eval/loss" in r and r["step"] > 0
+    }
+    assert sorted(losses) == [2, 4, 6]
+    lowest, highest = min(losses, key=losses.get), max(losses, key=losses.get)
+    assert lowest != highest  # the loss moved, so max and min choose different steps
+    from proximal.train.checkpoint import best_step
+
+    assert best_step(out / "checkpoints") == lowest
+    said = "keep best: eval/loss, smaller is better (output.keep_best_mode = auto"
+    assert said in capsys.readouterr().out
+    assert said in (out / "run.log").read_text()  # said before run.log opened: written there then
+
+
+@pytest.mark.parametrize(
+    ("metric", "mode", "want"),
+    [
+        ("eval/loss", "auto", "min"),
+        ("eval/nll_loss", "auto", "min"),
+        ("eval/kl", "auto", "min"),
+        ("eval/kl_per_token", "auto", "min"),
+        ("eval/kl_ref", "auto", "min"),
+        ("eval/score", "auto", "max"),
+        ("eval/accuracy", "auto", "max"),
+        ("eval/loss_frac", "auto", "max"),
+        ("eval/loss", "max", "max"),
+        ("eval/score", "min", "min"),
+    ],
+)
+def test_keep_best_mode_auto_resolves_by_the_metric_name(metric, mode, want):
+    from proximal.train.run import resolve_best_mode
+
+    assert resolve_best_mode(metric, mode)[0] == want
+
+
+def test_a_smoke_run_of_a_hidden_256_model_does_not_compile_under_auto(tmp_path, capfd):
+    """``train.compile: auto`` (the default) weighs compiling against the run's length: a 3-step run
+    of a hidden-256 model (one process, CPU, no LoRA: every other condition of auto holds) stays
+    eager, and models.json records the decision, the length and why (issue 37)."""
+    tok = build_char_tokenizer(LETTERS + "=")
+    base_path = build_tiny_causal_lm(tmp_path / "base256", tok, seed=0, hidden=256, heads=4)
+    cfg = make_cfg(
+        base_path,
+        tmp_path,
+        repeat_task(8, seed=1),
+        **{"train.steps": 3, "train.batch_size": 2, "train.micro_batch_size": 2},
+    )
+    assert cfg.train.compile == "auto"
+    out = train(cfg)
+    record = json.loads((out / "models.json").read_text())["model"]["compile"]
+    assert record["blocks"] == 0 and record["steps"] == 3 and record["pays"] is False
+    assert record["why"].startswith(
+        "train.compile = auto: hidden size 256 ≥ 256: 3 steps × about 0.1 s saved a step"
+    )
+    log = (out / "run.log").read_text()
+    assert "proximal sft: compile: model: eager" in log
+    # quiet by default: the backend's line is in run.log, not on stdout
+    assert "proximal sft: cpu matmul: " in log
+    printed = capfd.readouterr().out
+    assert "cpu matmul" not in printed and "compile:" not in printed
