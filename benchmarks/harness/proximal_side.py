@@ -117,14 +117,24 @@ def with_logprobs(cfg: dict, logprobs: str | None) -> dict:
     return cfg
 
 
-def has_train_field(name: str) -> bool:
-    """Whether this tree's proximal has ``train.<name>`` (``logprobs`` arrives with issue 22)."""
+def has_train_field(name: str, tree: Path = ROOT) -> bool:
+    """Whether ``tree``'s proximal (this one by default) has ``train.<name>`` (``logprobs`` arrives
+    with issue 22, ``compile`` with issue 27)."""
     code = (
         "import sys, dataclasses; from proximal.train.sections import TrainSection; "
         f"sys.exit(0 if {name!r} in {{f.name for f in dataclasses.fields(TrainSection)}} else 1)"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env).returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run([sys.executable, "-c", code], cwd=str(tree), env=env).returncode == 0
+
+
+def with_compiled_blocks(cfg: dict, tree: Path) -> dict:
+    """``cfg`` with ``train.compile: blocks`` where ``tree``'s proximal has the field: the harness
+    measures steady steps (the median of steps 2..N), the compiled path a long run takes, while
+    ``auto`` leaves a run of a few steps eager (its compiling would not pay back)."""
+    if has_train_field("compile", tree):
+        cfg["train"]["compile"] = "blocks"
+    return cfg
 
 
 def logprobs_used(run_dir: Path) -> str | None:

@@ -87,8 +87,8 @@ def run_proximal(
 
     ``tree`` is the source tree whose ``proximal`` runs (this one, or a :func:`baseline_tree`); the
     record's side is ``side``. The config is this tree's either way: it sets no field newer than
-    issue 22's ``train.logprobs`` (and that one only with ``logprobs``), so a baseline from then on
-    reads it as this tree does."""
+    issue 22's ``train.logprobs`` (and that one only with ``logprobs``) but ``train.compile: blocks``
+    where ``tree`` has that field, so a baseline from then on reads it as this tree does."""
     method = work.method
     run_dir = scratch / "run"
     if method == "ppo":
@@ -111,6 +111,7 @@ def run_proximal(
             loss=GRPO_LOSS,
             logprobs=logprobs,
         )
+    cfg = proximal_side.with_compiled_blocks(cfg, tree)
     path = proximal_side.write_config(cfg, scratch / "config.yaml")
     before = _before()
     m = run_measured(
