@@ -8,6 +8,10 @@ Record the snapshot before the first change and after the last, on the same mach
     python benchmarks/behaviour_snapshot.py --compare before.json after.json \\
         [--renamed policy/old_name=policy/new_name,...]
 
+The proximal recorded is the one Python imports: ``PYTHONPATH=/path/to/other/checkout`` records
+that checkout with this script (the snapshot names its commit, and ``+dirty`` if it had uncommitted
+changes), so a commit older than this script can be the "before".
+
 ``--compare`` prints one row per run: how many metric values are bitwise equal, which differ (with
 the largest absolute difference), the metric names one side lacks, and whether every exported
 model's weights are equal. It exits 1 on any difference that ``--renamed`` (the renames made by
@@ -71,7 +75,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 #: Set before torch is first imported (its thread pools read them once): one thread; the peak-FLOP
 #: probe replaced by a fixed figure (perf/mfu is clock-bound anyway); torch's BLAS for CPU matrix
@@ -458,11 +461,24 @@ def snapshot(work: Path, only: list[str] | None = None) -> dict:
     import torch
     import transformers
 
-    import proximal
-
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     shutil.rmtree(work / "runs", ignore_errors=True)  # a kept work directory's old runs
+    # The tool workers are `python -c` processes, whose sys.path starts with the working directory:
+    # run from the work directory, so a checkout there can't shadow the proximal imported here.
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        return _snapshot(work, only)
+    finally:
+        os.chdir(cwd)
+
+
+def _snapshot(work: Path, only: list[str] | None) -> dict:
+    import torch
+
+    import proximal
+
     t0 = time.perf_counter()
     assets = build_assets(work)
     runs: dict[str, dict] = {
@@ -483,11 +499,13 @@ def snapshot(work: Path, only: list[str] | None = None) -> dict:
         else:
             runs[name] = record_run(command, cfg, work / "runs" / name.replace("/", "-"))
         print(f"{runs[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    tree = Path(proximal.__file__).resolve().parents[1]
     return {
         "format": FORMAT,
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "proximal": str(Path(proximal.__file__).resolve().parent),
+        # the checkout proximal was imported from (PYTHONPATH may name another than this script's)
+        "commit": _git(tree, "rev-parse", "HEAD"),
+        "dirty": bool(_git(tree, "status", "--porcelain", "--untracked-files=no")),
+        "proximal": str(tree / "proximal"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "env": {k: os.environ.get(k) for k in DETERMINISTIC_ENV},
@@ -496,10 +514,10 @@ def snapshot(work: Path, only: list[str] | None = None) -> dict:
     }
 
 
-def _git(*args: str) -> str:
+def _git(tree: Path, *args: str) -> str:
     try:
         return subprocess.run(
-            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+            ["git", "-C", str(tree), *args], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
@@ -640,6 +658,11 @@ def format_table(rows: list) -> str:
     return "\n".join(out)
 
 
+def _origin(snap: dict) -> str:
+    """Where a snapshot was recorded: its commit (short), "+dirty" for uncommitted changes."""
+    return (snap.get("commit") or "?")[:10] + ("+dirty" if snap.get("dirty") else "")
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -665,10 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         before, after = (json.loads(f.read_text()) for f in args.compare)
         rows, ok = compare(before, after, renamed)
         print(format_table(rows))
-        print(
-            "\nequal" if ok else "\nDIFFERENT",
-            f"({before.get('commit', '?')[:10]} → {after.get('commit', '?')[:10]})",
-        )
+        print("\nequal" if ok else "\nDIFFERENT", f"({_origin(before)} → {_origin(after)})")
         return 0 if ok else 1
     if "torch" in sys.modules:
         p.error("record in a fresh process: torch was imported before the environment was set")
@@ -676,14 +696,15 @@ def main(argv: list[str] | None = None) -> int:
     if str(HERE) not in sys.path:  # behaviour_snapshot:<name> specs
         sys.path.insert(0, str(HERE))
     only = [o for o in (args.only or "").split(",") if o]
+    out = args.out.resolve()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        snap = snapshot(args.workdir, only)
+        snap = snapshot(args.workdir.resolve(), only)
     else:
         with tempfile.TemporaryDirectory(prefix="proximal-snapshot-") as d:
             snap = snapshot(Path(d), only)
-    args.out.write_text(json.dumps(snap, indent=1) + "\n")
-    print(f"{len(snap['runs'])} runs in {snap['seconds']} s → {args.out}", file=sys.stderr)
+    out.write_text(json.dumps(snap, indent=1) + "\n")
+    print(f"{len(snap['runs'])} runs in {snap['seconds']} s → {out}", file=sys.stderr)
     return 0
 
 
