@@ -24,6 +24,11 @@ when each applies.
 - ``bypass`` — π_old := μ (verl ``bypass_mode``): no weights; the PPO ratio π_θ/μ carries the
   correction and π_old's forward pass is skipped. ``none`` — no weights.
 
+The band (lo, hi) bounds ρ itself. verl's k1 threshold ``'lo_hi'`` (``token_k1``, ``seq_mean_k1``)
+bounds −log ρ instead (``rollout_corr_helper.compute_rollout_rejection_mask``), so it keeps
+ρ ∈ [1/hi, 1/lo]: verl's ``'lo_hi'`` is the band (1/hi, 1/lo) here, and the band (lo, hi) is verl's
+``'1/hi_1/lo'``. The two agree only for a band symmetric in log ρ (lo·hi = 1).
+
 Notation: B rows, T response length; ``response_mask`` bool (B, T), True = a real token; values
 at masked positions are never read. Log-probabilities in, float64 works; weights come back in the
 log-probabilities' dtype, 0 at masked positions, detached.
@@ -42,7 +47,8 @@ from proximal.core.stats import check_mask
 #: ``rollout.correction`` values; see the module docstring.
 CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "bypass")
 #: The correction band when none is configured: IcePop's token band, verl's Geo-RS sequence band
-#: (``RolloutCorrectionConfig.decoupled_geo_rs``: "0.999_1.001").
+#: (``RolloutCorrectionConfig.decoupled_geo_rs``: "0.999_1.001", which on −log ρ̄ keeps
+#: ρ̄ ∈ [1/1.001, 1/0.999]: this band to 1e-6 at each edge).
 DEFAULT_TOKEN_BAND = (0.5, 2.0)
 DEFAULT_SEQUENCE_BAND = (0.999, 1.001)
 #: TIS's cap C when none is configured: verl's ``rollout_is_threshold``.
@@ -187,8 +193,10 @@ def sequence_mask_weights(
         ρ̄_i = exp(1/|o_i| Σ_t log ρ_{i,t})        (the per-token geometric mean of response i)
         w_{i,t} = 1[lo ≤ ρ̄_i ≤ hi]
 
-    Length-normalised, so a long response is not rejected for being long (the product Π_t ρ_t
-    drifts with length); a response with no valid token gets weight 0.
+    The band bounds ρ̄_i; verl's threshold ``'lo_hi'`` bounds −log ρ̄_i, so it is the band
+    (1/hi, 1/lo) here (module docstring). Length-normalised, so a long response is not rejected
+    for being long (the product Π_t ρ_t drifts with length); a response with no valid token gets
+    weight 0.
 
     Returns:
         ``(w, stats)``: w (B, T), detached, 0 at masked positions; stats ``masked_seq_frac``

@@ -659,9 +659,11 @@ class RolloutSection:
     )
     correction_band: list[float] | None = option(
         None,
-        "[lo, hi] with 0 < lo ≤ 1 ≤ hi: the ratio band of rollout.correction token_mask (per "
-        "token) or seq_mask (per response's geometric mean), and of the rollout/outside_band_frac "
-        "metric; null = [0.5, 2] for tokens (IcePop), [0.999, 1.001] for seq_mask (verl's Geo-RS).",
+        "[lo, hi] with 0 < lo ≤ 1 ≤ hi: the band of the ratio ρ = π_old/μ that rollout.correction "
+        "token_mask (per token) or seq_mask (per response's geometric mean) keeps, and of the "
+        "rollout/outside_band_frac metric; null = [0.5, 2] for tokens (IcePop), [0.999, 1.001] for "
+        "seq_mask (about verl's Geo-RS '0.999_1.001'). verl's k1 threshold 'lo_hi' bounds −log ρ, "
+        "so it keeps ρ in [1/hi, 1/lo]: port it as [1/hi, 1/lo] ('0.5_1.5' → [0.6667, 2]).",
     )
 
     @property

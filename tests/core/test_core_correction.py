@@ -183,3 +183,83 @@ def test_empty_mask_gives_nan_stats():
     old, mu, mask = batch()
     st = mismatch_stats(old, mu, torch.zeros_like(mask))
     assert all(math.isnan(float(v)) for v in st.values())
+
+
+# verl's rejection sampling, written here as verl writes it (verl/trainer/ppo/rollout_corr_helper.py
+# at b178a3c: compute_rollout_rejection_mask; log_ratio = old_log_prob − rollout_log_prob, :779), so
+# the band's orientation is held against verl's own rule, not against proximal's.
+VERL_SAFETY_BOUND = 20.0  # rollout_corr_helper.SAFETY_BOUND
+
+
+def verl_k1_keep(log_ratio, response_mask, option: str, threshold: str):
+    """verl's ``rollout_rs`` ``token_k1`` / ``seq_mean_k1`` with ``rollout_rs_threshold`` ``'lo_hi'``
+    (a single number is the upper bound, the lower its reciprocal: _parse_rollout_rs_thresholds).
+    The statistic is k1 = −log ρ (token_k1 = −log_ratio_safe, :222), kept when
+    log(lo) ≤ stat ≤ log(hi) (:275, :308). Returns the modified response mask, (B, T) bool."""
+    lower_str, upper_str = threshold.split("_", 1) if "_" in threshold else (None, threshold)
+    upper = float(upper_str)
+    lower = float(lower_str) if lower_str is not None else 1.0 / upper
+    lower_log, upper_log = math.log(lower), math.log(upper)
+    token_k1 = -torch.clamp(log_ratio, min=-VERL_SAFETY_BOUND, max=VERL_SAFETY_BOUND)
+    m = response_mask.to(log_ratio.dtype)
+    if option == "token_k1":
+        keep = (token_k1 >= lower_log) & (token_k1 <= upper_log)
+    elif option == "seq_mean_k1":  # verl_F.masked_mean(values, response_mask, axis=-1)
+        stat = (torch.where(response_mask, token_k1, 0.0) * m).sum(-1) / (m.sum(-1) + 1e-8)
+        keep = ((stat >= lower_log) & (stat <= upper_log))[:, None].expand_as(response_mask)
+    else:
+        raise ValueError(option)
+    return keep & response_mask
+
+
+def test_correction_band_is_verls_k1_threshold_inverted():
+    """rollout.correction_band [lo, hi] bounds ρ = π_old/μ; verl's k1 threshold 'lo_hi' bounds
+    −log ρ, so it keeps ρ ∈ [1/hi, 1/lo]: verl's 'lo_hi' is proximal's [1/hi, 1/lo] (and the
+    default [0.999, 1.001] is verl's '0.999_1.001' only to 1e-6 at each edge). Held on a
+    log-asymmetric threshold, '0.5_1.5' = proximal's [2/3, 2], where the unconverted [0.5, 1.5]
+    keeps other responses and tokens."""
+    # Seven rows of T = 4, their geometric-mean ratios ρ̄ = 0.4, 0.55, 0.8, 1, 1.2, 1.7, 2.5 on both
+    # sides of every edge involved (0.5, 2/3, 1.5, 2), spread over tokens whose own ratios cross
+    # them; row lengths vary; masked positions hold garbage.
+    ratios = [
+        [0.4 * 1.3, 0.4 / 1.3, NAN, NAN],
+        [0.55 * 1.5, 0.55 / 1.5, NAN, NAN],
+        [0.8 * 1.1, 0.8, 0.8 / 1.1, NAN],
+        [1.0, NAN, NAN, NAN],
+        [1.2 * 2.0, 1.2 / 2.0, 1.2, 1.2],
+        [1.7, 1.7, NAN, NAN],
+        [2.5 * 0.7, 2.5 / 0.7, 2.5, NAN],
+    ]
+    mask = b([[not math.isnan(r) for r in row] for row in ratios])
+    mu = torch.linspace(-3.0, -0.5, 28, dtype=F64).reshape(7, 4)
+    old = torch.where(mask, mu + t(ratios).log(), t(NAN))
+    log_ratio = torch.where(mask, old - mu, 0.0)  # verl's log_ratio; its masked tokens never count
+
+    lo, hi = 0.5, 1.5  # verl's rollout_rs_threshold "0.5_1.5"
+    verl_seq = verl_k1_keep(log_ratio, mask, "seq_mean_k1", f"{lo}_{hi}")
+    # verl keeps ρ̄ ∈ [2/3, 2]: the rows of 0.8, 1.0, 1.2 and 1.7
+    assert verl_seq.any(1).tolist() == [False, False, True, True, True, True, False]
+    converted, _ = sequence_mask_weights(old, mu, mask, band=(1 / hi, 1 / lo))
+    assert torch.equal(converted.bool(), verl_seq)
+    unconverted, _ = sequence_mask_weights(old, mu, mask, band=(lo, hi))
+    # [0.5, 1.5] keeps 0.55 and drops 1.7 instead
+    assert unconverted.bool().any(1).tolist() == [False, True, True, True, True, False, False]
+    assert not torch.equal(unconverted.bool(), verl_seq)
+    # the weights of a GSPO objective and correction_weights' seq_mask follow the same band
+    seq_w = sequence_correction_weights("seq_mask", old, mu, mask, band=(1 / hi, 1 / lo))
+    assert seq_w.bool().tolist() == verl_seq.any(1).tolist()
+    w, _ = correction_weights("seq_mask", old, mu, mask, band=(1 / hi, 1 / lo))
+    assert torch.equal(w.bool(), verl_seq)
+
+    # token_mask against verl's token_k1, the same orientation, token by token
+    verl_tok = verl_k1_keep(log_ratio, mask, "token_k1", f"{lo}_{hi}")
+    # verl keeps the tokens of ρ ∈ [2/3, 2]: not 0.52, 0.31, 0.37, 0.6, 2.4, 3.57, 2.5
+    assert verl_tok.sum() == mask.sum() - 7
+    tok, _ = token_mask_weights(old, mu, mask, band=(1 / hi, 1 / lo))
+    assert torch.equal(tok > 0, verl_tok)
+    tok_unconverted, _ = token_mask_weights(old, mu, mask, band=(lo, hi))
+    assert not torch.equal(tok_unconverted > 0, verl_tok)
+
+    # verl's single-number form 'hi' is the band [1/hi, hi], symmetric in log ρ: no conversion
+    w_sym, _ = sequence_mask_weights(old, mu, mask, band=(1 / 1.6, 1.6))
+    assert torch.equal(w_sym.bool(), verl_k1_keep(log_ratio, mask, "seq_mean_k1", "1.6"))
