@@ -270,10 +270,14 @@ class Job:
 def _command(
     fd: int, parent: int, pdeathsig: bool, log: str | None, alive: int | None = None
 ) -> list[str]:
-    """The command line of a worker process: a fresh interpreter running :func:`main`."""
+    """The command line of a worker process: a fresh interpreter running :func:`main`. ``-c`` puts
+    the working directory first on the import path; it is taken off, so that the parent's path
+    (PYTHONPATH, :class:`_Worker`) decides, and a proximal checkout in the working directory cannot
+    stand in for the trainer's own."""
     return [
         sys.executable,
         "-c",
+        "import sys; sys.path[:] = [p for p in sys.path if p]; "
         "from proximal.agents.worker import main; "
         f"main({fd}, {parent}, {pdeathsig}, {log!r}, {alive})",
     ]

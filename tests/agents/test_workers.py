@@ -180,3 +180,19 @@ def test_a_tools_prints_go_to_the_log_capped(tmp_path, monkeypatch, capfd):
     assert "1000 bytes reached" in text
     out, err = capfd.readouterr()
     assert "ooo" not in out and "eee" not in err
+
+
+def test_a_checkout_in_the_working_directory_does_not_stand_in_for_the_trainers(
+    tmp_path, monkeypatch
+):
+    """``python -c`` puts the working directory first on the import path: a worker started where
+    another proximal lies (a checkout, a stray package) imported that one instead of the trainer's.
+    The worker's path is the parent's."""
+    fake = tmp_path / "proximal"
+    (fake / "agents").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "agents" / "__init__.py").write_text("")
+    (fake / "agents" / "worker.py").write_text("raise SystemExit('the wrong proximal')\n")
+    monkeypatch.chdir(tmp_path)
+    with WorkerPool(1, timeout_s=10.0) as pool:
+        assert pool.run([Job(0, ("call", S.add, (1, 2), {}))]) == [("ok", "3")]
