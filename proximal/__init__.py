@@ -38,7 +38,7 @@ _LAZY = {
     "load_config": "proximal.config",
     # data as every command reads it; reward functions as the online methods call them
     "read_rows": "proximal.data.sources",
-    "load_reward_function": "proximal.rollout.scoring",
+    "load_reward_function": "proximal.rollout.reward_functions",
     # what a run leaves: its metrics, and a policy measured on held-out prompts
     "read_metrics": "proximal.logging",
     "evaluate_policy": "proximal.evaluation",
@@ -46,7 +46,7 @@ _LAZY = {
     "ConfigError": "proximal.config",
     "DataError": "proximal.data.jsonl",
     "ModelLoadError": "proximal.models.loading",
-    "RewardFunctionError": "proximal.rollout.scoring",
+    "RewardFunctionError": "proximal.rollout.reward_functions",
 }
 
 __all__ = [  # the names of _LAZY, written out for the linter and for `from proximal import *`
@@ -96,7 +96,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from proximal.evaluation import evaluate_policy
     from proximal.logging import read_metrics
     from proximal.models.loading import ModelLoadError
-    from proximal.rollout.scoring import RewardFunctionError, load_reward_function
+    from proximal.rollout.reward_functions import RewardFunctionError, load_reward_function
     from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
     from proximal.trainers.grpo_config import GRPOConfig
     from proximal.trainers.ppo_config import PPOConfig

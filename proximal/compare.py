@@ -68,6 +68,7 @@ from proximal.methods import (
     responses_per_step,
     trainer,
 )
+from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
 from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
@@ -145,7 +146,7 @@ class CompareSection:
         "(calculator).",
     )
     reward_timeout_s: float | None = option(
-        600.0,
+        DEFAULT_TIMEOUT_S,
         "Bound on one call of a reward function (the verifier, the gold score), in seconds: "
         "each online method's model.reward_timeout_s and every held-out evaluation's. A call "
         "that runs past it ends the comparison with one line naming the function and the "

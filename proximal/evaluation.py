@@ -30,14 +30,14 @@ from proximal.models.output import token_kl
 from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
 from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams, row_seed
-from proximal.rollout.sampling import response_kl, sample
-from proximal.rollout.scoring import (
+from proximal.rollout.reward_functions import (
     DEFAULT_TIMEOUT_S,
-    Scorer,
     call_reward_functions,
     load_reward_function,
     reward_argument_problems,
 )
+from proximal.rollout.sampling import response_kl, sample
+from proximal.rollout.scoring import Scorer
 from proximal.specs import import_spec
 from proximal.tasks.digits import gold as digits_gold
 

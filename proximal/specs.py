@@ -8,7 +8,7 @@ so a mistake in one field is never reported as another's.
 
 The working directory goes on ``sys.path`` first (as ``python -m`` does), so a module beside the
 config imports. Layer 1: above :mod:`proximal.config` (``ConfigError``, ``PythonObject``), below
-everything that loads user code (``rollout/scoring.py``, ``agents/``).
+everything that loads user code (``rollout/reward_functions.py``, ``agents/``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Parquet, CSV, Arrow, a ``save_to_disk`` directory or a data set name in the loca
 Prompts longer than the limit are truncated on the left (keeping the end, where the question usually
 is) or skipped and counted, as configured. A row's other fields (``answer``, ``tests``, …: its
 *columns*, after ``data.columns`` renamed them) are kept beside its prompt for the reward functions,
-which receive them as keyword arguments (:mod:`proximal.rollout.scoring`).
+which receive them as keyword arguments (:mod:`proximal.rollout.reward_functions`).
 """
 
 from __future__ import annotations

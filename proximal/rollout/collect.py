@@ -21,8 +21,9 @@ from proximal.data.collate import pad_left
 from proximal.data.prompts import load_prompts
 from proximal.models.loading import load_tokenizer
 from proximal.rollout.engine import RolloutEngine, row_seed
+from proximal.rollout.reward_functions import load_reward_functions, reward_argument_problems
 from proximal.rollout.sampling import Rollout, sample
-from proximal.rollout.scoring import Scorer, load_reward_functions, reward_argument_problems
+from proximal.rollout.scoring import Scorer
 
 
 @dataclass

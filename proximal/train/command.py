@@ -30,7 +30,7 @@ from proximal import dist
 from proximal.config import ConfigError, help_text, load_config, missing_path, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
-from proximal.rollout.scoring import RewardFunctionError
+from proximal.rollout.reward_functions import RewardFunctionError
 from proximal.train import signals
 from proximal.train.checkpoint import DISK_FULL, CheckpointError, SaveError, completed
 from proximal.train.run import AUTO, RunFinished

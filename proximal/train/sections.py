@@ -23,6 +23,7 @@ from proximal.models.compiled import CHOICES as COMPILE
 from proximal.models.compiled import EAGER_ALIASES
 from proximal.models.compiled import normalize as normalize_compile
 from proximal.models.kernels import CHOICES as CPU_MATMUL
+from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S, reward_function_names
 
 #: ``train.logprobs`` (proximal.models.output.LOGPROBS_PATHS; spelled here so that reading a config
 #: does not import transformers).
@@ -490,7 +491,7 @@ class OnlineModelSection(PolicyModelSection):
         default_factory=list,
     )
     reward_timeout_s: float | None = option(
-        600.0,
+        DEFAULT_TIMEOUT_S,
         "Seconds one step's call of a reward function may take (the async ones together); "
         "past it the run ends with one line naming the function, the step and the limit, exit "
         "status 1 (a hung call cannot be interrupted, so a watchdog ends the process; resume "
@@ -524,9 +525,6 @@ class OnlineModelSection(PolicyModelSection):
 
     def function_weights(self) -> dict[str, float]:
         """Each reward function's weight under its name (its spec; a callable's ``module:name``)."""
-        # lazy: the scorer's module loads transformers and the models; reading a config needs neither
-        from proximal.rollout.scoring import reward_function_names
-
         return dict(
             zip(
                 reward_function_names(self.reward_functions),

@@ -29,14 +29,14 @@ from proximal.data.jsonl import write_jsonl
 from proximal.data.prompts import load_prompts
 from proximal.models.tiny import build_char_tokenizer
 from proximal.rollout.collect import load_inputs
-from proximal.rollout.sampling import Rollout
-from proximal.rollout.scoring import (
+from proximal.rollout.reward_functions import (
     DEFAULT_TIMEOUT_S,
     RewardFunctionError,
-    Scorer,
     reward_argument_problems,
     reward_function_names,
 )
+from proximal.rollout.sampling import Rollout
+from proximal.rollout.scoring import Scorer
 from proximal.train.sections import OnlineModelSection
 
 HERE = Path(__file__).resolve().parent
@@ -455,7 +455,7 @@ def test_a_function_that_holds_the_interpreter_lock_is_ended_by_the_backstop(tmp
     """Catastrophic regex backtracking runs in C without releasing the GIL, so no Python watchdog can
     run: faulthandler ends the process BACKSTOP_S after the limit, naming the function in its stack."""
     script = (
-        "import re, proximal.rollout.scoring as s\n"
+        "import re, proximal.rollout.reward_functions as s\n"
         "s.BACKSTOP_S = 1.0\n"
         "def hog(prompts, completions):\n"
         "    re.match(r'(a+)+$', 'a' * 60 + 'b')\n"

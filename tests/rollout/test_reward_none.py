@@ -21,12 +21,8 @@ from proximal.data.jsonl import write_jsonl
 from proximal.logging import write_samples
 from proximal.models.tiny import build_char_tokenizer
 from proximal.rollout.collect import finite_rows
-from proximal.rollout.scoring import (
-    RewardFunctionError,
-    Scorer,
-    call_reward_functions,
-    score_metrics,
-)
+from proximal.rollout.reward_functions import RewardFunctionError, call_reward_functions
+from proximal.rollout.scoring import Scorer, score_metrics
 
 NAN = float("nan")
 

@@ -11,7 +11,7 @@ from ppo_support import command_main, prompt_texts
 from test_reward_functions import _grpo_config
 
 from proximal.data.jsonl import write_jsonl
-from proximal.rollout.scoring import RewardFunctionError, call_reward_functions
+from proximal.rollout.reward_functions import RewardFunctionError, call_reward_functions
 
 #: The user's module: the KeyError is raised on line 4, the json error inside json, called on line 8.
 MODULE = """import json
@@ -65,7 +65,7 @@ def test_proximal_traceback_prints_the_whole_chain(assets, tmp_path, monkeypatch
     assert lines[0] == "Traceback (most recent call last):"
     assert f'File "{tmp_path / name}.py", line 4, in lookup' in err  # the user's frame
     assert "The above exception was the direct cause of the following exception:" in err
-    assert "proximal.rollout.scoring.RewardFunctionError: reward function" in err
+    assert "proximal.rollout.reward_functions.RewardFunctionError: reward function" in err
     assert lines[-1] == (
         f"proximal grpo: reward function '{name}:lookup' at step 1 raised KeyError: 'x' "
         f"({tmp_path / name}.py:4 in lookup)"

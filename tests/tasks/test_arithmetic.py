@@ -195,7 +195,7 @@ def test_make_task_data_is_deterministic_and_keeps_held_out_apart(tmp_path):
 
 
 def test_the_verifier_is_a_reward_function_by_name():
-    from proximal.rollout.scoring import load_reward_function
+    from proximal.rollout.reward_functions import load_reward_function
 
     for name in ("verify", "format_error", "exact_match"):
         assert load_reward_function(f"proximal.tasks.arithmetic:{name}") is getattr(A, name)

@@ -26,10 +26,11 @@ def test_exact_sort_beside_the_gold_score(prompt, completion, exact, gold):
 
 
 def test_exact_sort_is_a_reward_function_by_name():
-    from proximal.rollout.scoring import call_reward_function, load_reward_function
+    from proximal.rollout.reward_functions import call_reward_functions, load_reward_function
 
     fn = load_reward_function("proximal.tasks.digits:exact_sort")
-    scores = call_reward_function("exact", fn, ["31415=", "90=", "5555="], ["11345", "90", "5555"])
-    assert scores.tolist() == [1.0, 0.0, 1.0]
+    values = {"prompts": ["31415=", "90=", "5555="], "completions": ["11345", "90", "5555"]}
+    scores, _ = call_reward_functions({"exact": fn}, values, n=3)
+    assert scores["exact"].tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         D.exact_sort(["1=", "2="], ["1"])
