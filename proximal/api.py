@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from proximal.commands import config_class, trainer
 from proximal.config import load_config
 from proximal.train import signals
-from proximal.trainers import dpo, grpo, ppo, reward, sft
 from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
 from proximal.trainers.grpo_config import GRPOConfig
 from proximal.trainers.ppo_config import PPOConfig
@@ -33,7 +33,10 @@ __all__ = ["train_sft", "train_rm", "train_ppo", "train_grpo", "train_dpo", "tra
 Config = Any  # one of the config classes, or a YAML file's path
 
 
-def _run(name: str, cls: type, train, config: Config, resume_dir: str | Path | None) -> Path:
+def _run(command: str, config: Config, resume_dir: str | Path | None) -> Path:
+    """``proximal <command>``'s training function (the table's, :mod:`proximal.commands`) on
+    ``config``, an instance of its config class or a YAML file's path."""
+    name, cls, train = f"train_{command}", config_class(command), trainer(command)
     if isinstance(config, (str, os.PathLike)):
         config = load_config(cls, config)
     elif type(config) is not cls:
@@ -50,29 +53,29 @@ def _run(name: str, cls: type, train, config: Config, resume_dir: str | Path | N
 def train_sft(config: SFTConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """Supervised fine-tuning (``proximal sft``; docs/sft.md). ``resume_dir``: continue that run
     from its newest intact checkpoint (``'auto'``: the one in ``output.dir``, if any)."""
-    return _run("train_sft", SFTConfig, sft.train, config, resume_dir)
+    return _run("sft", config, resume_dir)
 
 
 def train_rm(config: RMConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """A Bradley–Terry reward model (``proximal rm``; docs/rm.md)."""
-    return _run("train_rm", RMConfig, reward.train, config, resume_dir)
+    return _run("rm", config, resume_dir)
 
 
 def train_ppo(config: PPOConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """PPO with actor, reference, reward model and critic (``proximal ppo``; docs/ppo.md)."""
-    return _run("train_ppo", PPOConfig, ppo.train, config, resume_dir)
+    return _run("ppo", config, resume_dir)
 
 
 def train_grpo(config: GRPOConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """GRPO, Dr. GRPO, DAPO or RLOO (``proximal grpo``; docs/grpo.md)."""
-    return _run("train_grpo", GRPOConfig, grpo.train, config, resume_dir)
+    return _run("grpo", config, resume_dir)
 
 
 def train_dpo(config: DPOConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """DPO, IPO or robust DPO on preference pairs (``proximal dpo``; docs/dpo.md)."""
-    return _run("train_dpo", DPOConfig, dpo.train, config, resume_dir)
+    return _run("dpo", config, resume_dir)
 
 
 def train_simpo(config: SimPOConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """SimPO on preference pairs, no reference (``proximal simpo``; docs/simpo.md)."""
-    return _run("train_simpo", SimPOConfig, dpo.train, config, resume_dir)
+    return _run("simpo", config, resume_dir)

@@ -1,7 +1,8 @@
 """The ``proximal`` command line.
 
-``proximal <command> ...``; each command lives in its own module and is imported only when used, so
-``proximal --help`` stays instant. Training commands share one shape::
+``proximal <command> ...``; each command lives in its own module, named in the one table of
+commands (:mod:`proximal.commands`), and is imported only when used, so ``proximal --help`` stays
+instant. Training commands share one shape::
 
     proximal ppo --config run.yaml [--section.key value ...]
     proximal ppo --resume RUN_DIR
@@ -10,53 +11,11 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 from proximal import __version__
+from proximal.commands import COMMANDS, load  # names only: --help stays instant
 from proximal.train.host import tune_allocator  # the standard library only: --help stays instant
-
-# command -> (module, function taking argv, one-line summary)
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "ppo": (
-        "proximal.trainers.ppo",
-        "cli",
-        "PPO-based RLHF: actor, reference, reward model and critic",
-    ),
-    "grpo": (
-        "proximal.trainers.grpo",
-        "cli",
-        "critic-free online RL: GRPO, Dr. GRPO, DAPO and RLOO (grpo.advantage: rloo)",
-    ),
-    "sft": ("proximal.trainers.sft", "cli", "supervised fine-tuning on prompt/response pairs"),
-    "rm": ("proximal.trainers.reward", "cli", "reward-model training with the Bradley-Terry loss"),
-    "dpo": (
-        "proximal.trainers.dpo",
-        "dpo_cli",
-        "DPO on preference pairs: the policy against a frozen reference",
-    ),
-    "simpo": (
-        "proximal.trainers.dpo",
-        "simpo_cli",
-        "SimPO on preference pairs: one model, no reference",
-    ),
-    "demo": (
-        "proximal.demo",
-        "cli",
-        "the whole of RLHF offline on a CPU: SFT -> RM -> PPO (and DPO, SimPO, "
-        "GRPO, RLOO beside it), with a report",
-    ),
-    "compare": (
-        "proximal.compare",
-        "cli",
-        "PPO, DPO, SimPO, GRPO and RLOO from one SFT model, over seeds, measured alike: compare.md",
-    ),
-    "memory": (
-        "proximal.memory.command",
-        "cli",
-        "GPU memory planner: will a run of any method fit, and on how many GPUs?",
-    ),
-}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"proximal: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module, func, _ = COMMANDS[name]
     _quiet_transformers()
     if "-h" not in rest and "--help" not in rest:
         tune_allocator()
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    return int(load(COMMANDS[name].entry)(rest) or 0)
 
 
 def entry() -> None:
@@ -102,7 +60,7 @@ def _quiet_transformers() -> None:
 
 def _usage() -> str:
     lines = ["usage: proximal <command> [options]", "", "commands:"]
-    lines += [f"  {n:<8} {summary}" for n, (_, _, summary) in COMMANDS.items()]
+    lines += [f"  {n:<8} {c.summary}" for n, c in COMMANDS.items()]
     lines += ["", "Run `proximal <command> --help` for a command's options and config fields."]
     return "\n".join(lines)
 

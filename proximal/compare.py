@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from proximal import compare_report, dist
+from proximal.commands import config_class, trainer
 from proximal.config import ConfigError, load_config, option, section, to_dict
 from proximal.data.sources import columns_problems, source_problem
 from proximal.demo import (
@@ -63,10 +64,8 @@ from proximal.methods import (
     Method,
     budget_steps,
     checkpoint_policies,
-    config_class,
     input_overrides,
     responses_per_step,
-    trainer,
 )
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
 from proximal.tasks import arithmetic, calculator

@@ -45,10 +45,11 @@ from pathlib import Path
 import torch
 
 from proximal import report
+from proximal.commands import config_class
 from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
 from proximal.logging import read_metrics
-from proximal.methods import METHODS, config_class, final_policy, input_overrides
+from proximal.methods import METHODS, final_policy, input_overrides
 from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import run_reporting

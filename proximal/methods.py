@@ -12,13 +12,11 @@ a step count. Every method ends with a checkpoint whose ``policy/`` is a plain H
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proximal.config import ConfigError
-from proximal.trainers import dpo, grpo, ppo
 
 #: Where a method's reward comes from: the learned reward model r_ψ, a rule verifier (a reward
 #: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
@@ -37,7 +35,9 @@ PAIR_ONLY_FIELDS = ("chosen", "rejected")
 class Method:
     name: str  # the key: also the name of its YAML under proximal/configs/demo/
     label: str
-    command: str  # the `proximal` command that trains it
+    command: (
+        str  # the `proximal` command that trains it (proximal.commands: its config and trainer)
+    )
     online: bool  # samples its own responses while it trains
     sources: tuple[str, ...]  # the reward sources it can use, its default first
 
@@ -64,19 +64,6 @@ METHODS: dict[str, Method] = {
         ),
     )
 }
-
-
-def config_class(command: str) -> type:
-    return {
-        "ppo": ppo.PPOConfig,
-        "dpo": dpo.DPOConfig,
-        "simpo": dpo.SimPOConfig,
-        "grpo": grpo.GRPOConfig,
-    }[command]
-
-
-def trainer(command: str) -> Callable[[Any], Path]:
-    return {"ppo": ppo.train, "dpo": dpo.train, "simpo": dpo.train, "grpo": grpo.train}[command]
 
 
 def input_overrides(

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "dist": 0,
     "logging": 0,
+    "commands": 0,  # the one table of commands: names and module paths, as strings
     # data and models, independent of each other
     "data": 1,
     "models": 1,

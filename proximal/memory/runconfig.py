@@ -14,12 +14,12 @@ out; ``--method`` then names it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from proximal.commands import config_class
 from proximal.config import describe
 from proximal.memory.budget import LOGPROBS, METHODS, PRECISIONS
 
@@ -28,16 +28,9 @@ class RunReadError(ValueError):
     """The run's YAML cannot be read or planned; the message names the file and the field."""
 
 
-#: Each method's command and its config class (module, name): where its defaults come from.
-CONFIG_CLASSES = {
-    "ppo": ("proximal.trainers.ppo_config", "PPOConfig"),
-    "grpo": ("proximal.trainers.grpo_config", "GRPOConfig"),
-    "rloo": ("proximal.trainers.grpo_config", "GRPOConfig"),
-    "dpo": ("proximal.trainers.dpo_config", "DPOConfig"),
-    "simpo": ("proximal.trainers.dpo_config", "SimPOConfig"),
-    "sft": ("proximal.trainers.sft_config", "SFTConfig"),
-    "rm": ("proximal.trainers.reward_config", "RMConfig"),
-}
+#: The command that trains each method the planner knows (rloo: grpo with grpo.advantage: rloo; every
+#: other method is its own command): its config class (:mod:`proximal.commands`) gives the defaults.
+COMMAND_OF = {method: "grpo" if method == "rloo" else method for method in METHODS}
 #: What the logits path is where a command's config has no ``train.logprobs`` field.
 LOGPROBS_WITHOUT_FIELD = "logits"
 
@@ -95,9 +88,8 @@ def method_of(data: dict, complete: bool = False) -> str | None:
 
 def _defaults(method: str) -> dict:
     """``{dotted field: default}`` of the method's command (its config class's ``--help`` defaults)."""
-    module, name = CONFIG_CLASSES[method]
     # The config classes import the trainers' layers (torch): imported by name, when --run needs them.
-    cls = getattr(importlib.import_module(module), name)
+    cls = config_class(COMMAND_OF[method])
     return {dotted: default for dotted, _type, default, _help in describe(cls)}
 
 

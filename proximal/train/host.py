@@ -29,10 +29,17 @@ import os
 import sys
 import time
 
-from proximal.models.kernels import bfloat16_instructions
-
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _TUNED = False
+
+
+def bfloat16_instructions() -> bool | None:
+    """:func:`proximal.models.kernels.bfloat16_instructions`, imported when first asked: the command
+    line imports this module, and ``proximal --help`` loads no torch."""
+    # lazy: torch, which `proximal --help` never loads
+    from proximal.models.kernels import bfloat16_instructions as ask
+
+    return ask()
 
 
 def tune_allocator(threshold: int = 1 << 30) -> bool:

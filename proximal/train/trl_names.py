@@ -11,9 +11,12 @@ command's config, so the table cannot drift from the configs.
 
 from __future__ import annotations
 
-#: The commands that train on a fixed data set, and the two that sample online.
-FIXED = ("sft", "rm", "dpo", "simpo")
-ONLINE = ("ppo", "grpo")
+from proximal.commands import COMMANDS as ALL_COMMANDS
+from proximal.commands import TRAINING
+
+#: The commands that train on a fixed data set, and the two that sample online (proximal.commands).
+FIXED = tuple(c for c in TRAINING if not ALL_COMMANDS[c].online)
+ONLINE = tuple(c for c in TRAINING if ALL_COMMANDS[c].online)
 COMMANDS = (*FIXED, *ONLINE)
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from proximal.commands import config_class
 from proximal.config import load_config
 from proximal.demo import DEFAULT_CONFIGS, FULL, GOLD_FN, VERIFIER_FN, stage_configs
 from proximal.evaluation import evaluate_policy
-from proximal.methods import METHODS, VERIFIER, config_class, final_policy, input_overrides
+from proximal.methods import METHODS, VERIFIER, final_policy, input_overrides
 from proximal.tasks import digits
 from proximal.trainers import grpo, sft
 
