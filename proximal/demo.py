@@ -50,7 +50,7 @@ from proximal.config import ConfigError, load_config
 from proximal.evaluation import evaluate_policy, reward_model_gold_agreement  # noqa: F401 (the demo's API)
 from proximal.logging import read_metrics
 from proximal.methods import METHODS, final_policy, input_overrides
-from proximal.tasks import arithmetic, calculator
+from proximal.tasks import arithmetic, calculator, digits
 from proximal.tasks.digits import make_task_data
 from proximal.train.command import run_reporting
 from proximal.trainers import dpo, grpo, ppo, reward, sft
@@ -58,6 +58,9 @@ from proximal.trainers import dpo, grpo, ppo, reward, sft
 #: The demo's YAML configs, shipped inside the package (so a plain ``pip install`` runs the demo).
 DEFAULT_CONFIGS = Path(__file__).resolve().parent / "configs" / "demo"
 GOLD_FN = "proximal.tasks.digits:gold_score"
+#: The held-out evaluations' prompt limit in tokens, every task's (the demo's and the comparison's):
+#: longer than any built-in task's prompt; a longer prompt of the user's data keeps its end.
+EVAL_PROMPT_TOKENS = 64
 VERIFIER_FN = "proximal.tasks.digits:exact_sort"
 RUNS = ("ppo", "ppo_overopt")
 #: The other methods, each from the same SFT model (:mod:`proximal.methods`).
@@ -362,14 +365,16 @@ def run_demo(
             reference=out / "sft",
             reward_model=out / "rm",
             prompts_file=task / "prompts_eval.jsonl",
+            scores=digits.EVAL_SCORES,
             samples_per_prompt=plan.eval_samples_per_prompt,
             max_new_tokens=max_new,
+            max_prompt_length=EVAL_PROMPT_TOKENS,
             seed=seed,
         )
         for name, path in policies.items()
     }
     evaluation["rm_gold_agreement"] = reward_model_gold_agreement(
-        out / "rm", task / "prefs_eval.jsonl"
+        out / "rm", task / "prefs_eval.jsonl", digits.gold
     )
     (out / "eval.json").write_text(json.dumps(evaluation, indent=1) + "\n")
     arith_policies = {
@@ -384,6 +389,7 @@ def run_demo(
             scores=ARITHMETIC_SCORES,
             samples_per_prompt=plan.eval_samples_per_prompt,
             max_new_tokens=arith_cfgs["ppo"][0].rollout.max_new_tokens,
+            max_prompt_length=EVAL_PROMPT_TOKENS,
             seed=seed,
         )
         for name, path in arith_policies.items()
@@ -648,6 +654,7 @@ def evaluate_calculator(out: Path, cfgs: dict, samples_per_prompt: int, seed: in
         prompts_file=out / "task" / "prompts_eval.jsonl",
         scores=CALCULATOR_SCORES,
         samples_per_prompt=samples_per_prompt,
+        max_prompt_length=EVAL_PROMPT_TOKENS,
         seed=seed,
     )
     policies = {

@@ -39,7 +39,6 @@ from proximal.rollout.reward_functions import (
 from proximal.rollout.sampling import response_kl, sample
 from proximal.rollout.scoring import Scorer
 from proximal.specs import import_spec
-from proximal.tasks.digits import gold as digits_gold
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
 
@@ -67,14 +66,14 @@ def evaluate_policy(
     *,
     reference: str | Path,
     prompts_file: str | Path,
+    scores: dict[str, str | ScoreFn],
+    max_new_tokens: int,
+    max_prompt_length: int,
     reward_model: str | Path | None = None,
-    scores: dict[str, str | ScoreFn] | None = None,
     weights: dict[str, float] | None = None,
     samples_per_prompt: int = 1,
-    max_new_tokens: int = 12,
     seed: int = 0,
     batch_size: int = 256,
-    max_prompt_length: int = 64,
     temperature: float = 1.0,
     greedy: bool = False,
     split: str | None = None,
@@ -86,9 +85,11 @@ def evaluate_policy(
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
-    ``module:function`` spec), called as the trainers call reward functions; the default is the
-    built-in task's gold score under ``"gold"``. Per response the result holds each of those (None
-    where the function returned None: it does not apply to the row; its mean is over the rest), and
+    ``module:function`` spec), called as the trainers call reward functions (a task's own: the digit
+    task's gold score is :data:`proximal.tasks.digits.EVAL_SCORES`); each response has at most
+    ``max_new_tokens`` tokens, and prompts longer than ``max_prompt_length`` keep their end. Per
+    response the result holds each of those (None where the function returned None: it does not
+    apply to the row; its mean is over the rest), and
 
     * ``proxy`` — the reward model's score r_ψ(x, y) (with ``reward_model``), computed by the online
       trainers' own :class:`~proximal.rollout.scoring.Scorer`;
@@ -114,8 +115,6 @@ def evaluate_policy(
     functions then score the whole trajectory, ``kl`` and ``length`` count the policy's own tokens,
     and each row has :data:`AGENT_COLUMNS` (and ``env``, the environment's ``get_reward()``).
     """
-    if scores is None:
-        scores = {"gold": "proximal.tasks.digits:gold_score"}
     functions = {
         name: load_reward_function(f) if isinstance(f, str) else f for name, f in scores.items()
     }
@@ -598,14 +597,14 @@ def training_eval(
 def reward_model_gold_agreement(
     reward_model: str | Path,
     pairs_file: str | Path,
-    gold: Callable[[str, str], float] | None = None,
+    gold: Callable[[str, str], float],
 ) -> float:
-    """How often the reward model orders a held-out pair as ``gold(prompt, response)`` does (the
-    built-in task's gold score by default), over the pairs whose gold differs.
+    """How often the reward model orders a held-out pair as ``gold(prompt, response)`` does (a task's
+    gold score: the digit task's :func:`proximal.tasks.digits.gold`), over the pairs whose gold
+    differs.
 
     Pairs are loaded, batched and scored exactly as ``proximal rm`` evaluates them.
     """
-    gold = gold or digits_gold
     tok = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
     rm, _ = load_reward_model(str(reward_model), "float32", tok)
     freeze(rm)

@@ -244,13 +244,16 @@ def test_terminal_shows_every_stage_and_ends_with_the_report_path(demo):
 
 def test_evaluation_is_deterministic_given_the_seed(demo):
     out, _ = demo
-    from proximal.demo import evaluate_policy, final_policy
+    from proximal.demo import EVAL_PROMPT_TOKENS, evaluate_policy, final_policy
+    from proximal.tasks.digits import EVAL_SCORES
 
     kwargs = dict(
         reference=out / "sft",
         reward_model=out / "rm",
         prompts_file=out / "task" / "prompts_eval.jsonl",
+        scores=EVAL_SCORES,
         max_new_tokens=12,
+        max_prompt_length=EVAL_PROMPT_TOKENS,
     )
     a = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)
     b = evaluate_policy(final_policy(out / "ppo"), seed=3, **kwargs)

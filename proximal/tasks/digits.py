@@ -52,6 +52,8 @@ MIN_DIGITS, MAX_DIGITS = 4, 8
 #: Responses this long or longer are certainly wrong; PPO's ``max_new_tokens`` should allow a few
 #: more than MAX_DIGITS so over-long (hacked) responses can appear and be scored.
 MAX_RESPONSE_TOKENS = 12
+#: The held-out evaluation's scores (:func:`proximal.evaluation.evaluate_policy`): the gold score.
+EVAL_SCORES = {"gold": "proximal.tasks.digits:gold_score"}
 
 #: How the sloppy SFT teacher answers: probability of each behaviour. "slipN" = the sorted answer
 #: with N random slips (see :data:`SLIPS_TEACHER`); "copy" = the prompt's digits, unsorted.

@@ -310,6 +310,7 @@ def test_evaluation_hands_the_columns_to_its_score_functions(assets, tmp_path):
         scores={"rec": rec},
         samples_per_prompt=2,
         max_new_tokens=3,
+        max_prompt_length=64,
     )
     assert ev["n"] == 6
     got = [(p, a) for call in rec.calls for p, a in zip(call["prompts"], call["answer"])]

@@ -163,6 +163,7 @@ def test_evaluation_weighs_and_averages_only_what_a_function_scored(assets, tmp_
         scores={"math": math_reward, "code": code_reward},
         weights={"math": 1.0, "code": 2.0},
         max_new_tokens=3,
+        max_prompt_length=64,
     )
     rows = ev["rows"]
     m, c = float("a" in rows[0]["response"]), float(len(rows[1]["response"]))

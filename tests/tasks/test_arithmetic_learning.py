@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import pytest
 
-from proximal.demo import ARITHMETIC_SCORES, DEFAULT_CONFIGS, FULL, arithmetic_stage_configs
+from proximal.demo import (
+    ARITHMETIC_SCORES,
+    DEFAULT_CONFIGS,
+    EVAL_PROMPT_TOKENS,
+    FULL,
+    arithmetic_stage_configs,
+)
 from proximal.evaluation import evaluate_policy
 from proximal.logging import read_metrics
 from proximal.methods import final_policy
@@ -52,6 +58,7 @@ def _one_seed(out, seed: int) -> dict:
             scores=ARITHMETIC_SCORES,
             samples_per_prompt=2,
             max_new_tokens=arithmetic.MAX_RESPONSE_TOKENS,
+            max_prompt_length=EVAL_PROMPT_TOKENS,
             seed=seed,
         )["mean"]
         for name, path in policies.items()

@@ -21,7 +21,14 @@ import pytest
 
 from proximal.commands import config_class
 from proximal.config import load_config
-from proximal.demo import DEFAULT_CONFIGS, FULL, GOLD_FN, VERIFIER_FN, stage_configs
+from proximal.demo import (
+    DEFAULT_CONFIGS,
+    EVAL_PROMPT_TOKENS,
+    FULL,
+    GOLD_FN,
+    VERIFIER_FN,
+    stage_configs,
+)
 from proximal.evaluation import evaluate_policy
 from proximal.methods import METHODS, VERIFIER, final_policy, input_overrides
 from proximal.tasks import digits
@@ -58,6 +65,8 @@ def _one_seed(out, seed: int) -> dict:
             prompts_file=task / "prompts_eval.jsonl",
             scores={"exact_sort": VERIFIER_FN, "gold": GOLD_FN},
             samples_per_prompt=2,
+            max_new_tokens=digits.MAX_RESPONSE_TOKENS,
+            max_prompt_length=EVAL_PROMPT_TOKENS,
             seed=seed,
         )["mean"]
         for name, path in policies.items()

@@ -34,3 +34,19 @@ def test_exact_sort_is_a_reward_function_by_name():
     assert scores["exact"].tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         D.exact_sort(["1=", "2="], ["1"])
+
+
+def test_the_evaluations_take_the_digit_tasks_defaults_from_the_task():
+    """evaluate_policy and reward_model_gold_agreement hold no task's defaults: a caller names the
+    scores, the response and prompt limits and the gold (the digit task's live in tasks/digits.py)."""
+    import inspect
+
+    from proximal.evaluation import evaluate_policy, reward_model_gold_agreement
+    from proximal.rollout.reward_functions import load_reward_function
+
+    params = inspect.signature(evaluate_policy).parameters
+    for name in ("scores", "max_new_tokens", "max_prompt_length"):
+        assert params[name].default is inspect.Parameter.empty, name
+    gold = inspect.signature(reward_model_gold_agreement).parameters["gold"]
+    assert gold.default is inspect.Parameter.empty
+    assert {n: load_reward_function(s) for n, s in D.EVAL_SCORES.items()} == {"gold": D.gold_score}
