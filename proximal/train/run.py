@@ -22,6 +22,10 @@ A trainer calls, in order::
 
 The fixed-dataset methods (SFT, RM, DPO, SimPO) run this through :func:`proximal.train.fixed.fit`.
 
+The run's parts are its own modules: what it tells the person watching (the bar, the lines it says,
+``run.log``: :mod:`proximal.train.progress`) and what it records (``models.json`` and the best
+checkpoint: :mod:`proximal.train.records`); the device's peak FLOP/s is :mod:`proximal.train.perf`'s.
+
 ``open_run(..., resume_dir="auto")`` (``--resume auto``) continues the run in ``output_dir`` from its
 newest intact checkpoint when it has one and starts it otherwise, so one command line serves the
 first launch and every relaunch; a run already at its last step raises :class:`RunFinished` before
@@ -32,7 +36,6 @@ anything is written (before any model loads where the trainer knows its step cou
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -41,13 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from proximal import dist
 from proximal.config import ConfigError, save_config
 from proximal.logging import MetricsLogger, truncate_jsonl
 from proximal.models import compiled, kernels
-from proximal.models.flops import ModelShape, model_shape
+from proximal.models.flops import ModelShape
 from proximal.rollout.engine import HFEngine
 from proximal.train import signals
 from proximal.train.checkpoint import (
@@ -62,11 +64,16 @@ from proximal.train.checkpoint import (
 from proximal.train.host import bfloat16_note, busy_cpu_note
 from proximal.train.optim import resync_schedule, seed_everything
 from proximal.train.perf import measure_peak, step_metrics
+from proximal.train.progress import Progress
+from proximal.train.records import (
+    BestCheckpoint,
+    record_models,
+    recorded_matmul,
+    recorded_models,
+)
 
 #: Entries that mark a directory as a run of ours (so output.overwrite may replace it).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
-#: The run directory's log of what the run said and chose (:meth:`Run.say`, :meth:`Run.note`).
-RUN_LOG = "run.log"
 #: Line-per-step logs that a resumed run cuts back to its checkpoint.
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 #: ``resume_dir`` of :func:`open_run` for ``--resume auto``: continue the run in ``output_dir`` from
@@ -148,19 +155,14 @@ class Run:
     total: int | None = None
     stop_signal: int = 0
     logger: MetricsLogger | None = None
-    bar: object = None
     wall0: float = field(default_factory=time.perf_counter)
     #: The run's peak FLOP/s as ``perf.json`` records it (:func:`proximal.train.perf.measure_peak`),
     #: measured in :meth:`begin`; and each recorded model's FLOP shape, by :meth:`record_models`.
     peak: dict | None = None
     shapes: dict[str, ModelShape | None] = field(default_factory=dict)
-    #: ``output.keep_best`` and ``keep_best_mode`` (:meth:`track_best`); the best value logged so
-    #: far, ``{"metric", "value", "step"}`` (saved in every checkpoint's counters, so it survives a
-    #: resume); the step whose row set a new best.
-    best_metric: str | None = None
-    best_mode: str = "max"  # resolved: max or min
-    best: dict | None = None
-    new_best_step: int | None = None
+    #: ``output.keep_best`` (:meth:`track_best`): the best value so far and its step
+    #: (:class:`proximal.train.records.BestCheckpoint`).
+    best: BestCheckpoint = field(default_factory=BestCheckpoint)
     #: Lines for ``run.log`` only (printed too with ``verbose``, ``output.verbose``): the choices that
     #: change no result (the CPU products' backend and why, a busy machine's note). Every line the
     #: run says goes to ``run.log`` as well (:meth:`say`), from :meth:`begin` on.
@@ -168,8 +170,11 @@ class Run:
     verbose: bool = False
     #: The ``models.json`` of the run being resumed (``{}`` for a fresh run): its recorded choices.
     recorded: dict = field(default_factory=dict)
-    log_path: Path | None = None
-    pending_log: list[str] = field(default_factory=list)
+    #: The bar, the lines said and ``run.log`` (:class:`proximal.train.progress.Progress`).
+    progress: Progress = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.progress = Progress(self.command, verbose=self.verbose)
 
     @property
     def rank(self) -> int:
@@ -190,7 +195,7 @@ class Run:
         if self.resume_from is None:
             return 0, {}
         state = load_checkpoint(self.resume_from, trained=trained)
-        self.best = state.get("counters", {}).get("best")
+        self.best.best = state.get("counters", {}).get("best")
         for name, obj in stateful.items():
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
@@ -275,28 +280,14 @@ class Run:
             self.logger = MetricsLogger(
                 self.dir, tensorboard=tensorboard, wandb_project=wandb_project
             )
-            self.log_path = self.dir / RUN_LOG
-            with self.log_path.open("a" if self.resume_from is not None else "w") as fh:
-                fh.write(
-                    f"--- proximal {self.command}: "
-                    + (
-                        f"resumed from {self.resume_from.name}"
-                        if self.resume_from is not None
-                        else "started"
-                    )
-                    + f" ({time.strftime('%Y-%m-%d %H:%M:%S')})\n"
-                    + "".join(f"{line}\n" for line in self.pending_log)
-                )
-            self.pending_log.clear()
+            self.progress.open_log(self.dir, self.resume_from)
             for line in self.quiet:
                 self.note(line)
             slow = bfloat16_note(self.device, precision, rollout_precision)
             for note in self.notes + ([slow] if slow else []):
                 self.say(note)
             if progress:
-                self.bar = tqdm(
-                    total=total, initial=start, desc=self.command, unit=unit, dynamic_ncols=True
-                )
+                self.progress.open_bar(total=total, start=start, unit=unit)
         dist.barrier()
         self.peak = measure_peak(self.device, precision, self.dir)
         self.wall0 = time.perf_counter() - float(counters.get("wall_s", 0.0))
@@ -305,52 +296,19 @@ class Run:
         return time.perf_counter() - self.wall0
 
     def record_models(self, engine: HFEngine | None = None, **models) -> dict:
-        """Write ``models.json``: each model this run holds, counted from the live modules — parameters,
-        bytes (all ranks together), dtypes, whether it trains. A module shared by two names (the LoRA
-        reference is the policy) is counted once, under the first. Returns the dict.
-
-        Each model on the CPU also gets ``"cpu_matmul": {"backend", "why"}`` (this process's float32
-        products, ``train.cpu_matmul``; with ``"probe"``, the rates "auto" measured), and the model
-        ``engine`` decodes (an online method's policy)
-        ``"decode": {"path": "lean" | "generate", "reason"}`` (:meth:`HFEngine.decode_path`), which
-        rank 0 also prints. Both sit inside a model's entry, so the file's keys stay the models' names.
-        Each model's FLOP shape (:func:`proximal.models.flops.model_shape`) is kept in ``shapes``,
-        under the same names, for the steps' ``perf/`` metrics (:meth:`utilisation`)."""
-        info = resident_models(**models)
-        self.shapes = {
-            name: model_shape(m) if m is not None else None for name, m in models.items()
-        }
-        followed = None
-        for name, module in models.items():
-            if name not in info:
-                continue
-            on_cpu = next(module.parameters()).device.type == "cpu"
-            if self.cpu_matmul is not None and on_cpu:
-                info[name]["cpu_matmul"] = dict(self.cpu_matmul)
-            if engine is not None and module is engine.model:
-                entry = self.recorded.get(name)
-                before = entry.get("decode") if isinstance(entry, dict) else None
-                followed = engine.follow_recorded(before) if isinstance(before, dict) else None
-                info[name]["decode"] = engine.decode_path()
-            record = getattr(module, "_proximal_compile", None)
-            if record is not None:
-                info[name]["compile"] = dict(record)
-        if engine is not None and not any("decode" in entry for entry in info.values()):
-            raise ValueError("record_models: the engine's model is not one of the models given")
-        if self.is_main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "models.json").write_text(json.dumps(info, indent=1) + "\n")
-            if engine is not None:
-                self.say(f"decode: {engine.describe_decode()}")
-            if followed:
-                self.say(followed)
-            line = compile_line(info)
-            if line:
-                self.say(line)
-            else:  # "auto" left every model eager: the reasons go to run.log
-                line = compile_line(info, every=True)
-                if line:
-                    self.note(line)
+        """Write ``models.json`` (:func:`proximal.train.records.record_models`: each model this run
+        holds, counted from the live modules, with the CPU products' backend, the decode path of the
+        model ``engine`` decodes, compiled blocks) and return it. Each model's FLOP shape is kept in
+        ``shapes``, under the same names, for the steps' ``perf/`` metrics (:meth:`utilisation`)."""
+        info, self.shapes = record_models(
+            self.progress,
+            self.dir,
+            is_main=self.is_main,
+            cpu_matmul=self.cpu_matmul,
+            recorded=self.recorded,
+            engine=engine,
+            models=models,
+        )
         return info
 
     def utilisation(self, seconds: float, *, flops: float, tokens: int) -> dict[str, float]:
@@ -364,30 +322,12 @@ class Run:
     def say(self, line: str) -> None:
         """Print ``proximal <command>: <line>`` (the caller decides which ranks speak), above the
         progress bar when there is one, and append it to ``run.log`` once :meth:`begin` opened it."""
-        text = f"proximal {self.command}: {line}"
-        self._append_log(text)
-        if self.bar is not None:
-            tqdm.write(text)
-        else:
-            print(text, flush=True)
+        self.progress.say(line)
 
     def note(self, line: str) -> None:
         """A line for ``run.log`` only, printed as :meth:`say` prints only with ``output.verbose``:
         what the run chose where the choice changes no result (rank 0's)."""
-        if self.verbose:
-            self.say(line)
-        else:
-            self._append_log(f"proximal {self.command}: {line}")
-
-    def _append_log(self, text: str) -> None:
-        if self.log_path is None:  # said before begin opened run.log: written there then
-            self.pending_log.append(text)
-            return
-        try:
-            with self.log_path.open("a") as fh:
-                fh.write(text + "\n")
-        except OSError:  # the log is a record, never a reason to stop a run
-            pass
+        self.progress.note(line)
 
     def log(self, step: int, metrics: dict, postfix: dict | None = None) -> None:
         """Append a metrics row (rank 0) with the step's peak memory, and advance the progress bar.
@@ -396,62 +336,36 @@ class Run:
         the allocator's, on CPU the process's resident set."""
         if step > 0:
             metrics = {**metrics, "memory/peak_bytes": peak_memory_bytes(self.device)}
-        self._note_best(step, metrics)
+        line = self.best.see(step, metrics)
+        if line and self.is_main:
+            self.say(line)
         if self.logger is not None:
             self.logger.log(step, metrics)
-        if self.bar is not None and step > 0:
-            self.bar.update(1)
-            if postfix:
-                self.bar.set_postfix(
-                    {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}
-                )
+        if step > 0:
+            self.progress.advance(postfix)
 
     # ------------------------------------------------------------------ the best checkpoint
     def track_best(self, metric: str | None, mode: str = "auto") -> None:
         """Keep the checkpoint of the best ``metric`` (``output.keep_best``: an ``eval/*`` name;
         None: nothing to do), larger better with ``mode`` max, smaller with min, and auto as
-        :func:`resolve_best_mode` resolves it (said in one line). Every row :meth:`log` writes after step 0
-        that holds it is compared; a new best makes :meth:`new_best` true for that step, and the
-        trainer then checkpoints it."""
-        resolved, why = resolve_best_mode(metric, mode) if metric is not None else (mode, "")
-        self.best_metric, self.best_mode = metric, resolved
-        if metric is not None and self.is_main:
-            self.say(
-                f"keep best: {metric}, {'smaller' if resolved == 'min' else 'larger'} is better ({why})"
-            )
-
-    def _note_best(self, step: int, metrics: dict) -> None:
-        m = self.best_metric
-        if m is None or not any(k.startswith("eval/") for k in metrics):
-            return
-        if m not in metrics:  # a held-out row without it: the name is wrong (step 0 says so first)
-            names = sorted(k for k in metrics if k.startswith("eval/"))
-            raise ConfigError(
-                f"output.keep_best = {m!r}: this run logs no such metric; its held-out metrics "
-                f"are {', '.join(names)}"
-            )
-        value = float(metrics[m])
-        if step == 0 or not math.isfinite(value):
-            return  # step 0 is the starting model, which no checkpoint of this run holds
-        same = self.best is not None and self.best.get("metric") == m  # a resume may change it
-        old = self.best["value"] if same else None
-        if old is None or (value > old if self.best_mode == "max" else value < old):
-            self.best = {"metric": m, "value": value, "step": step}
-            self.new_best_step = step
-            if self.is_main:
-                self.say(f"new best {m} = {value:.6g} at step {step}: checkpointing it")
+        :func:`~proximal.train.records.resolve_best_mode` resolves it (said in one line). Every row
+        :meth:`log` writes after step 0 that holds it is compared; a new best makes :meth:`new_best`
+        true for that step, and the trainer then checkpoints it."""
+        line = self.best.track(metric, mode)
+        if line and self.is_main:
+            self.say(line)
 
     def new_best(self, step: int) -> bool:
         """Whether ``step``'s row set a new best ``output.keep_best`` value (checkpoint it now)."""
-        return self.new_best_step == step
+        return self.best.is_new(step)
 
     # ------------------------------------------------------------------ checkpoints
     def save(
         self, step: int, *, trained: dict, stateful: dict, counters: dict, exports: dict, keep: int
     ) -> Path:
         counters = {**counters, "wall_s": self.wall_s()}
-        if self.best is not None:
-            counters["best"] = dict(self.best)
+        if self.best.best is not None:
+            counters["best"] = dict(self.best.best)
         state = {
             name: obj.state_dict() if obj is not None else None for name, obj in stateful.items()
         }
@@ -463,7 +377,7 @@ class Run:
             exports=exports,
             keep=keep,
             meta={"command": self.command},
-            best=self.best["step"] if self.best is not None and self.best_metric else None,
+            best=self.best.kept_step(),
         )
 
     def stop_requested(self) -> bool:
@@ -487,8 +401,7 @@ class Run:
                 self.say(f"{which} received during the last step: finishing the run")
             return
         signals.stopping()
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.logger is not None:
             self.logger.close()
         raise signals.Stopped(
@@ -500,27 +413,11 @@ class Run:
         )
 
     def finish(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.logger is not None:
             self.logger.close()
         dist.barrier()
         signals.restore()
-
-
-#: The metrics ``output.keep_best_mode: auto`` takes as better smaller besides names ending in "loss":
-#: the held-out KL of the policy to its reference, per sequence and per token.
-MIN_METRICS = ("eval/kl", "eval/kl_per_token", "eval/kl_ref")
-
-
-def resolve_best_mode(metric: str, mode: str) -> tuple[str, str]:
-    """``output.keep_best_mode`` for ``metric``: ``(max | min, why)``. An explicit max or min stands;
-    auto is min for a name ending in "loss" and for :data:`MIN_METRICS`, max otherwise."""
-    if mode != "auto":
-        return mode, f"output.keep_best_mode = {mode}"
-    if metric.endswith("loss") or metric in MIN_METRICS:
-        return "min", "output.keep_best_mode = auto: min for a loss or a KL"
-    return "max", "output.keep_best_mode = auto: max for any metric but a loss or a KL"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -550,74 +447,6 @@ def _resident_peak() -> int:
         import resource  # lazy: Unix-only, and needed only where /proc cannot be read
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def resident_models(**models) -> dict[str, dict]:
-    """``{name: {"parameters", "bytes", "dtypes", "trainable"}}`` for every module given (None = not
-    held), from the live parameters; sharded parameters count their global size."""
-    seen: set[int] = set()
-    out = {}
-    for name, module in models.items():
-        if module is None:
-            continue
-        params = [p for p in module.parameters() if id(p) not in seen]
-        if not params:  # shares every parameter with a model already counted
-            continue
-        seen.update(id(p) for p in params)
-        out[name] = {
-            "parameters": sum(p.numel() for p in params),
-            "bytes": sum(p.numel() * p.element_size() for p in params),
-            "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
-            "trainable": sum(p.numel() for p in params if p.requires_grad),
-        }
-    return out
-
-
-def compile_line(info: dict[str, dict], every: bool = False) -> str | None:
-    """The start line on ``train.compile`` from models.json's entries: which models run compiled blocks
-    and why, which do not and why — printed when a model compiled, or when compiling was asked for and
-    could not be done (``blocks`` declined, or the toolchain failing); a model "auto" leaves eager
-    says nothing (``every``: the line all the same, for ``run.log``). None otherwise."""
-    records = {name: e["compile"] for name, e in info.items() if "compile" in e}
-    asked = (
-        "train.compile = blocks"  # at the start of a reason (an "auto" reason may name it after)
-    )
-    if not records or not (
-        every
-        or any(
-            r["blocks"] or "; but " in r["why"] or r["why"].startswith(asked)
-            for r in records.values()
-        )
-    ):
-        return None
-    groups: dict[tuple[int, str], list[str]] = {}
-    for name, r in records.items():
-        groups.setdefault((r["blocks"], r["why"]), []).append(name)
-    parts = [
-        f"{', '.join(names)}: {f'{n} blocks compiled' if n else 'eager'} ({why})"
-        for (n, why), names in groups.items()
-    ]
-    return "compile: " + "; ".join(parts)
-
-
-def recorded_models(run_dir: Path) -> dict:
-    """The ``models.json`` of the run in ``run_dir`` (``{name: entry}``), or ``{}`` where it has none
-    or it cannot be read (a run from before it was written: its choices are made afresh)."""
-    try:
-        models = json.loads((run_dir / "models.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return models if isinstance(models, dict) else {}
-
-
-def recorded_matmul(models: dict) -> str | None:
-    """The CPU products' backend a run's ``models.json`` recorded (``"onednn"`` or ``"blas"``, the
-    first model's that has one), or None."""
-    for entry in models.values():
-        matmul = entry.get("cpu_matmul") if isinstance(entry, dict) else None
-        if isinstance(matmul, dict) and matmul.get("backend") in ("onednn", "blas"):
-            return matmul["backend"]
-    return None
 
 
 def earlier_run(run_dir: Path, overwrite: bool) -> list[Path]:

@@ -348,7 +348,7 @@ class BatchTrainSection(TrainSection):
         return e
 
 
-#: ``output.keep_best_mode``: auto chooses by the metric's name (:func:`proximal.train.run.resolve_best_mode`).
+#: ``output.keep_best_mode``: auto chooses by the metric's name (:func:`proximal.train.records.resolve_best_mode`).
 KEEP_BEST_MODES = ("auto", "max", "min")
 
 

@@ -16,7 +16,7 @@ from proximal.models import compiled, kernels
 from proximal.models.tiny import tiny_config
 from proximal.rollout import decode
 from proximal.rollout.engine import HFEngine, SamplingParams, bfloat16_copy
-from proximal.train.run import compile_line
+from proximal.train.records import compile_line
 from proximal.train.sections import TrainSection
 
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from proximal.config import ConfigError
+from proximal.train.records import resident_models
 from proximal.train.run import (
     check_per_rank,
     due,
     earlier_run,
     peak_memory_bytes,
-    resident_models,
     resolve_device,
 )
 

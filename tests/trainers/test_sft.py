@@ -449,7 +449,7 @@ def test_keep_best_of_eval_loss_keeps_the_lowest_loss_by_default(base, tmp_path,
     ],
 )
 def test_keep_best_mode_auto_resolves_by_the_metric_name(metric, mode, want):
-    from proximal.train.run import resolve_best_mode
+    from proximal.train.records import resolve_best_mode
 
     assert resolve_best_mode(metric, mode)[0] == want
 
