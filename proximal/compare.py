@@ -473,9 +473,8 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
             echo(f"[{i}/{len(runs)}] {r.name}: finished earlier, kept")
             continue
         run_cfg, steps, budget = run_cfgs[r.name]
-        if (
-            main and run_dir.exists()
-        ):  # an unfinished or failed attempt: start the run again from nothing
+        # an unfinished or failed attempt: start the run again from nothing
+        if main and run_dir.exists():
             shutil.rmtree(run_dir)
         dist.barrier()
         echo(
@@ -719,9 +718,8 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
         steps, budget = budget_steps(
             r.method, first, responses=cfg.compare.responses, pairs=cfg.compare.pairs
         )
-        every = -(
-            -steps // cfg.compare.evaluations
-        )  # ceil: at most `evaluations` checkpoints, the last at `steps`
+        # ceil: at most `evaluations` checkpoints, the last at `steps`
+        every = -(-steps // cfg.compare.evaluations)
         run_cfg = load_config(
             cls,
             path,

@@ -167,9 +167,8 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
         if values:
             r["best"] = max(values)
             r["collapsed"] = bool(r["best"] - values[-1] > collapse_margin)
-            own = values[
-                1:
-            ]  # the run's own checkpoints: the jump from the SFT model is progress, not a swing
+            # the run's own checkpoints: the jump from the SFT model is progress, not a swing
+            own = values[1:]
             r["max_swing"] = max((abs(b - a) for a, b in zip(own, own[1:])), default=None)
     elif r["status"] == "ok":
         r.update(status="failed", error="no eval.json: the run's evaluation never finished")
@@ -490,12 +489,13 @@ def collect(out: str | Path) -> tuple[dict, list[dict]]:
     sft = (_json(out / "sft_eval.json") or {}).get("mean", {})
     score = "gold" if "gold" in sft or not sft else ("verifier" if "verifier" in sft else "proxy")
     plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else []
+    # every planned run has a row, also one that never started
     runs = [
         collect_run(
             out / "runs" / spec["name"], spec, collapse_margin=margin, stability_score=score
         )
         for spec in plan
-    ]  # every planned run has a row, also one that never started
+    ]
     table = summarise(runs)
     result = {
         "config": cfg,

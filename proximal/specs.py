@@ -45,9 +45,8 @@ def import_spec(spec: str | Callable, what: str) -> Callable:
     if ":" not in spec:
         raise ConfigError(f"{what} {spec!r}: expected 'module:function'")
     module, name = spec.split(":", 1)
-    if (
-        "" not in sys.path and os.getcwd() not in sys.path
-    ):  # like `python -m`: modules beside the config
+    # like `python -m`: modules beside the config
+    if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), name)

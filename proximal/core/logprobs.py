@@ -81,9 +81,8 @@ class _Workspace:
 
     def __init__(self, like: Tensor, shape, chunk_tokens: int):
         B, T = shape
-        pairs = (
-            min(max(1, chunk_tokens // max(T, 1)), B) * T if T <= chunk_tokens else chunk_tokens
-        )  # largest block
+        # largest block
+        pairs = min(max(1, chunk_tokens // max(T, 1)), B) * T if T <= chunk_tokens else chunk_tokens
         self.numel, self.like, self.buffers = pairs * like.shape[-1], like, {}
 
     def get(self, name: str, shape) -> Tensor:
@@ -138,9 +137,8 @@ class _TokenLogprobs(torch.autograd.Function):
         shape = logits.shape[:2]
         lp = logits.new_empty(shape, dtype=_compute_dtype(logits))
         ent = torch.empty_like(lp) if with_entropy else None
-        safe_tokens = (
-            tokens if mask is None else torch.where(mask, tokens, 0)
-        )  # -100 etc. never indexes
+        # -100 etc. never indexes
+        safe_tokens = tokens if mask is None else torch.where(mask, tokens, 0)
         ws = _Workspace(logits, shape, chunk_tokens)
         floor = torch.finfo(lp.dtype).min
         for block in _blocks(shape, chunk_tokens):
@@ -174,9 +172,8 @@ class _TokenLogprobs(torch.autograd.Function):
         ws = _Workspace(logits, logits.shape[:2], ctx.chunk_tokens)
         for block in _blocks(logits.shape[:2], ctx.chunk_tokens):
             z = _z(logits, block, tau)
-            direct = (
-                z.dtype == grad.dtype
-            )  # else (bfloat16 logits at τ ≠ 1) through a float32 workspace
+            # else (bfloat16 logits at τ ≠ 1) through a float32 workspace
+            direct = z.dtype == grad.dtype
             # d(z_y − lse)/dz = onehot(y) − softmax(z); then d/dlogits = d/dz / τ.
             g = torch.softmax(z, dim=-1, out=grad[block] if direct else ws.get("g", z.shape))
             _zero_masked(g, mask, block)
@@ -359,9 +356,8 @@ def token_kl(
         logp = torch.log_softmax(_scaled(logits, sl, mask, temperature), -1)  # (B, c, V)
         logq = torch.log_softmax(_scaled(ref_logits, sl, mask, temperature).to(logp.dtype), -1)
         p = torch.exp(logp)
-        out[:, sl] = torch.where(p > 0, p * (logp - logq), 0.0).sum(
-            -1
-        )  # 0·log 0 = 0 for banned tokens
+        # 0·log 0 = 0 for banned tokens
+        out[:, sl] = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
     return out if mask is None else torch.where(mask, out, 0.0)
 
 

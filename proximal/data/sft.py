@@ -222,9 +222,10 @@ def _masked_example(
     )
     first = 0 if loss_on == "all_assistant" else start
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
+    # nothing to train: every chosen turn empty (a turn that calls tools is not)
     if loss_on != "all_tokens" and not any(
         messages[i].get("content") or messages[i].get("tool_calls") for i in turns
-    ):  # nothing to train: every chosen turn empty (a turn that calls tools is not)
+    ):
         return None
     ids, mask = conversation_tokens(
         messages, tokenizer, where, turns=None if loss_on == "all_tokens" else turns, tools=tools

@@ -629,9 +629,8 @@ def _plan(setup: Setup) -> Plan:
         if lora and r:
             adapters = spec.arch.lora_params(r, setup.lora_targets)
             trainable = adapters + (spec.arch.hidden_size if head == "score" else 0)
-            base = (
-                by.compute if legacy else by.weight
-            )  # the frozen base, in the trained model's dtype
+            # the frozen base, in the trained model's dtype
+            base = by.compute if legacy else by.weight
             weights = spec.n_params * base + trainable * by.weight
             note = f"LoRA r={r}: {_count(trainable)} trainable"
         else:

@@ -268,11 +268,12 @@ def to_json(
         }
 
     setup = asdict(p.setup)
+    # each linear layer's shape is the count's, not the plan's
     for role in (
         "actor",
         "critic",
         "reward",
-    ):  # each linear layer's shape is the count's, not the plan's
+    ):
         if (setup.get(role) or {}).get("arch"):
             setup[role]["arch"].pop("linears", None)
     return {

@@ -253,10 +253,8 @@ def load_sequence_scorer(
         check_path(path, role)
     kwargs = {"num_labels": 1} if new_head else {}
     task = adapter_task(path)
-    if task not in (
-        None,
-        "SEQ_CLS",
-    ):  # a language model's LoRA adapters (sft's adapters-only export)
+    # a language model's LoRA adapters (sft's adapters-only export)
+    if task not in (None, "SEQ_CLS"):
         if not new_head:
             raise ModelLoadError(
                 f"{role}: {path!r} holds a language model's LoRA adapters ({task}), not a reward "

@@ -148,9 +148,8 @@ def prepare_trained(
         shard(model, mixed_precision=precision == "bf16-mixed", trained=True)
     elif precision == "bf16-mixed":
         model._proximal_autocast = torch.bfloat16
-    compiled.apply(
-        model, world_size=world_size, activation_checkpointing=activation_checkpointing
-    )  # train.compile
+    # train.compile
+    compiled.apply(model, world_size=world_size, activation_checkpointing=activation_checkpointing)
     return model
 
 

@@ -336,9 +336,8 @@ class LeanDecoder:
         the stacked weights; ``length`` positions filled."""
         base = unwrap(model)
         self.base, self.inner, self.layers = base, base.model, _layers(base)
-        self.rotate, self.attend = _functions(
-            base
-        )  # the model's own rotary arithmetic and attention
+        # the model's own rotary arithmetic and attention
+        self.rotate, self.attend = _functions(base)
         self.keys: list[torch.Tensor] = []  # per layer (B, H_kv, P + T, D), from start()
         self.values: list[torch.Tensor] = []
         self.length = length  # filled positions
@@ -447,9 +446,8 @@ class LeanDecoder:
             h = h + a.o_proj(o.reshape(B, 1, -1))  # o: (B, 1, H, D)
             x = layer.post_attention_layernorm(h)
             mlp = layer.mlp
-            if (
-                gate_up is not None
-            ):  # the model's MLP, down(act(gate(x)) · up(x)), with gate and up in one product
+            # the model's MLP, down(act(gate(x)) · up(x)), with gate and up in one product
+            if gate_up is not None:
                 gate, up = kernels.packed_linear(x, *gate_up).chunk(2, dim=-1)
                 h = h + mlp.down_proj(mlp.act_fn(gate) * up)
             else:

@@ -126,9 +126,8 @@ def categorical_sample(
     z = logits.float()
     if params.temperature != 1.0:
         z = z / params.temperature
-    cdf = (
-        torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)
-    )  # (B, V)
+    # (B, V)
+    cdf = torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)
     u = torch.cat(
         [torch.rand(1, generator=g, dtype=torch.float64, device=cdf.device) for g in generators]
     )

@@ -441,13 +441,8 @@ def _arm_backstop(after_s: float) -> bool:
     try:
         faulthandler.dump_traceback_later(after_s, exit=True, file=sys.__stderr__)
         return True
-    except (
-        AttributeError,
-        ValueError,
-        OSError,
-        RuntimeError,
-    ):  # no usable stderr: the watchdog alone
-        return False
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return False  # no usable stderr: the watchdog alone
 
 
 def _expire(message: Callable[[], str]) -> None:

@@ -42,7 +42,6 @@ import random
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,21 +81,6 @@ def _fsync_tree(root: Path) -> None:
         for f in files:
             with open(os.path.join(parent, f), "rb") as fh:
                 os.fsync(fh.fileno())
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory (one process); on clean exit it replaces ``target`` in one rename."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        _replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _replace_dir(src: Path, target: Path) -> None:
@@ -298,9 +282,8 @@ def _publish(
         kept.add(root / best_dir.split("/")[0])
         symlink(root / "best", best_dir)
     for old in completed(root)[:-keep]:
-        if (
-            old not in kept
-        ):  # never the checkpoint just written (at worst the only intact one), nor the best
+        # never the checkpoint just written (at worst the only intact one), nor the best
+        if old not in kept:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -316,15 +299,6 @@ def symlink(path: Path, target: str) -> None:
         shutil.rmtree(path)
     os.symlink(target, tmp)
     os.replace(tmp, path)
-
-
-def best_step(root: str | Path) -> int | None:
-    """The step ``root/best`` points at (``output.keep_best``), or None."""
-    link = Path(root) / "best"
-    if not link.is_symlink():
-        return None
-    name = os.readlink(link).split("/")[0]
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 class _OtherRank(Exception):

@@ -200,9 +200,8 @@ class Run:
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
                 if isinstance(obj, torch.optim.lr_scheduler.LambdaLR):
-                    resync_schedule(
-                        obj
-                    )  # the run may have been extended: the schedule's shape changed
+                    # the run may have been extended: the schedule's shape changed
+                    resync_schedule(obj)
         return int(state["step"]), dict(state.get("counters", {}))
 
     def plan(self, total: int) -> None:
@@ -244,9 +243,8 @@ class Run:
         for the note on a CPU that would emulate bfloat16 (:func:`proximal.train.host.bfloat16_note`)."""
         self.check_finished(total)  # --resume auto of a finished run: nothing is written
         self.total = total
-        if (
-            start > total
-        ):  # before anything is written: the checkpoint and the logs stay as they are
+        # before anything is written: the checkpoint and the logs stay as they are
+        if start > total:
             raise ConfigError(
                 f"--resume {self.dir}: its checkpoint is at step {start}, past the {total} steps "
                 f"this config trains (train.steps, or train.epochs); give --train.steps larger "
@@ -602,9 +600,8 @@ def open_run(
                 "run an output.dir of its own"
             )
         stale = [c for c in completed(run_dir / "checkpoints") if c.name > ckpt.name]
-        if (
-            stale
-        ):  # damaged ones skipped on the way: their steps are redone, so they must not be kept
+        # damaged ones skipped on the way: their steps are redone, so they must not be kept
+        if stale:
             if dist.is_main():
                 for c in stale:
                     shutil.rmtree(c, ignore_errors=True)

@@ -416,9 +416,7 @@ def pair_step(
     logps = side_logprobs(scores.logprobs, b, objective.average)  # (2B,): chosen, then rejected
     ref = None
     if ref_logps is not None:
-        ref = ref_logps.to(device=device, dtype=logps.dtype).T.reshape(
-            -1
-        )  # (2B,) in the same order
+        ref = ref_logps.to(device=device, dtype=logps.dtype).T.reshape(-1)  # (2B,), same order
     elif objective.needs_reference:
         with torch.no_grad(), reference.active() as r:
             ref_lp = token_scores(r, b, path=path).logprobs

@@ -203,9 +203,8 @@ class GRPOConfig:
         r, g = self.rollout, self.grpo
         if g.iterations < 1:
             e.append(f"grpo.iterations = {g.iterations} must be ≥ 1")
-        check_per_rank(
-            e, "rollout.batch_size", r.batch_size
-        )  # whole prompts (so whole groups) per process
+        # whole prompts (so whole groups) per process
+        check_per_rank(e, "rollout.batch_size", r.batch_size)
         mb, mb_name = self.mini_batch_size, "grpo.mini_batch_size"
         if g.mini_batch_size is None:
             mb_name = "rollout.batch_size × rollout.group_size"
@@ -216,9 +215,8 @@ class GRPOConfig:
         if mb > 0:
             before = len(e)
             check_divides(e, mb_name, mb, "grpo.micro_batch_size", g.micro_batch_size)
-            if (
-                len(e) == before
-            ):  # each process's share of a mini-batch must split into micro-batches too
+            # each process's share of a mini-batch must split into micro-batches too
+            if len(e) == before:
                 check_per_rank(e, mb_name, mb, "grpo.micro_batch_size", g.micro_batch_size)
         for key, field, value in (
             ("clip_eps", "grpo.clip_eps", g.clip_eps),

@@ -24,7 +24,6 @@ from proximal.models.tiny import build_char_tokenizer, build_tiny_causal_lm
 from proximal.train.checkpoint import (
     MANIFEST,
     CheckpointError,
-    atomic_dir,
     atomic_write_text,
     completed,
     export_final,
@@ -92,28 +91,6 @@ def test_a_failed_atomic_write_keeps_the_old_file(tmp_path):
         atomic_write_text(f, b"not text")  # fails inside the write
     assert f.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
-
-
-def test_atomic_dir_replaces_the_whole_directory(tmp_path):
-    target = tmp_path / "policy"
-    target.mkdir()
-    (target / "stale.bin").write_text("from the run before")
-    with atomic_dir(target) as tmp:
-        assert tmp != target and tmp.parent == tmp_path
-        (tmp / "model.safetensors").write_text("new")
-    assert [p.name for p in target.iterdir()] == ["model.safetensors"]
-    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
-
-
-def test_a_failed_atomic_dir_leaves_the_target_as_it_was(tmp_path):
-    target = tmp_path / "policy"
-    target.mkdir()
-    (target / "model.safetensors").write_text("old")
-    with pytest.raises(KeyError), atomic_dir(target) as tmp:
-        (tmp / "model.safetensors").write_text("half")
-        raise KeyError("killed mid-write")
-    assert (target / "model.safetensors").read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ppo_support import TIMING_PREFIXES, command_main, read_jsonl, tiny_config  
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from proximal.evaluation import METRIC_NAMES, evaluate_policy
-from proximal.train.checkpoint import best_step
+from proximal.train.checkpoint import step_name
 
 # PPO's runs reward frac_a and also log the length; GRPO's reward the length (which varies within a
 # group from the start, so the policy moves) and also log frac_a.
@@ -194,7 +194,7 @@ def test_keep_best_keeps_the_best_checkpoint_also_across_a_resume(assets, tmp_pa
     # so keeping it is keep_best's doing, not keep_checkpoints'.
     assert best < 5
     root = straight / "checkpoints"
-    assert best_step(root) == best
+    assert (root / "best").resolve().parent.name == step_name(best)  # best -> step_X/<export>
     # The newest (keep_checkpoints 1) and the best: nothing else.
     assert sorted(p.name for p in root.glob("step_*")) == sorted(
         {f"step_{best:06d}", "step_000005"}
@@ -212,7 +212,7 @@ def test_keep_best_keeps_the_best_checkpoint_also_across_a_resume(assets, tmp_pa
     # Stopped after step 3 (its checkpoint is the last), then resumed to 5: the same best.
     assert grpo_main(_keep_best_config(assets, resumed, 3)) == 0
     assert grpo_main(None, "--resume", str(resumed), "--train.steps", "5") == 0
-    assert best_step(resumed / "checkpoints") == best
+    assert (resumed / "checkpoints" / "best").resolve().parent.name == step_name(best)
     again = torch.load(
         resumed / "checkpoints" / "step_000005" / "trainer_state.pt", weights_only=False
     )
