@@ -82,14 +82,18 @@ class Agent:
         stop_r, self._stop_w = os.pipe()
         self.proc = fork(_serve, str(port_file), stop_r, self._stop_w)
         os.close(stop_r)
-        deadline = time.monotonic() + 30
-        while not (port_file.is_file() and port_file.read_text()):
-            assert self.proc.is_alive() and time.monotonic() < deadline, "the agent's store"
-            self.proc.join(0.01)
-        self.port = int(port_file.read_text())
-        self.client = td.TCPStore(
-            "127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=20)
-        )
+        try:
+            deadline = time.monotonic() + 30
+            while not (port_file.is_file() and port_file.read_text()):
+                assert self.proc.is_alive() and time.monotonic() < deadline, "the agent's store"
+                self.proc.join(0.01)
+            self.port = int(port_file.read_text())
+            self.client = td.TCPStore(
+                "127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=20)
+            )
+        except BaseException:
+            self.close()
+            raise
 
     def value(self, key: str) -> bytes | None:
         return self.client.get(key) if self.client.check([key]) else None
