@@ -10,19 +10,23 @@ the stacks of its threads (faulthandler, ``HUNG_SIGNAL``) into the failure befor
 
 Fork, not spawn or forkserver, and what fork needs (issue 39). A forked child has only the thread
 that forked; objects that own a thread of the parent come with it, their thread does not. Measured
-(py-spy and gdb on the hung ranks of ``make test-cluster``): a failed test's ``TCPStore`` master was
-left as cyclic garbage in the pytest process (its traceback's frames), with its server thread
-``pt_tcpstore_uv`` alive; the next test forked its ranks; in a rank, the garbage collector freed the
-inherited store, whose destructor joins the server thread's ``pthread_t`` — and glibc had handed
-that thread's reclaimed stack, descriptor included, to gloo's ``gloo_tcp_loop`` thread, which never
-ends: ``std::thread::join`` in ``~LibUVStoreDaemon``, forever, in whichever test's rank collected
-first. So every fork here goes through ``fork()``: the parent collects its garbage first if a
-store's server thread or a process group's thread is alive (a leaked store dies where its thread
-lives), refuses to fork while one still is (a store the caller holds: serve it from a process of its
-own, as ``tests/distributed/test_restart_store.py`` does), and the child freezes what it inherited
-(``gc.freeze``: never collected, so never destroyed there). That keeps fork's tenth of a second;
-spawn would cost 5–10 s a launch and make ``fn`` picklable by reference only, for a cause fork can
-avoid. ``tests/distributed/test_multiproc_helper.py`` plants the failing test before a forked one.
+on a hung rank of ``make test-cluster`` (py-spy): a failed test's ``TCPStore`` master was left as
+cyclic garbage in the pytest process (its traceback's frames) with its server thread
+``pt_tcpstore_uv`` alive; the next test forked its ranks; in a rank, the garbage collector (run by
+an allocation in DCP's save) freed the inherited store, whose destructor ``~LibUVStoreDaemon`` waits
+in ``std::thread::join`` for the server thread — forever. Why forever (a 20-line reproduction, gdb):
+glibc's fork handler reclaims the stacks of the threads the child lacks, and the first thread the
+child starts (gloo's ``gloo_tcp_loop``, when the rank joins its process group) gets that stack, so
+the old ``pthread_t`` is now a live thread that never ends. Which test hangs is which rank collects
+first, so it changes from run to run. Hence every fork here goes through ``fork()``: the parent
+collects its garbage first if a store's server thread or a process group's thread is alive (a
+leaked store dies where its thread lives), refuses to fork while one still is (a store the caller
+holds: serve it from a process of its own, as ``tests/distributed/test_restart_store.py`` does), and
+the child freezes what it inherited (``gc.freeze``, the collector off across the fork: never
+collected, so never destroyed there; either measure alone ends the hang). That keeps fork's tenth of
+a second; spawn would cost 5–10 s a launch and make ``fn`` picklable by reference only, for a cause
+fork can avoid. ``tests/distributed/test_multiproc_helper.py`` plants the failing test before a
+forked one.
 
 ``run_ranks(W, fn, *args)`` → ``[fn(*args) on rank 0, ..., on rank W-1]``; with fork any callable
 works. ``launch`` runs a command (``torchrun``) in a process group of its own that is killed with all
