@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as td
-from multiproc import RankFailed, dist_threads, run_ranks
+from multiproc import RankFailed, dist_threads, run_launched, run_ranks
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -109,16 +108,14 @@ def test_forks_after_it():
 
 def test_a_failed_test_holding_a_store_does_not_hang_the_next_forked_one(tmp_path):
     (tmp_path / "test_planted.py").write_text(textwrap.dedent(PLANTED))
-    done = subprocess.run(
+    done = run_launched(  # a session of its own: a timeout kills its hung ranks too
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_planted.py"],
+        timeout=120,
         cwd=tmp_path,
         env={
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         },
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     out = done.stdout
     assert "FAILED test_planted.py::test_fails_holding_a_store" in out, out[-3000:]
