@@ -67,7 +67,7 @@ def _gspo_batch(split=GS_SPLIT):
 def test_gspo_by_hand_both_signs_both_sides_of_each_clip():
     lp, old, mask = _gspo_batch()
     adv = t(GS_A + [NAN])
-    loss, st = gspo_policy_loss(lp, old, adv, mask, 0.1, 0.2)
+    loss, st = gspo_policy_loss(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2)
     close(loss, -sum(GS_TERM) / 6)
     # gradient of a live row i: −Â_i·s_i / (G·n_i) on each of its tokens; 0 where clipped
     g = _grad(loss, lp)
@@ -90,15 +90,19 @@ def test_gspo_ratio_ignores_how_the_log_ratio_is_spread_over_tokens():
     lp1, old, mask = _gspo_batch()
     lp2, _, _ = _gspo_batch(even)
     adv = t(GS_A + [0.0])
-    l1, s1 = gspo_policy_loss(lp1, old, adv, mask, 0.1, 0.2)
-    l2, s2 = gspo_policy_loss(lp2, old, adv, mask, 0.1, 0.2)
+    l1, s1 = gspo_policy_loss(lp1, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2)
+    l2, s2 = gspo_policy_loss(lp2, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2)
     close(l1, l2.item())
     close(s1["ratio_mean"], float(s2["ratio_mean"]))
     # and the gradient is the same for every token of a response, however it was spread
     close(_grad(l1, lp1), _grad(l2, lp2).tolist())
     # a token ratio (GRPO's) does depend on the spread
-    g1, _ = grpo_policy_loss(lp1, old, None, adv, mask, 0.1, 0.2, beta=0.0)
-    g2, _ = grpo_policy_loss(lp2, old, None, adv, mask, 0.1, 0.2, beta=0.0)
+    g1, _ = grpo_policy_loss(
+        lp1, old, None, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2, beta=0.0
+    )
+    g2, _ = grpo_policy_loss(
+        lp2, old, None, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2, beta=0.0
+    )
     assert abs(g1.item() - g2.item()) > 1e-3
 
 
@@ -106,8 +110,10 @@ def test_gspo_token_equals_gspo_with_sequence_advantages():
     lp1, old, mask = _gspo_batch()
     lp2, _, _ = _gspo_batch()
     adv = t(GS_A + [0.0])
-    l1, _ = gspo_policy_loss(lp1, old, adv, mask, 0.1, 0.2)
-    l2, _ = gspo_policy_loss(lp2, old, adv, mask, 0.1, 0.2, token_level=True)
+    l1, _ = gspo_policy_loss(lp1, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2)
+    l2, _ = gspo_policy_loss(
+        lp2, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2, token_level=True
+    )
     close(l2, l1.item())
     close(_grad(l2, lp2), _grad(l1, lp1).tolist())
 
@@ -120,7 +126,9 @@ def test_gspo_token_with_token_advantages_by_hand():
     old = torch.zeros_like(lp)
     mask = b([[1, 1, 0], [1, 1, 1]])
     adv = t([[1.0, -1.0, NAN], [2.0, -2.0, -2.0]])
-    loss, st = gspo_policy_loss(lp, old, adv, mask, 0.1, 0.2, token_level=True)
+    loss, st = gspo_policy_loss(
+        lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2, token_level=True
+    )
     row0 = (-1.2 + 1.3) / 2
     row1 = (-1.6 + 1.8 + 1.8) / 3
     close(loss, (row0 + row1) / 2)
@@ -133,21 +141,27 @@ def test_gspo_sequence_weights_and_normalizer_split():
     lp, old, mask = _gspo_batch()
     adv = t(GS_A + [0.0])
     w = t([0.5, 1.0, 2.0, 0.0, 1.5, 1.0, NAN])
-    loss, _ = gspo_policy_loss(lp, old, adv, mask, 0.1, 0.2, is_weights=w)
+    loss, _ = gspo_policy_loss(
+        lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2, is_weights=w
+    )
     close(loss, -sum(wi * x for wi, x in zip([0.5, 1.0, 2.0, 0.0, 1.5, 1.0], GS_TERM)) / 6)
     # micro-batches with the whole batch's G as normalizer add up to the whole batch's loss
-    whole, _ = gspo_policy_loss(lp, old, adv, mask, 0.1, 0.2)
+    whole, _ = gspo_policy_loss(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.2)
     parts = [
-        gspo_policy_loss(lp[i], old[i], adv[i], mask[i], 0.1, 0.2, normalizer=6)[0]
+        gspo_policy_loss(
+            lp[i], old[i], adv[i], mask[i], clip_eps_low=0.1, clip_eps_high=0.2, normalizer=6
+        )[0]
         for i in (slice(0, 2), slice(2, 5), slice(5, 7))
     ]
     close(sum(parts), whole.item())
     with pytest.raises(ValueError, match="\\(B,\\)"):
-        gspo_policy_loss(lp, old, adv[:, None].expand(7, 3), mask, 0.1, 0.2)
+        gspo_policy_loss(
+            lp, old, adv[:, None].expand(7, 3), mask, clip_eps_low=0.1, clip_eps_high=0.2
+        )
     with pytest.raises(ValueError, match="clip_eps"):
-        gspo_policy_loss(lp, old, adv, mask, 0.0)
+        gspo_policy_loss(lp, old, adv, mask, clip_eps_low=0.0)
     with pytest.raises(ValueError, match=">= 0"):
-        gspo_policy_loss(lp, old, adv, mask, 0.1, is_weights=-w.nan_to_num())
+        gspo_policy_loss(lp, old, adv, mask, clip_eps_low=0.1, is_weights=-w.nan_to_num())
 
 
 # -------------------------------------------------------------------------------------- CISPO
@@ -174,7 +188,7 @@ def _cispo_batch():
 
 def test_cispo_by_hand_and_gradient_through_clipped_tokens():
     lp, old, adv, mask = _cispo_batch()
-    loss, st = cispo_policy_loss(lp, old, adv, mask, 0.2, 0.1)
+    loss, st = cispo_policy_loss(lp, old, adv, mask, clip_eps_high=0.2, clip_eps_low=0.1)
     close(loss, -sum(w * a * LOG(0.5 * r) for w, a, r in zip(CI_W, CI_A, CI_R)) / 5)
     g = _grad(loss, lp)
     want = [-w * a / 5 for w, a in zip(CI_W, CI_A)]
@@ -194,32 +208,42 @@ def test_cispo_by_hand_and_gradient_through_clipped_tokens():
 
 def test_cispo_no_lower_clip_weights_and_normalizer():
     lp, old, adv, mask = _cispo_batch()
-    loss, st = cispo_policy_loss(lp, old, adv, mask, 0.2)  # ε_low None: r = 0.5 keeps weight 0.5
+    loss, st = cispo_policy_loss(
+        lp, old, adv, mask, clip_eps_high=0.2
+    )  # ε_low None: r = 0.5 keeps weight 0.5
     w = [1.0, 1.2, 0.5, 1.1, 1.2]
     close(loss, -sum(wi * a * LOG(0.5 * r) for wi, a, r in zip(w, CI_A, CI_R)) / 5)
     close(st["clipfrac_low"], 0.0)
     # a large ε_high is accepted (the weight then only caps far-off tokens)
-    big, _ = cispo_policy_loss(lp, old, adv, mask, 5.0)
+    big, _ = cispo_policy_loss(lp, old, adv, mask, clip_eps_high=5.0)
     close(_grad(big, lp)[0, 1], -1.5 * 1.0 / 5)
     # per-token importance weights multiply each token's term
     iw = t([[2.0, 0.0, 1.0], [0.5, 1.0, NAN]])
-    weighted, _ = cispo_policy_loss(lp, old, adv, mask, 0.2, 0.1, is_weights=iw)
+    weighted, _ = cispo_policy_loss(
+        lp, old, adv, mask, clip_eps_high=0.2, clip_eps_low=0.1, is_weights=iw
+    )
     iws = [2.0, 0.0, 1.0, 0.5, 1.0]
     close(
         weighted,
         -sum(v * w * a * LOG(0.5 * r) for v, w, a, r in zip(iws, CI_W, CI_A, CI_R)) / 5,
     )
     # rows as micro-batches with the whole token count add up
-    whole, _ = cispo_policy_loss(lp, old, adv, mask, 0.2, 0.1)
+    whole, _ = cispo_policy_loss(lp, old, adv, mask, clip_eps_high=0.2, clip_eps_low=0.1)
     parts = [
         cispo_policy_loss(
-            lp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], 0.2, 0.1, normalizer=5
+            lp[i : i + 1],
+            old[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            clip_eps_high=0.2,
+            clip_eps_low=0.1,
+            normalizer=5,
         )[0]
         for i in range(2)
     ]
     close(sum(parts), whole.item())
     # (B,) advantages broadcast over the tokens
-    seq, _ = cispo_policy_loss(lp, old, t([1.0, -1.0]), mask, 0.2, 0.1)
+    seq, _ = cispo_policy_loss(lp, old, t([1.0, -1.0]), mask, clip_eps_high=0.2, clip_eps_low=0.1)
     close(seq, -sum(w * a * LOG(0.5 * r) for w, a, r in zip(CI_W, [1, 1, 1, -1, -1], CI_R)) / 5)
     for bad in (dict(clip_eps_high=0.0), dict(clip_eps_high=0.2, clip_eps_low=1.0)):
         with pytest.raises(ValueError):
@@ -254,7 +278,7 @@ def test_dual_clip_by_hand(which):
     def loss(dual_clip, is_weights=None):
         if which == "ppo":
             return ppo_policy_loss(
-                lp, old, adv, mask, 0.2, dual_clip=dual_clip, is_weights=is_weights
+                lp, old, adv, mask, clip_eps=0.2, dual_clip=dual_clip, is_weights=is_weights
             )
         return grpo_policy_loss(
             lp,
@@ -262,7 +286,7 @@ def test_dual_clip_by_hand(which):
             None,
             adv,
             mask,
-            0.2,
+            clip_eps_low=0.2,
             beta=0.0,
             aggregation="token-mean",
             dual_clip=dual_clip,
@@ -294,15 +318,15 @@ def test_dual_clip_bounds_negative_advantages_and_leaves_positive_ones():
 
     def per_token(**kw):
         loss, _ = grpo_policy_loss(
-            lp, old, None, adv, mask, 0.2, beta=0.0, aggregation="token-mean", **kw
+            lp, old, None, adv, mask, clip_eps_low=0.2, beta=0.0, aggregation="token-mean", **kw
         )
         return loss
 
     terms = []
     for i in range(256):
         row = slice(i, i + 1)
-        d = ppo_policy_loss(lp[row], old[row], adv[row], mask[row], 0.2, dual_clip=3.0)[0]
-        p = ppo_policy_loss(lp[row], old[row], adv[row], mask[row], 0.2)[0]
+        d = ppo_policy_loss(lp[row], old[row], adv[row], mask[row], clip_eps=0.2, dual_clip=3.0)[0]
+        p = ppo_policy_loss(lp[row], old[row], adv[row], mask[row], clip_eps=0.2)[0]
         a = float(adv[i, 0])
         if a < 0:
             assert float(d) <= 3.0 * abs(a)
@@ -320,7 +344,9 @@ def test_grpo_is_weights_leave_the_kl_term_alone():
     ref = t([[LOG(1.1) - 0.5, LOG(0.7) + 0.25]])
     adv = t([1.0])
     mask = b([[1, 1]])
-    loss, st = grpo_policy_loss(lp, old, ref, adv, mask, 0.2, beta=0.1, is_weights=t([[0.0, 0.0]]))
+    loss, st = grpo_policy_loss(
+        lp, old, ref, adv, mask, clip_eps_low=0.2, beta=0.1, is_weights=t([[0.0, 0.0]])
+    )
     k3 = lambda d: math.exp(d) - d - 1  # noqa: E731  (d = ref − logπ)
     close(loss, 0.1 * (k3(-0.5) + k3(0.25)) / 2)
     close(st["pg_loss"], 0.0)
