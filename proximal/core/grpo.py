@@ -155,10 +155,6 @@ def grpo_policy_loss(
         ``kl_ref`` (the token mean of k3 to the reference; 0 without one).
     """
     check_mask(logprobs, response_mask, "response_mask")
-    if old_logprobs.shape != logprobs.shape:
-        raise ValueError(
-            f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
-        )
     if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
         raise ValueError(
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
@@ -169,8 +165,6 @@ def grpo_policy_loss(
         raise ValueError(
             f"advantages must be (B,) or (B, T) = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
         )
-    check("clip_eps", clip_eps_low)
-    clip_eps_high = clip_eps_low if clip_eps_high is None else check("clip_eps_high", clip_eps_high)
     check("beta", float(beta))
     if beta > 0 and ref_logprobs is None:
         raise ValueError(
@@ -183,8 +177,8 @@ def grpo_policy_loss(
         # in the log-ratio's dtype, as GSPO and CISPO take them
         advantages.to(torch.promote_types(logprobs.dtype, old_logprobs.dtype)),
         response_mask,
-        clip_eps_low=clip_eps_low,
-        clip_eps_high=clip_eps_high,
+        clip_eps_low=clip_eps_low,  # both checked there
+        clip_eps_high=clip_eps_low if clip_eps_high is None else clip_eps_high,
         aggregation=aggregation,
         max_length=max_length,
         normalizer=normalizer,
