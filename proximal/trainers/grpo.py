@@ -574,25 +574,24 @@ def grpo_update(
                         m.ref_logprobs,
                         m.advantages,
                         mask,
-                        clip_eps=clip_eps,
+                        clip_eps_low=clip_eps,
                         clip_eps_high=clip_eps_high,
                         beta=beta,
                         aggregation=aggregation,
-                        max_response_length=max_length,
+                        max_length=max_length,
                         normalizer=norm,
                         dual_clip=dual_clip,
                         is_weights=w,
                     )
                 else:
                     if objective == "cispo":
-                        high = clip_eps if clip_eps_high is None else clip_eps_high
                         pg, st = cispo_policy_loss(
                             logprobs,
                             old,
                             m.advantages,
                             mask,
-                            high,
-                            clip_eps,
+                            clip_eps_low=clip_eps,
+                            clip_eps_high=clip_eps_high,
                             normalizer=norm,
                             is_weights=w,
                         )
@@ -602,8 +601,8 @@ def grpo_update(
                             old,
                             m.advantages,
                             mask,
-                            clip_eps,
-                            clip_eps_high,
+                            clip_eps_low=clip_eps,
+                            clip_eps_high=clip_eps_high,
                             token_level=objective == "gspo_token",
                             normalizer=norm,
                             is_weights=w,
