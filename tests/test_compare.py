@@ -21,6 +21,7 @@ import yaml
 
 from proximal import dist
 from proximal.cli import main
+from proximal.commands import trainer
 from proximal.compare import (
     CompareConfig,
     CompareData,
@@ -31,7 +32,7 @@ from proximal.compare import (
     run_config,
 )
 from proximal.compare_report import collect_run, mean_std
-from proximal.methods import METHODS, trainer
+from proximal.methods import METHODS
 from proximal.train.run import Run
 
 HERE = Path(__file__).resolve().parent
