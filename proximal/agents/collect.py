@@ -292,8 +292,8 @@ def agent_collect(
         logprobs=True,
     )
     rollout = to_rollout(trajs, tokenizer.pad_token_id, device)
-    if rollout.logprobs is None:  # every trajectory empty (a budget of 0): μ is 0 everywhere
-        rollout.logprobs = torch.zeros(rollout.response_ids.shape, device=device)
+    if rollout.behaviour_logprobs is None:  # every trajectory empty (a budget of 0): μ is 0
+        rollout.behaviour_logprobs = torch.zeros(rollout.response_ids.shape, device=device)
     generate_s = time.perf_counter() - t0
     completions = [
         trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)

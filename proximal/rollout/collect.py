@@ -106,7 +106,7 @@ def collect(
 
     Row r of the global batch draws its tokens from a generator seeded by (seed, step, r), so the
     rollout is the same on any number of processes (:mod:`proximal.rollout.engine`). The engine's
-    log-probabilities of the sampled tokens, log μ, come with it (``rollout.logprobs``).
+    log-probabilities of the sampled tokens, log μ, come with it (``rollout.behaviour_logprobs``).
     """
     t0 = time.perf_counter()
     batch = sampler.next_global_batch()

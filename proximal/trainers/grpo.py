@@ -252,12 +252,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 reference=models.reference,
                 temperature=r.temperature,
                 micro_batch_size=g.micro_batch_size,
-                old_logprobs=old_in_experience,
+                old_pass=old_in_experience,
                 logprobs_path=t.logprobs,
             )
         )
         if bypass:
-            exp = exp.replace(logprobs=exp.rollout_logprobs)
+            exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
@@ -274,7 +274,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             skip_uniform_groups=g.skip_uniform_groups,
             mask_truncated=g.mask_truncated,
         )
-        kl = kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") if kl_reward else None
+        kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_reward else None
         if g.advantage in REINFORCE_PP:
             advantages = reinforce_pp_advantages(
                 exp.scores,
@@ -324,10 +324,10 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         t_train = time.perf_counter() - t1
         # μ against π_old on the trained tokens (those of the update's first mini-batch when π_old was
         # its forward: all of them by default)
-        old, rows = (exp.logprobs, exp.valid) if old_in_experience else update.pop("first_step")
+        old, rows = (exp.old_logprobs, exp.valid) if old_in_experience else update.pop("first_step")
         mismatch = mismatch_metrics(
             old,
-            exp.rollout_logprobs,
+            exp.behaviour_logprobs,
             exp.mask & rows[:, None],
             mode=r.correction_mode,
             cap=r.correction_cap,
@@ -478,7 +478,7 @@ def grpo_update(
     record_first_step: bool = False,
 ) -> dict:
     """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
-    (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
+    (every rank holds it), each pass against the same π_old (``exp.old_logprobs``, recorded when the batch
     was sampled; None when the batch gets one optimiser step: then the forward's own log-probabilities,
     detached); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
     accumulate (:func:`proximal.train.batches.accumulate`).
@@ -500,9 +500,9 @@ def grpo_update(
 
     ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
     detached weights of :func:`proximal.core.correction_weights` from π_old (the ``old`` each micro
-    step ratios against) and μ (``exp.rollout_logprobs``) on each token's policy-gradient term — for
+    step ratios against) and μ (``exp.behaviour_logprobs``) on each token's policy-gradient term — for
     GSPO one per response, :func:`proximal.core.sequence_correction_weights`; ``bypass`` has
-    ``exp.logprobs`` = μ already and no weights.
+    ``exp.old_logprobs`` = μ already and no weights.
 
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``: statistics averaged over the
     optimiser steps, and the tokens this update passed through the actor (all ranks): their count,
@@ -514,7 +514,7 @@ def grpo_update(
     W, rank = dist.world_size(), dist.rank()
     B = len(exp)
     corrected = correction not in ("none", "bypass")
-    if corrected and exp.rollout_logprobs is None:
+    if corrected and exp.behaviour_logprobs is None:
         raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
     band = None if correction_band is None else tuple(correction_band)
     token_stats = _TOKEN_STATS + (
@@ -554,18 +554,18 @@ def grpo_update(
                 )
                 logprobs, token_ent = scores.logprobs, scores.entropy
                 old = (
-                    m.logprobs if m.logprobs is not None else logprobs.detach()
+                    m.old_logprobs if m.old_logprobs is not None else logprobs.detach()
                 )  # one step: π_old = π_θ
                 if first is not None and not history:  # no optimiser step yet: π_θ = π_old
                     first.put(idx, logprobs)
                 w = None  # the rollout correction's weights from π_old/μ (bypass: old is μ, none)
                 if corrected and per_response:
                     w = sequence_correction_weights(
-                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                        correction, old, m.behaviour_logprobs, mask, cap=correction_cap, band=band
                     )
                 elif corrected:
                     w, _ = correction_weights(
-                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                        correction, old, m.behaviour_logprobs, mask, cap=correction_cap, band=band
                     )
                 if objective == "clip":
                     loss, st = grpo_policy_loss(

@@ -284,20 +284,20 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             critic=critic,
             temperature=r.temperature,
             micro_batch_size=p.micro_batch_size,
-            old_logprobs=first is None and not bypass,
+            old_pass=first is None and not bypass,
             logprobs_path=t.logprobs,
         )
         if first is not None:
-            exp = exp.replace(logprobs=first.old_logprobs)
-        pi_old = exp.logprobs  # this rank's rows; None with bypass and no first pass
+            exp = exp.replace(old_logprobs=first.old_logprobs)
+        pi_old = exp.old_logprobs  # this rank's rows; None with bypass and no first pass
         if bypass:
-            exp = exp.replace(logprobs=exp.rollout_logprobs)
+            exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
         rewards, kl = shape_rewards(
             exp.scores,
-            exp.logprobs,
+            exp.old_logprobs,
             exp.ref_logprobs,
             rollout.response_mask,
             kl_ctl.beta,
@@ -349,12 +349,12 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # μ against π_old on the trained tokens: the experience's π_old (the first pass's: one process),
         # or with bypass the rows of the update's first mini-batch (all of them by default)
         if pi_old is not None:
-            old, rows = (full.logprobs if not bypass else pi_old), full.valid
+            old, rows = (full.old_logprobs if not bypass else pi_old), full.valid
         else:
             old, rows = update.pop("first_step")
         mismatch = mismatch_metrics(
             old,
-            full.rollout_logprobs,
+            full.behaviour_logprobs,
             full.mask & rows[:, None],
             mode=r.correction_mode,
             cap=r.correction_cap,
@@ -584,9 +584,9 @@ def ppo_update(
     (:func:`proximal.models.output.token_logprobs`).
 
     ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
-    detached weights of :func:`proximal.core.correction_weights` from π_old (``exp.logprobs``) and μ
-    (``exp.rollout_logprobs``) on each token's clipped-surrogate term; ``bypass`` has
-    ``exp.logprobs`` = μ already and no weights.
+    detached weights of :func:`proximal.core.correction_weights` from π_old (``exp.old_logprobs``) and μ
+    (``exp.behaviour_logprobs``) on each token's clipped-surrogate term; ``bypass`` has
+    ``exp.old_logprobs`` = μ already and no weights.
 
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens, "ptx": Tokens}``: mean losses and
     statistics over the optimiser steps, and the tokens this update passed through the models (all
@@ -603,7 +603,7 @@ def ppo_update(
     history: dict[str, list[float]] = {}
     tokens, trained, ptx_tokens = 0, Tokens(), Tokens()
     stopped, epochs_run = False, 0
-    if correction not in ("none", "bypass") and exp.rollout_logprobs is None:
+    if correction not in ("none", "bypass") and exp.behaviour_logprobs is None:
         raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
     recorder = (
         FirstStepLogprobs(B, exp.rollout.response_ids.shape[1], device)
@@ -749,17 +749,22 @@ def actor_pass(
         logprobs = scores.logprobs
         if record is not None:
             record[0].put(rows, logprobs)
-        w = None  # the rollout correction's weights from π_old/μ (bypass: m.logprobs is μ, none)
+        w = None  # the rollout correction's weights from π_old/μ (bypass: m.old_logprobs is μ)
         if corrected:
             w, _ = correction_weights(
-                correction, m.logprobs, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                correction,
+                m.old_logprobs,
+                m.behaviour_logprobs,
+                mask,
+                cap=correction_cap,
+                band=band,
             )
         entropy = masked_aggregate(
             scores.entropy, mask, aggregation, max_length=max_length, normalizer=norm
         )
         pg_loss, pg = ppo_policy_loss(
             logprobs,
-            m.logprobs,
+            m.old_logprobs,
             m.advantages,
             mask,
             clip_eps,

@@ -67,10 +67,12 @@ def fixed_experience(tok, actor, critic):
     )
     g = torch.Generator().manual_seed(7)
     mask = r.response_mask
-    old = torch.where(mask, exp.logprobs + 0.3 * torch.randn(exp.logprobs.shape, generator=g), 0.0)
+    old = torch.where(
+        mask, exp.old_logprobs + 0.3 * torch.randn(exp.old_logprobs.shape, generator=g), 0.0
+    )
     adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     ret = torch.where(mask, exp.values + torch.randn(mask.shape, generator=g), 0.0)
-    return exp.replace(logprobs=old, advantages=adv, returns=ret)
+    return exp.replace(old_logprobs=old, advantages=adv, returns=ret)
 
 
 def ppo_update_once(

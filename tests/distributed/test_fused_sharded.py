@@ -77,11 +77,11 @@ def _experience_and_update(policy_path: str, rm_path: str, path: str, lora_head:
     )
     g = torch.Generator().manual_seed(7)
     mask = exp.rollout.response_mask
-    old = torch.where(mask, exp.logprobs + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
+    old = torch.where(mask, exp.old_logprobs + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
     adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     ret = torch.where(mask, exp.values + torch.randn(mask.shape, generator=g), 0.0)
     out = ppo_update(
-        exp.replace(logprobs=old, advantages=adv, returns=ret),
+        exp.replace(old_logprobs=old, advantages=adv, returns=ret),
         actor=actor_opt,
         critic=critic_opt,
         epochs=2,
@@ -100,7 +100,7 @@ def _experience_and_update(policy_path: str, rm_path: str, path: str, lora_head:
         logprobs_path=path,
     )
     return {
-        "logprobs": exp.logprobs,
+        "logprobs": exp.old_logprobs,
         "ref_logprobs": exp.ref_logprobs,
         "actor": gathered(actor),
         "entropy": out["stats"]["policy/entropy"],

@@ -176,8 +176,8 @@ def _update(model, r, old, mu, adv, mode, band, *, given_old: bool):
         r,
         torch.zeros(len(r)),
         torch.ones(len(r), dtype=torch.bool),
-        logprobs=logprobs,
-        rollout_logprobs=mu,
+        old_logprobs=logprobs,
+        behaviour_logprobs=mu,
         advantages=adv,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
