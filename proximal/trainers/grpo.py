@@ -31,13 +31,7 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import (
-    agent_collect,
-    check_template,
-    context_length,
-    run_environments,
-    run_tools,
-)
+from proximal.agents.collect import run_responder, run_tools
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -57,7 +51,6 @@ from proximal.core import (
 from proximal.data.chat import set_chat_template
 from proximal.data.sampler import Sampler
 from proximal.evaluation import (
-    AgentEval,
     eval_postfix,
     held_out_metrics,
     reward_weights,
@@ -115,20 +108,22 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         columns=d.columns,
         tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
     )
-    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
-    envs = run_environments(
+    # How each prompt is answered: one response, or with env / tools a multi-turn trajectory per
+    # row (docs/agents.md) — chosen here, once
+    responder = run_responder(
         cfg.env,
         cfg.tools,
+        max_new_tokens=r.max_new_tokens,
+        max_tokens=agent_max_tokens(cfg.env, r.max_new_tokens),
         has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
         columns=prompts.columns,
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
-    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
+    max_length = responder.max_tokens
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor = models.tokenizer, models.actor
-    if envs is not None:  # observations go through the chat template: checked before any step
-        check_template(envs, tokenizer)
+    responder.ready(tokenizer, actor)  # multi-turn: the chat template checked, the context taken
     evaluation = training_eval(
         cfg.eval,
         tokenizer,
@@ -139,9 +134,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         max_prompt_length=d.max_prompt_length,
         timeout_s=mc.reward_timeout_s,
         # env/tools: the held-out responses are trajectories, with the run's environments and limits
-        agent=None
-        if envs is None
-        else AgentEval(envs, cfg.env.max_turns, max_length, context_length(actor)),
+        responder=responder,
     )
     sampler = Sampler(
         len(prompts),
@@ -224,18 +217,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             group_size=G,
             **r.collect_kwargs(),
         )
-        if envs is None:
-            got = collect(step, **source)
-        else:
-            got = agent_collect(
-                step,
-                envs=envs,
-                max_turns=cfg.env.max_turns,
-                max_tokens=max_length,
-                max_context=context_length(actor),
-                on_failure=cfg.env.on_failure,
-                **source,
-            )
+        got = collect(step, responder=responder, **source)
+        if got.turn_rewards is not None:  # GRPO/RLOO: the baseline is over whole trajectories
             got.scores = got.scores + got.turn_rewards.sum(1)
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
@@ -370,7 +353,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             **run.utilisation(step_s, flops=flops, tokens=update["tokens"]),
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
-            **(got.metrics() if envs is not None else {}),
+            **got.metrics,  # the responder's (agent/*)
         }
         metrics.update(held_out(step))
         run.log(
@@ -380,7 +363,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 "score": metrics["score/mean"],
                 "uniform": metrics["data/uniform_group_frac"],
                 **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
-                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
+                **({"turns": metrics["agent/turns"]} if "agent/turns" in metrics else {}),
                 **eval_postfix(metrics, cfg.output.keep_best),
             },
         )
@@ -394,7 +377,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.components,
                 got.valid,
                 cfg.output.samples_per_step,
-                extra=got.records() if envs is not None else None,
+                extra=got.records,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
         if step == t.steps:
@@ -416,8 +399,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     if start == t.steps:  # --resume of a finished run: its policy written again
         export_final(run.dir, actor, tokenizer)
-    if envs is not None:
-        envs.close()
+    responder.close()
     run.finish()
     return run.dir
 

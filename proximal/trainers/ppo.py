@@ -25,13 +25,7 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import (
-    agent_collect,
-    check_template,
-    context_length,
-    run_environments,
-    run_tools,
-)
+from proximal.agents.collect import run_responder, run_tools
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -51,7 +45,6 @@ from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
 from proximal.evaluation import (
-    AgentEval,
     eval_postfix,
     held_out_metrics,
     reward_weights,
@@ -113,21 +106,23 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         columns=d.columns,
         tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
     )
-    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
-    envs = run_environments(
+    # How each prompt is answered: one response, or with env / tools a multi-turn trajectory per
+    # row (docs/agents.md) — chosen here, once
+    responder = run_responder(
         cfg.env,
         cfg.tools,
+        max_new_tokens=r.max_new_tokens,
+        max_tokens=agent_max_tokens(cfg.env, r.max_new_tokens),
         has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
         columns=prompts.columns,
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
-    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
+    max_length = responder.max_tokens
 
     models = build_models(cfg, run.device, run.world_size, functions)
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
-    if envs is not None:  # observations go through the chat template: checked before any step
-        check_template(envs, tokenizer)
+    responder.ready(tokenizer, actor)  # multi-turn: the chat template checked, the context taken
     evaluation = training_eval(
         cfg.eval,
         tokenizer,
@@ -138,9 +133,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         max_prompt_length=d.max_prompt_length,
         timeout_s=mc.reward_timeout_s,
         # env/tools: the held-out responses are trajectories, with the run's environments and limits
-        agent=None
-        if envs is None
-        else AgentEval(envs, cfg.env.max_turns, max_length, context_length(actor)),
+        responder=responder,
     )
     sampler = Sampler(
         len(prompts),
@@ -246,18 +239,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             device=run.device,
             **r.collect_kwargs(),
         )
-        if envs is None:
-            got = collect(step, **source)
-        else:
-            got = agent_collect(
-                step,
-                envs=envs,
-                max_turns=cfg.env.max_turns,
-                max_tokens=max_length,
-                max_context=context_length(actor),
-                on_failure=cfg.env.on_failure,
-                **source,
-            )
+        got = collect(step, responder=responder, **source)
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
@@ -303,7 +285,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             kl_ctl.beta,
             p.kl_estimator,
         )
-        if envs is not None:  # per-turn rewards on the last agent token of their turn
+        if got.turn_rewards is not None:  # multi-turn: on the last agent token of their turn
             rewards = rewards + got.turn_rewards
         advantages, returns = gae(rewards, exp.values, mask, p.gamma, p.lam)
         explained_var = float(
@@ -403,7 +385,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             **run.utilisation(step_s, flops=flops, tokens=update["tokens"] + update["ptx"].body),
             "time/step_s": step_s,
             "time/wall_s": run.wall_s(),
-            **(got.metrics() if envs is not None else {}),
+            **got.metrics,  # the responder's (agent/*)
         }
         metrics.update(held_out(step))
         run.log(
@@ -413,7 +395,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 "score": metrics["score/mean"],
                 "kl": seq_kl,
                 "beta": kl_ctl.beta,
-                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
+                **({"turns": metrics["agent/turns"]} if "agent/turns" in metrics else {}),
                 **eval_postfix(metrics, cfg.output.keep_best),
             },
         )
@@ -427,7 +409,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 got.components,
                 valid,
                 cfg.output.samples_per_step,
-                extra=got.records() if envs is not None else None,
+                extra=got.records,
             )
         # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
         if step == t.steps:
@@ -449,8 +431,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
 
     if start == t.steps:  # --resume of a finished run: its models written again
         export_models(run.dir, actor, critic, tokenizer)
-    if envs is not None:
-        envs.close()
+    responder.close()
     run.finish()
     return run.dir
 

@@ -3,7 +3,7 @@
 * A row's ``tools`` column (names, or TRL's JSON schemas) picks which registered tools its trajectory
   may call and whose schemas its chat template is given; a call to another tool is malformed; a name
   that is no registered tool is refused before any model loads.
-* ``evaluate_loaded`` with an :class:`AgentEval` runs the run's trajectories: on a scripted policy
+* ``evaluate_loaded`` with a :class:`MultiTurn` responder runs the run's trajectories: on a scripted policy
   the calculator task's columns (exact match, tool calls, tool errors, malformed calls, turns,
   length) are the hand-counted ones, and the environments' counts are left as they were.
 * A one-turn environment evaluates exactly as the single-turn evaluation (same seeds, same
@@ -18,13 +18,14 @@ import torch
 from agent_support import TOOLS_TEMPLATE, OneTurn, add, table
 from ppo_support import ALPHABET, command_main, read_jsonl
 
+from proximal.agents.collect import MultiTurn
 from proximal.agents.env import Environments, check_offered, offered_tools, row_schemas
 from proximal.agents.tools import tool_schemas
 from proximal.agents.trajectory import first_prompt
 from proximal.config import ConfigError
 from proximal.data.jsonl import DataError, write_jsonl
 from proximal.data.prompts import load_prompts
-from proximal.evaluation import AGENT_COLUMNS, AgentEval, evaluate_loaded
+from proximal.evaluation import AGENT_COLUMNS, evaluate_loaded
 from proximal.models.tiny import build_char_tokenizer
 from proximal.tasks import calculator
 from proximal.tasks.calculator import build_tokenizer, exact_match, make_task_data
@@ -196,7 +197,7 @@ def _scripted_eval(task, tmp_path, envs):
         functions={"exact_match": exact_match},
         max_new_tokens=24,
         engine=Scripted(tok),
-        agent=AgentEval(envs, max_turns=2, max_tokens=200),  # room for the error text
+        responder=MultiTurn(envs, max_turns=2, max_tokens=200),  # room for the error text
     )
 
 
@@ -268,7 +269,7 @@ def test_a_one_turn_environment_evaluates_as_the_single_turn_evaluation(task):
     )
     plain = evaluate_loaded(actor, **common)
     envs = Environments(OneTurn, call_format="minimal", workers=0)
-    turns = evaluate_loaded(actor, **common, agent=AgentEval(envs, max_turns=1, max_tokens=10))
+    turns = evaluate_loaded(actor, **common, responder=MultiTurn(envs, max_turns=1, max_tokens=10))
     envs.close()
     assert [r["response"] for r in turns["rows"]] == [r["response"] for r in plain["rows"]]
     assert [r["length"] for r in turns["rows"]] == [r["length"] for r in plain["rows"]]
