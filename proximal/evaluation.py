@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from proximal.agents.collect import AGENT_COLUMNS, run_responder
+from proximal.agents.collect import run_responder
 from proximal.config import ConfigError
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.prompts import PromptSet, load_prompts
@@ -42,8 +42,6 @@ from proximal.tasks.digits import gold as digits_gold
 from proximal.train.sections import EnvSection, ToolsSection, agent_max_tokens
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
-
-__all__ = ["AGENT_COLUMNS"]  # the multi-turn evaluation's per-row columns (agents.collect)
 
 
 @torch.no_grad()
@@ -96,9 +94,9 @@ def evaluate_policy(
     ``max_turns``, ``max_tokens``; ``functions``, ``format``, ``timeout_s``, ``on_error``,
     ``workers``; missing keys take the sections' defaults) — make each response a multi-turn
     trajectory, the run's way (:func:`proximal.agents.collect.run_responder`; ``max_new_tokens``
-    is one turn's limit). The
-    functions then score the whole trajectory, ``kl`` and ``length`` count the policy's own tokens,
-    and each row has :data:`AGENT_COLUMNS` (and ``env``, the environment's ``get_reward()``).
+    is one turn's limit). The functions then score the whole trajectory, ``kl`` and ``length``
+    count the policy's own tokens, and each row has :data:`~proximal.agents.collect.AGENT_COLUMNS`
+    (and ``env``, the environment's ``get_reward()``).
     """
     if scores is None:
         scores = {"gold": "proximal.tasks.digits:gold_score"}

@@ -182,10 +182,14 @@ def _grpo_run(monkeypatch, model, exp, holes=None):
         hooks = _noise_at(actor, exp.rollout.input_ids, at, seed=1)
     try:
         out = grpo.grpo_update(
-            exp, actor=_sgd(actor), aggregation="seq-mean-token-mean", iterations=2,
-            mini_batch_size=2, micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, beta=0.04,
-            temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, shuffle_seed=0,
-            entropy_coef=0.01, correction="tis",
+            exp,
+            grpo.GRPOUpdate(
+                aggregation="seq-mean-token-mean", iterations=2, mini_batch_size=2,
+                micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, beta=0.04,
+                temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, entropy_coef=0.01,
+                correction="tis",
+            ),
+            actor=_sgd(actor), shuffle_seed=0,
         )  # fmt: skip
     finally:
         for h in hooks:
@@ -204,10 +208,13 @@ def _ppo_run(monkeypatch, model, critic, exp, holes=None):
         hooks = _noise_at(actor, ids, at, 1) + _noise_at(value, ids, at, 2)
     try:
         out = ppo.ppo_update(
-            exp, actor=_sgd(actor), critic=_sgd(value), epochs=2, mini_batch_size=2,
-            micro_batch_size=1, aggregation="token-mean", clip_eps=0.2, value_clip_eps=0.2,
-            entropy_coef=0.01, vf_coef=0.5, target_kl=None, temperature=TEMPERATURE,
-            max_length=60, max_grad_norm=1e9, shuffle_seed=0, correction="tis",
+            exp,
+            ppo.PPOUpdate(
+                epochs=2, mini_batch_size=2, micro_batch_size=1, aggregation="token-mean",
+                clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.01, vf_coef=0.5, target_kl=None,
+                temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, correction="tis",
+            ),
+            actor=_sgd(actor), critic=_sgd(value), shuffle_seed=0,
         )  # fmt: skip
     finally:
         for h in hooks:
