@@ -456,8 +456,14 @@ def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
     base: Any | None = None,
+    *,
+    paths: bool = True,
 ) -> Any:
     """Build a ``cls`` config from defaults (or ``base``), a YAML file and dotted overrides, then validate.
+
+    ``paths=False`` leaves out the check that local paths exist (:func:`local_path_problems`): for a
+    config checked before an earlier stage writes what it reads (the demo's stages, each checked
+    before the first trains); the trainer's :func:`check_valid` looks at them when the stage runs.
 
     Raises one ConfigError listing every problem found. A key listed in the class's ``RENAMED``
     (``{"old.path": "what to write instead"}``) is an error that names its new place, so an old config
@@ -486,19 +492,19 @@ def load_config(
         _apply(cfg, data, "", errors, renamed, foreign)
     if overrides:
         _apply(cfg, _nest(dict(overrides)), "", errors, renamed, foreign)
-    errors.extend(_problems(cfg))  # fields that failed to load kept their defaults
+    errors.extend(_problems(cfg, paths=paths))  # fields that failed to load kept their defaults
     raise_if_invalid(errors)
     return cfg
 
 
-def _problems(cfg: Any) -> list[str]:
+def _problems(cfg: Any, *, paths: bool = True) -> list[str]:
     """A loaded config's problems: objects from Python a field cannot take, else the local paths that
-    do not exist (:func:`local_path_problems`) and ``validate()``'s checks (less its own word on a
-    field already named for its path)."""
+    do not exist (:func:`local_path_problems`, unless ``paths`` is False) and ``validate()``'s checks
+    (less its own word on a field already named for its path)."""
     problems = python_objects(cfg)
     if problems:
         return problems
-    problems = local_path_problems(cfg)
+    problems = local_path_problems(cfg) if paths else []
     named = {p.partition(":")[0] for p in problems}
     if hasattr(cfg, "validate"):
         problems += [e for e in cfg.validate() if e.partition(":")[0] not in named]

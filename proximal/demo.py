@@ -524,7 +524,8 @@ def _stage_config(path: Path, command: str, cls: type, values: dict, errors: lis
         f"--{k} {command_arg(v)}" for k, v in values.items()
     )
     try:
-        return load_config(cls, path, values), line
+        # the paths a stage reads (out/sft, out/rm) are written by the stages before it
+        return load_config(cls, path, values, paths=False), line
     except ConfigError as e:
         errors.append(f"{path}: {e}")
         return None, line

@@ -138,3 +138,23 @@ def test_resume_from_a_directory_that_does_not_exist_says_so(runs, capsys):
         "proximal sft: --resume runs/does_not_exist: no directory runs/does_not_exist (did you "
         "mean runs/does_exist?)"
     )
+
+
+def test_a_config_checked_before_the_stage_that_writes_its_input_leaves_paths_for_later(runs):
+    """The demo checks every stage's config before the first trains, when out/sft does not exist
+    yet: ``paths=False`` leaves the paths out of that check, and the trainer's check_valid names the
+    missing one when the stage runs."""
+    from proximal.config import ConfigError, check_valid, load_config
+    from proximal.trainers.grpo_config import GRPOConfig
+
+    values = {
+        "model.path": "runs/stf",
+        "model.reward_functions": ["tests:reward"],
+        "data.prompts": "data/train.jsonl",
+    }
+    cfg = load_config(GRPOConfig, None, values, paths=False)
+    assert cfg.model.path == "runs/stf"
+    with pytest.raises(ConfigError, match=r"model\.path: no directory runs/stf \(did you mean"):
+        check_valid(cfg)
+    with pytest.raises(ConfigError, match=r"model\.path: no directory runs/stf"):
+        load_config(GRPOConfig, None, values)

@@ -14,12 +14,16 @@ from proximal.core.advantages import (
     GROUP_SCALES,
     gae,
     group_advantages,
+    kl_reward_advantages,
     last_valid_index,
+    reinforce_pp_advantages,
+    returns_to_go,
     rloo_advantages,
     shape_rewards,
     uniform_groups,
     whiten,
 )
+from proximal.core.cispo import cispo_policy_loss
 from proximal.core.correction import (
     CORRECTIONS,
     correction_weights,
@@ -36,6 +40,7 @@ from proximal.core.fused import (
     linear_token_kl,
 )
 from proximal.core.grpo import grpo_advantages, grpo_policy_loss
+from proximal.core.gspo import gspo_policy_loss
 from proximal.core.kl import (
     ESTIMATORS,
     KL_CONTROLLERS,
@@ -44,6 +49,7 @@ from proximal.core.kl import (
     ProportionalKLController,
     kl_penalty,
     make_kl_controller,
+    reference_kl_loss,
 )
 from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
 from proximal.core.losses import (
@@ -58,14 +64,6 @@ from proximal.core.losses import (
     token_nll,
     value_loss,
 )
-from proximal.core.objectives import (
-    cispo_policy_loss,
-    gspo_policy_loss,
-    kl_reward_advantages,
-    reference_kl_loss,
-    reinforce_pp_advantages,
-    returns_to_go,
-)
 from proximal.core.preference import DPO_LOSS_TYPES, dpo_loss, simpo_loss
 from proximal.core.stats import (
     AGGREGATIONS,
@@ -76,6 +74,14 @@ from proximal.core.stats import (
     masked_sum,
     masked_var,
 )
+from proximal.core.surrogate import (
+    SURROGATE_STATS,
+    apply_dual_clip,
+    clipped_ratio,
+    clipped_surrogate_loss,
+    pessimistic_surrogate,
+    surrogate_stats,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -85,12 +91,16 @@ __all__ = [
     "ESTIMATORS",
     "GROUP_SCALES",
     "KL_CONTROLLERS",
+    "SURROGATE_STATS",
     "AdaptiveKLController",
     "FixedKLController",
     "ProportionalKLController",
+    "apply_dual_clip",
     "bradley_terry_loss",
     "correction_weights",
     "cispo_policy_loss",
+    "clipped_ratio",
+    "clipped_surrogate_loss",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -116,6 +126,7 @@ __all__ = [
     "mismatch_stats",
     "nll_from_logprobs",
     "pair_mean",
+    "pessimistic_surrogate",
     "ppo_policy_loss",
     "ptx_loss",
     "reference_kl_loss",
@@ -128,6 +139,7 @@ __all__ = [
     "sft_loss",
     "shape_rewards",
     "simpo_loss",
+    "surrogate_stats",
     "tis_weights",
     "token_entropy",
     "token_kl",

@@ -1,7 +1,8 @@
 """Shaped token rewards (Ziegler et al. 2019), generalised advantage estimation (Schulman et al. 2015)
 and advantage whitening for PPO, and the critic-free baselines of GRPO (group-normalised) and RLOO
 (leave-one-out), which give one advantage per response from the scores of the other responses to the
-same prompt.
+same prompt; the per-token advantages of REINFORCE++ and REINFORCE++-baseline (Hu et al. 2025: token
+KL in the reward, returns-to-go, batch whitening) and of the group advantages with the KL as a reward.
 
 Notation: B batch size, T response length; ``response_mask`` is bool (B, T), True = a real
 response token (see :mod:`proximal.core.stats`). Batches are right-padded: row b's valid tokens are
@@ -308,3 +309,127 @@ def rloo_advantages(scores: Tensor, group_size: int, *, valid: Tensor | None = N
     others = (s.sum(1, keepdim=True) - s) / (n - 1).clamp_min(1)  # mean of the other valid rows
     keep = m & ~uniform_groups(scores, group_size, valid=valid)[:, None]
     return torch.where(keep, s - others, 0.0).reshape(-1)
+
+
+def returns_to_go(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """The discounted return from each valid token on, within its row::
+
+        G_t = Σ_{t' ≥ t valid} γ^{k(t, t')} · R_{t'}
+
+    with k(t, t') the number of valid steps from t to t' (masked positions are not steps: the same
+    convention as :func:`~proximal.core.advantages.gae`, which this is with V ≡ 0 and λ = 1).
+
+    Args:
+        rewards: R_t, (B, T); values at masked positions never read.
+        response_mask: bool (B, T).
+        gamma: γ ∈ [0, 1].
+
+    Returns:
+        (B, T) in at least the rewards' dtype, 0 at masked positions.
+    """
+    return gae(rewards, torch.zeros_like(rewards), response_mask, gamma=gamma, lam=1.0)[0]
+
+
+def reinforce_pp_advantages(
+    scores: Tensor,
+    kl: Tensor,
+    response_mask: Tensor,
+    beta: float,
+    gamma: float = 1.0,
+    baseline: bool = False,
+    group_size: int | None = None,
+    *,
+    valid: Tensor | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """REINFORCE++ advantages (Hu et al. 2025, "REINFORCE++"), per token::
+
+        r_{i,t} = −β·kl_{i,t} + [t = last valid token of i]·ŝ_i      (the KL in the reward)
+        G_{i,t} = Σ_{t' ≥ t} γ^{t'−t}·r_{i,t'}                       (returns-to-go, :func:`returns_to_go`)
+        Â_{i,t} = (G_{i,t} − mean(G)) / (std(G) + ε)                 (over every valid token of the batch)
+
+    with ŝ_i = s_i (REINFORCE++) or, with ``baseline``, s_i − mean of its group's valid scores
+    (REINFORCE++-baseline: the group mean subtracted, GRPO's centring without its std, then the
+    batch normalisation — :func:`~proximal.core.advantages.group_advantages` with ``scale="none"``,
+    then :func:`~proximal.core.advantages.whiten`). The global normalisation replaces a critic and
+    keeps a prompt with uniformly high scores from dominating; mean and std are the population
+    (÷ n) statistics of :func:`~proximal.core.advantages.whiten`, ε added to the std.
+
+    Args:
+        scores: s_i, (B,) total scores; B = n_groups·G with ``baseline`` (rows g·G … g·G + G − 1
+            answer prompt g). Values of invalid rows never read.
+        kl: per-token KL estimate to the reference, (B, T) (e.g. k1 = log π_old − log π_ref on the
+            sampled tokens). Values at masked positions, and every value when β = 0, never read.
+        response_mask: bool (B, T); every valid row needs a valid token (where else would its score go?).
+        beta: β ≥ 0.
+        gamma: γ ∈ [0, 1]; REINFORCE++ uses 1.
+        baseline: REINFORCE++-baseline (needs ``group_size``).
+        group_size: G for ``baseline``.
+        valid: optional bool (B,), rows with a finite score; the others get 0 and are left out of
+            the statistics.
+        eps: ε ≥ 0 of the whitening.
+
+    Returns:
+        (B, T) advantages in at least float32, 0 at masked positions and invalid rows.
+    """
+    check_mask(kl, response_mask, "response_mask")
+    if kl.dim() != 2:
+        raise ValueError(f"kl must be (B, T), got shape {tuple(kl.shape)}")
+    if scores.shape != kl.shape[:1]:
+        raise ValueError(f"scores must be (B,) = {tuple(kl.shape[:1])}, got {tuple(scores.shape)}")
+    check("beta", float(beta))
+    check("gamma", gamma)
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    check_mask(scores, valid, "valid")
+    mask = response_mask & valid[:, None]
+    last = last_valid_index(mask)  # (B,)
+    empty = (valid & (last < 0)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"reinforce_pp_advantages: rows {empty} have no valid response token to carry the score"
+        )
+    if baseline:
+        if group_size is None:
+            raise ValueError("reinforce_pp_advantages: baseline=True needs group_size")
+        scores = group_advantages(scores, group_size, "none", valid=valid)
+    dtype = torch.promote_types(torch.promote_types(scores.dtype, kl.dtype), torch.float32)
+    # β = 0 never reads kl (the trainer passes zeros, a caller may pass anything)
+    rewards = torch.where(mask, -beta * kl.to(dtype), 0.0) if beta > 0 else mask.to(dtype) * 0
+    hit = torch.arange(mask.shape[1], device=mask.device)[None, :] == last[:, None]
+    rewards = rewards + torch.where(
+        hit & mask, torch.where(valid, scores, 0.0).to(dtype)[:, None], 0.0
+    )
+    return whiten(returns_to_go(rewards, mask, gamma), mask, eps)
+
+
+def kl_reward_advantages(
+    advantages: Tensor, kl: Tensor, response_mask: Tensor, beta: float
+) -> Tensor:
+    """A per-response advantage with the KL to the reference as a per-token reward (``grpo.kl:
+    reward`` for the group advantages)::
+
+        Â_{i,t} = Â_i − β · Σ_{t' ≥ t} kl_{i,t'}
+
+    The group (or leave-one-out) baseline acts on the scores alone, as before; the KL penalty of
+    each later token is added as its return-to-go (γ = 1), as OpenRLHF does for its group
+    estimators. β = 0 gives Â_i on every valid token.
+
+    Args:
+        advantages: Â_i, (B,).
+        kl: per-token KL, (B, T) (k1 = log π_old − log π_ref); values at masked positions never read.
+        response_mask: bool (B, T).
+        beta: β ≥ 0.
+
+    Returns:
+        (B, T), 0 at masked positions.
+    """
+    check_mask(kl, response_mask, "response_mask")
+    if advantages.shape != kl.shape[:1]:
+        raise ValueError(
+            f"advantages must be (B,) = {tuple(kl.shape[:1])}, got {tuple(advantages.shape)}"
+        )
+    check("beta", float(beta))
+    dtype = torch.promote_types(advantages.dtype, kl.dtype)
+    kl_return = returns_to_go(torch.where(response_mask, kl.to(dtype), 0.0), response_mask)
+    return torch.where(response_mask, advantages.to(dtype)[:, None] - beta * kl_return, 0.0)

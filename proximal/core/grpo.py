@@ -16,16 +16,14 @@ k3 per token, instead of a penalty folded into the reward.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from proximal.core.advantages import group_advantages, rloo_advantages, uniform_groups
-from proximal.core.kl import kl_penalty
-from proximal.core.losses import apply_dual_clip, weight_tokens
+from proximal.core.kl import reference_kl_loss
 from proximal.core.ranges import check
-from proximal.core.stats import check_mask, masked_aggregate, stat_mean
+from proximal.core.stats import check_mask
+from proximal.core.surrogate import clipped_surrogate_loss
 
 
 def grpo_advantages(
@@ -93,12 +91,12 @@ def grpo_policy_loss(
     ref_logprobs: Tensor | None,
     advantages: Tensor,
     response_mask: Tensor,
-    clip_eps: float = 0.2,
+    *,
+    clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     beta: float = 0.04,
     aggregation: str = "seq-mean-token-mean",
-    max_response_length: int | None = None,
-    *,
+    max_length: int | None = None,
     normalizer: float | Tensor | None = None,
     dual_clip: float | None = None,
     is_weights: Tensor | None = None,
@@ -109,12 +107,14 @@ def grpo_policy_loss(
         ℓ_{i,t} = −min(ρ_{i,t}·Â_i, clip(ρ_{i,t}, 1 − ε, 1 + ε_high)·Â_i) + β·k3_{i,t}
         k3_{i,t} = π_ref/π_θ − log(π_ref/π_θ) − 1 = exp(ref − logπ) − (ref − logπ) − 1     (DeepSeekMath eq. 4)
 
-    reduced by ``aggregation`` (:func:`~proximal.core.stats.masked_aggregate`):
+    that is, the clipped surrogate (:func:`~proximal.core.surrogate.clipped_surrogate_loss`) plus
+    the KL term to the reference (:func:`~proximal.core.kl.reference_kl_loss`), each reduced by
+    ``aggregation`` (:func:`~proximal.core.stats.masked_aggregate`):
 
     - ``"seq-mean-token-mean"``: 1/G Σ_i 1/|o_i| Σ_t ℓ_{i,t} — the paper's eq. 3. A token's weight is
       1/|o_i|: short correct answers are pushed up harder, long wrong ones pushed down more gently
       (the length bias Dr. GRPO, §3.1, points out);
-    - ``"seq-mean-token-sum-norm"``: 1/G Σ_i Σ_t ℓ_{i,t} / L with L = ``max_response_length`` — Dr.
+    - ``"seq-mean-token-sum-norm"``: 1/G Σ_i Σ_t ℓ_{i,t} / L with L = ``max_length`` — Dr.
       GRPO's fix: every token weighs 1/(G·L) whatever its response's length;
     - ``"token-mean"``: Σ_{i,t} ℓ_{i,t} / Σ_i |o_i| — DAPO's token-level loss (§3.3).
 
@@ -137,30 +137,24 @@ def grpo_policy_loss(
         ref_logprobs: log π_ref, (B, T); may be None when ``beta`` = 0 (no reference is needed).
         advantages: Â, (B,) one per response (broadcast over its tokens) or (B, T); detached.
         response_mask: bool (B, T).
-        clip_eps: ε ∈ (0, 1), the lower side of the interval.
-        clip_eps_high: ε_high > 0, the upper side; None = ``clip_eps`` (symmetric, the paper's).
+        clip_eps_low: ε ∈ (0, 1), the lower side of the interval (``grpo.clip_eps``).
+        clip_eps_high: ε_high > 0, the upper side; None = ``clip_eps_low`` (symmetric, the paper's).
         beta: β ≥ 0, the KL coefficient (DeepSeekMath: 0.04; DAPO and Dr. GRPO: 0).
         aggregation: see above.
-        max_response_length: L, needed by ``"seq-mean-token-sum-norm"`` (the generation budget T_max).
+        max_length: L, needed by ``"seq-mean-token-sum-norm"`` (the generation budget T_max).
         normalizer: the aggregation's unit count over the whole batch when this call sees a
             micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
         dual_clip: c > 1, dual-clip PPO's bound for Â < 0 (Ye et al. 2020); None = off.
         is_weights: w ≥ 0, (B, T), detached per-token weights on the surrogate; None = all 1.
 
     Returns:
-        ``(loss, stats)``. Stats, aggregated like the loss so shares add up: ``pg_loss`` (the clipped
-        surrogate part) and ``kl_loss`` (β·k3 part; loss = pg_loss + kl_loss). Token means over valid
-        tokens: ``clipfrac_low`` (Â < 0 clipped at 1 − ε), ``clipfrac_high`` (Â > 0 clipped at
-        1 + ε_high), ``clipfrac_dual`` (Â < 0 bounded at c·|Â|; 0 when off), ``ratio_mean``,
-        ``kl_ref`` (k3 to the reference; 0 without one),
-        ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ)), ``advantage_mean``. Extremes: ``ratio_min``,
-        ``ratio_max``, ``advantage_min``, ``advantage_max`` (±inf for an empty mask).
+        ``(loss, stats)``: :func:`~proximal.core.surrogate.surrogate_stats` over the valid tokens
+        (``pg_loss`` the clipped surrogate part, ``clipfrac_low`` Â < 0 clipped at 1 − ε,
+        ``clipfrac_high`` Â > 0 clipped at 1 + ε_high, ``approx_kl`` k3 of KL(π_old ‖ π_θ), …), and
+        ``kl_loss`` (the β·k3 part, aggregated like the loss: loss = pg_loss + kl_loss) and
+        ``kl_ref`` (the token mean of k3 to the reference; 0 without one).
     """
     check_mask(logprobs, response_mask, "response_mask")
-    if old_logprobs.shape != logprobs.shape:
-        raise ValueError(
-            f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
-        )
     if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
         raise ValueError(
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
@@ -171,70 +165,38 @@ def grpo_policy_loss(
         raise ValueError(
             f"advantages must be (B,) or (B, T) = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
         )
-    check("clip_eps", clip_eps)
-    clip_eps_high = clip_eps if clip_eps_high is None else check("clip_eps_high", clip_eps_high)
     check("beta", float(beta))
     if beta > 0 and ref_logprobs is None:
         raise ValueError(
             f"grpo_policy_loss: beta = {beta} needs ref_logprobs (pass beta=0 to train without a reference)"
         )
 
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
-    advantages = torch.where(response_mask, advantages.to(log_ratio.dtype), 0.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
-    surrogate, dual_active = apply_dual_clip(
-        -torch.minimum(unclipped, clipped), advantages, dual_clip
-    )  # (B, T)
-    pg_loss = masked_aggregate(
-        weight_tokens(surrogate, is_weights, response_mask),
+    pg_loss, stats = clipped_surrogate_loss(
+        logprobs,
+        old_logprobs,
+        # in the log-ratio's dtype, as GSPO and CISPO take them
+        advantages.to(torch.promote_types(logprobs.dtype, old_logprobs.dtype)),
         response_mask,
-        aggregation,
-        max_length=max_response_length,
+        clip_eps_low=clip_eps_low,  # both checked there
+        clip_eps_high=clip_eps_low if clip_eps_high is None else clip_eps_high,
+        aggregation=aggregation,
+        max_length=max_length,
         normalizer=normalizer,
+        dual_clip=dual_clip,
+        is_weights=is_weights,
     )
-    kl = None
+    kl_loss, kl_ref = torch.zeros_like(pg_loss), stats["pg_loss"].new_zeros(())
     if ref_logprobs is not None:
-        # both sides replaced at masked positions first: k3 of (0, 0) is 0, so garbage there can
-        # reach neither the value nor, through torch.where's backward, the gradient (0·inf = NaN)
-        kl = kl_penalty(
-            torch.where(response_mask, logprobs, 0.0),
-            torch.where(response_mask, ref_logprobs, 0.0),
-            "k3",
+        kl, kl_ref = reference_kl_loss(
+            logprobs,
+            ref_logprobs,
+            response_mask,
+            float(beta),
+            aggregation,
+            max_length=max_length,
+            normalizer=normalizer,
         )
-    kl_loss = (
-        beta
-        * masked_aggregate(
-            kl, response_mask, aggregation, max_length=max_response_length, normalizer=normalizer
-        )
-        if beta > 0
-        else torch.zeros_like(pg_loss)
-    )
+        if beta > 0:  # β = 0 leaves the reference out of the graph (0·inf would be NaN)
+            kl_loss = kl
     loss = pg_loss + kl_loss
-
-    with torch.no_grad():
-        flattened = clipped < unclipped  # the min chose the clipped branch: zero gradient
-        ratio, log_ratio = ratio.detach(), log_ratio.detach()
-        zeros = torch.zeros_like(log_ratio)
-        stats = {
-            "pg_loss": pg_loss.detach(),
-            "kl_loss": kl_loss.detach(),
-            "clipfrac_low": stat_mean(
-                (flattened & (advantages < 0)).to(ratio.dtype), response_mask
-            ),
-            "clipfrac_high": stat_mean(
-                (flattened & (advantages > 0)).to(ratio.dtype), response_mask
-            ),
-            "clipfrac_dual": stat_mean(dual_active.to(ratio.dtype), response_mask),
-            "ratio_mean": stat_mean(ratio, response_mask),
-            "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
-            "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
-            "kl_ref": stat_mean(kl.detach(), response_mask) if kl is not None else zeros.sum(),
-            # samples come from π_old, so kl_penalty's "policy" is π_old and its "reference" π_θ
-            "approx_kl": stat_mean(kl_penalty(-log_ratio, zeros, "k3"), response_mask),
-            "advantage_mean": stat_mean(advantages, response_mask),
-            "advantage_min": torch.where(response_mask, advantages, math.inf).min(),
-            "advantage_max": torch.where(response_mask, advantages, -math.inf).max(),
-        }
-    return loss, stats
+    return loss, {**stats, "kl_loss": kl_loss.detach(), "kl_ref": kl_ref}

@@ -9,6 +9,8 @@ r = π_ref(y_t | s_t) / π_θ(y_t | s_t), each is an estimate of KL(π_θ ‖ π
     k1 = −log r = log π_θ − log π_ref          unbiased, can be negative, high variance (the usual one)
     k2 = ½ (log r)²                              biased, always ≥ 0, low variance
     k3 = (r − 1) − log r                         unbiased, always ≥ 0, low variance
+
+:func:`reference_kl_loss` is GRPO's KL to the reference as a term of the loss (DeepSeekMath eq. 4).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import math
 
 import torch
 from torch import Tensor
+
+from proximal.core.ranges import check
+from proximal.core.stats import check_mask, masked_aggregate, stat_mean
 
 ESTIMATORS = ("k1", "k2", "k3")
 
@@ -198,3 +203,47 @@ def make_kl_controller(
     if name == "proportional":
         return ProportionalKLController(beta, target, horizon)
     raise ValueError(f"unknown KL controller {name!r}; expected one of {KL_CONTROLLERS}")
+
+
+def reference_kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    beta: float,
+    aggregation: str,
+    *,
+    max_length: int | None = None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GRPO's KL term to the reference as a separate loss, β·agg(k3) with k3 = π_ref/π_θ −
+    log(π_ref/π_θ) − 1 per token (DeepSeekMath eq. 4, the term
+    :func:`~proximal.core.grpo.grpo_policy_loss` adds to its surrogate), also added by the trainer to
+    the objectives that do not carry it (GSPO, CISPO) when ``grpo.kl: loss``.
+
+    Args:
+        logprobs: log π_θ (with grad), (B, T).
+        ref_logprobs: log π_ref, (B, T).
+        response_mask: bool (B, T).
+        beta: β ≥ 0.
+        aggregation, max_length, normalizer: as in :func:`~proximal.core.stats.masked_aggregate`
+            (the objective's own aggregation).
+
+    Returns:
+        ``(kl_loss, kl_ref)``: the loss term (0 with β = 0, still a graph node) and the detached
+        token mean of k3 (for logging).
+    """
+    check_mask(logprobs, response_mask, "response_mask")
+    if ref_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+        )
+    check("beta", float(beta))
+    k3 = kl_penalty(
+        torch.where(response_mask, logprobs, 0.0),
+        torch.where(response_mask, ref_logprobs, 0.0),
+        "k3",
+    )
+    loss = beta * masked_aggregate(
+        k3, response_mask, aggregation, max_length=max_length, normalizer=normalizer
+    )
+    return loss, stat_mean(k3.detach(), response_mask)

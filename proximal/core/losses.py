@@ -7,10 +7,9 @@ True = a real response token (see :mod:`proximal.core.stats`). Every loss is a q
 ``ptx_loss`` returns −L^PTX. Stats are detached tensors for logging.
 
 The actor and critic objectives are combined by the trainer (``proximal/trainers/ppo.py``), not
-here: actor loss = −(L^CLIP + c2·S + γ_PTX·L^PTX), critic loss = c1·L^VF.
-
-Preference losses without a critic (DPO, SimPO) and GRPO's group-relative advantages belong in this
-module next to the PPO losses when they arrive.
+here: actor loss = −(L^CLIP + c2·S + γ_PTX·L^PTX), critic loss = c1·L^VF. The clipped surrogate
+itself, shared with GRPO, is :mod:`proximal.core.surrogate`; the preference losses (DPO, SimPO) are
+:mod:`proximal.core.preference`, GRPO's :mod:`proximal.core.grpo`.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from proximal.core.kl import kl_penalty
 from proximal.core.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, token_entropy
-from proximal.core.ranges import RANGES, check
+from proximal.core.ranges import RANGES
 from proximal.core.stats import AllReduce, check_mask, masked_aggregate, masked_mean_var, stat_mean
+from proximal.core.surrogate import clipped_surrogate_loss
 
 
 def ppo_policy_loss(
@@ -32,9 +31,9 @@ def ppo_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    *,
     clip_eps: float = 0.2,
     aggregation: str = "token-mean",
-    *,
     max_length: int | None = None,
     normalizer: float | Tensor | None = None,
     dual_clip: float | None = None,
@@ -46,8 +45,9 @@ def ppo_policy_loss(
         L^CLIP = Ê_t[ min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) ]
         loss = −L^CLIP
 
-    Where the clipped term is the smaller one (Â > 0 with r > 1 + ε, or Â < 0 with r < 1 − ε) the
-    token's gradient is exactly zero; elsewhere it is −r_t·Â_t·∇ log π_θ / n.
+    :func:`~proximal.core.surrogate.clipped_surrogate_loss` with ε_low = ε_high = ε. Where the
+    clipped term is the smaller one (Â > 0 with r > 1 + ε, or Â < 0 with r < 1 − ε) the token's
+    gradient is exactly zero; elsewhere it is −r_t·Â_t·∇ log π_θ / n.
 
     With ``dual_clip`` = c (dual-clip PPO, Ye et al. 2020; verl's ``clip_ratio_c``) a token with
     Â_t < 0 has loss min(−min(r_t·Â_t, clip(r_t)·Â_t), −c·Â_t): bounded by c·|Â_t| however large r_t
@@ -70,105 +70,27 @@ def ppo_policy_loss(
         is_weights: w ≥ 0, (B, T), detached per-token weights; None = all 1.
 
     Returns:
-        ``(loss, stats)``; stats (token means over valid tokens, whatever the aggregation):
-        ``clipfrac`` (fraction of tokens whose gradient clipping zeroed), ``clipfrac_dual``
-        (fraction whose loss the dual bound c·|Â| replaced; 0 when ``dual_clip`` is None), ``approx_kl_k1`` and
-        ``approx_kl_k3`` (estimates of KL(π_old ‖ π_θ) from the sampled tokens), ``ratio_mean``,
-        ``ratio_min``, ``ratio_max``.
+        ``(loss, stats)``; stats (:func:`~proximal.core.surrogate.surrogate_stats`, token means over
+        valid tokens whatever the aggregation): ``clipfrac`` (fraction of tokens whose gradient
+        clipping zeroed; ``clipfrac_low`` + ``clipfrac_high``, those with Â < 0 and Â > 0),
+        ``clipfrac_dual`` (fraction whose loss the dual bound c·|Â| replaced; 0 when ``dual_clip`` is
+        None), ``approx_kl`` (k3) and ``approx_kl_k1`` (estimates of KL(π_old ‖ π_θ) from the
+        sampled tokens), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``advantage_mean``,
+        ``advantage_min``, ``advantage_max``, ``pg_loss`` (= loss).
     """
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
-        if t.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}"
-            )
-    check_mask(logprobs, response_mask, "response_mask")
-    check("clip_eps", clip_eps)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
-    advantages = torch.where(response_mask, advantages, 0.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    surrogate, dual_active = apply_dual_clip(
-        -torch.minimum(unclipped, clipped), advantages, dual_clip
-    )
-    loss = masked_aggregate(
-        weight_tokens(surrogate, is_weights, response_mask),
+    return clipped_surrogate_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
         response_mask,
-        aggregation,
+        clip_eps_low=clip_eps,
+        clip_eps_high=clip_eps,
+        aggregation=aggregation,
         max_length=max_length,
         normalizer=normalizer,
+        dual_clip=dual_clip,
+        is_weights=is_weights,
     )
-
-    with torch.no_grad():
-        # k1/k3 of KL(π_old ‖ π_θ): samples come from π_old, so kl_penalty's "policy" is π_old.
-        log_ratio = log_ratio.detach()
-        ratio = ratio.detach()
-        stats = {
-            "clipfrac": stat_mean((clipped < unclipped).to(ratio.dtype), response_mask),
-            "clipfrac_dual": stat_mean(dual_active.to(ratio.dtype), response_mask),
-            "approx_kl_k1": stat_mean(
-                kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k1"), response_mask
-            ),
-            "approx_kl_k3": stat_mean(
-                kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"), response_mask
-            ),
-            "ratio_mean": stat_mean(ratio, response_mask),
-            "ratio_min": torch.where(response_mask, ratio, math.inf).min(),
-            "ratio_max": torch.where(response_mask, ratio, -math.inf).max(),
-        }
-    return loss, stats
-
-
-def apply_dual_clip(
-    surrogate: Tensor, advantages: Tensor, dual_clip: float | None
-) -> tuple[Tensor, Tensor]:
-    """Dual-clip PPO's bound (Ye et al. 2020, eq. 5; verl's ``clip_ratio_c``) on a token loss::
-
-        ℓ_t = min(ℓ_t, −c·Â_t)   where Â_t < 0;   ℓ_t unchanged where Â_t ≥ 0
-
-    with ℓ_t = −min(r_t·Â_t, clip(r_t)·Â_t) the clipped surrogate's token loss. For Â_t < 0 the
-    clipped surrogate grows without bound in r_t (a token π_θ made far likelier than π_old did);
-    the bound caps it at c·|Â_t| and zeroes its gradient there. Active exactly where Â_t < 0 and
-    ℓ_t > c·|Â_t|, i.e. (for c > 1 + ε) where r_t > c.
-
-    Args:
-        surrogate: ℓ_t, (B, T) (or any shape).
-        advantages: Â_t, the same shape, detached.
-        dual_clip: c > 1; None = off (``surrogate`` returned as is).
-
-    Returns:
-        ``(ℓ', active)``: the bounded token losses and a bool tensor of where the bound replaced ℓ_t
-        (all False when off).
-    """
-    if dual_clip is None:
-        return surrogate, torch.zeros_like(surrogate, dtype=torch.bool)
-    check("dual_clip", dual_clip)
-    bound = -dual_clip * advantages
-    active = (advantages < 0) & (surrogate > bound)
-    return torch.where(active, bound, surrogate), active.detach()
-
-
-def weight_tokens(per_token: Tensor, is_weights: Tensor | None, response_mask: Tensor) -> Tensor:
-    """``per_token``·w (importance weights, detached), or ``per_token`` when ``is_weights`` is None.
-
-    Args:
-        per_token: (B, T) token losses.
-        is_weights: w, (B, T), ≥ 0 at valid tokens (values elsewhere never read); detached here.
-        response_mask: bool (B, T).
-
-    Returns:
-        (B, T); 0·garbage cannot reach masked positions (they are replaced by 1 before multiplying).
-    """
-    if is_weights is None:
-        return per_token
-    if is_weights.shape != per_token.shape:
-        raise ValueError(
-            f"is_weights shape {tuple(is_weights.shape)} != token shape {tuple(per_token.shape)}"
-        )
-    w = torch.where(response_mask, is_weights.detach(), 1.0).to(per_token.dtype)
-    if bool((w < 0).any()) or bool(w.isnan().any()):
-        raise ValueError("is_weights must be >= 0 (and not NaN) at valid tokens")
-    return per_token * w
 
 
 def value_loss(

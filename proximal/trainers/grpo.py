@@ -522,19 +522,25 @@ def policy_loss(
             m.ref_logprobs,
             m.advantages,
             mask,
-            clip_eps=s.clip_eps,
+            clip_eps_low=s.clip_eps,
             clip_eps_high=s.clip_eps_high,
             beta=s.beta,
             aggregation=s.aggregation,
-            max_response_length=s.max_length,
+            max_length=s.max_length,
             normalizer=norm,
             dual_clip=s.dual_clip,
             is_weights=w,
         )
     if s.objective == "cispo":
-        high = s.clip_eps if s.clip_eps_high is None else s.clip_eps_high
         pg, st = cispo_policy_loss(
-            logprobs, old, m.advantages, mask, high, s.clip_eps, normalizer=norm, is_weights=w
+            logprobs,
+            old,
+            m.advantages,
+            mask,
+            clip_eps_low=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
+            normalizer=norm,
+            is_weights=w,
         )
     else:
         pg, st = gspo_policy_loss(
@@ -542,8 +548,8 @@ def policy_loss(
             old,
             m.advantages,
             mask,
-            s.clip_eps,
-            s.clip_eps_high,
+            clip_eps_low=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
             token_level=s.objective == "gspo_token",
             normalizer=norm,
             is_weights=w,

@@ -626,8 +626,8 @@ def actor_pass(
             m.old_logprobs,
             m.advantages,
             mask,
-            clip_eps,
-            aggregation,
+            clip_eps=clip_eps,
+            aggregation=aggregation,
             max_length=max_length,
             normalizer=norm,
             dual_clip=dual_clip,
@@ -637,7 +637,7 @@ def actor_pass(
         return {
             "clipfrac": pg["clipfrac"].double() * n,  # token means, weighted by their count
             "clipfrac_dual": pg["clipfrac_dual"].double() * n,
-            "approx_kl": pg["approx_kl_k3"].double() * n,
+            "approx_kl": pg["approx_kl"].double() * n,
             "approx_kl_k1": pg["approx_kl_k1"].double() * n,
             "n_tokens": n,
             "loss": pg_loss.detach(),  # shares of the mini-batch's loss: they add up to it

@@ -4,6 +4,7 @@ right-padding, holes)."""
 
 import inspect
 import math
+import statistics
 
 import pytest
 import torch
@@ -11,7 +12,15 @@ from f64 import F64, INF, NAN, b, close, t  # tests/core/f64.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proximal.core import gae, last_valid_index, shape_rewards, whiten
+from proximal.core import (
+    gae,
+    kl_reward_advantages,
+    last_valid_index,
+    reinforce_pp_advantages,
+    returns_to_go,
+    shape_rewards,
+    whiten,
+)
 
 # ------------------------------------------------------------------------------ shape_rewards
 
@@ -273,3 +282,77 @@ def test_whiten_over_two_simulated_ranks_equals_full_batch(simulate_ranks, keep_
     torch.testing.assert_close(torch.cat(got), full, rtol=0, atol=1e-12)
     # and a local whiten of one half is different (the statistics really are global)
     assert not torch.allclose(whiten(*halves[0], keep_mean=keep_mean), full[:4])
+
+
+# ------------------------------------------------------------------------------- REINFORCE++
+def _pstd(xs):
+    return statistics.pstdev(xs)
+
+
+def test_returns_to_go_by_hand_with_a_hole():
+    r = t([[1.0, NAN, 2.0, 4.0], [3.0, 5.0, NAN, NAN]])
+    mask = b([[1, 0, 1, 1], [1, 1, 0, 0]])
+    # γ = 0.5; the hole is not a step: G_0 = 1 + 0.5·(2 + 0.5·4)
+    close(
+        returns_to_go(r, mask, 0.5), [[1 + 0.5 * 4.0, 0.0, 2 + 0.5 * 4, 4.0], [5.5, 5.0, 0.0, 0.0]]
+    )
+
+
+def test_reinforce_pp_beta_zero_is_the_whitened_score_on_every_token():
+    scores = t([1.0, 0.0, 3.0])
+    mask = b([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    kl = torch.full((3, 3), NAN, dtype=F64)
+    got = reinforce_pp_advantages(scores, kl, mask, beta=0.0)
+    vals = [1.0, 1.0, 0.0, 3.0, 3.0, 3.0]  # the score on each valid token
+    mu, sd = statistics.fmean(vals), _pstd(vals)
+    z = lambda v: (v - mu) / (sd + 1e-8)  # noqa: E731
+    close(got, [[z(1), z(1), 0.0], [z(0), 0.0, 0.0], [z(3), z(3), z(3)]])
+
+
+def test_reinforce_pp_kl_in_the_reward_and_discount_by_hand():
+    scores = t([1.0, -1.0])
+    kl = t([[0.2, 0.4, NAN], [0.1, -0.3, 0.5]])
+    mask = b([[1, 1, 0], [1, 1, 1]])
+    beta, g = 0.5, 0.9
+    # rewards: row 0: [−0.1, −0.2 + 1]; row 1: [−0.05, 0.15, −0.25 − 1]
+    r0 = [-0.1, -0.2 + 1.0]
+    r1 = [-0.05, 0.15, -0.25 - 1.0]
+    G0 = [r0[0] + g * r0[1], r0[1]]
+    G1 = [r1[0] + g * (r1[1] + g * r1[2]), r1[1] + g * r1[2], r1[2]]
+    vals = G0 + G1
+    mu, sd = statistics.fmean(vals), _pstd(vals)
+    z = [(v - mu) / (sd + 1e-8) for v in vals]
+    got = reinforce_pp_advantages(scores, kl, mask, beta, gamma=g)
+    close(got, [[z[0], z[1], 0.0], z[2:]])
+
+
+def test_reinforce_pp_baseline_is_group_centring_then_batch_whitening():
+    # groups of 2: [4, 2] (mean 3) and [1, 1] (mean 1); an invalid fifth/sixth group member excluded
+    scores = t([4.0, 2.0, 1.0, 1.0, 7.0, NAN])
+    valid = b([1, 1, 1, 1, 1, 0])
+    mask = b([[1, 1], [1, 0], [1, 1], [1, 0], [1, 1], [1, 1]])
+    kl = torch.zeros(6, 2, dtype=F64)
+    got = reinforce_pp_advantages(scores, kl, mask, 0.0, baseline=True, group_size=2, valid=valid)
+    # third group [7, invalid]: mean over its one valid row is 7 → centred 0
+    centred = [1.0, -1.0, 0.0, 0.0, 0.0]
+    tok = [centred[0]] * 2 + [centred[1]] + [centred[2]] * 2 + [centred[3]] + [centred[4]] * 2
+    mu, sd = statistics.fmean(tok), _pstd(tok)
+    z = lambda v: (v - mu) / (sd + 1e-8)  # noqa: E731
+    close(
+        got,
+        [[z(1), z(1)], [z(-1), 0.0], [z(0), z(0)], [z(0), 0.0], [z(0), z(0)], [0.0, 0.0]],
+    )
+    with pytest.raises(ValueError, match="group_size"):
+        reinforce_pp_advantages(scores, kl, mask, 0.0, baseline=True, valid=valid)
+    with pytest.raises(ValueError, match="no valid response token"):
+        reinforce_pp_advantages(t([1.0]), t([[0.0]]), b([[0]]), 0.0)
+
+
+def test_kl_reward_advantages_by_hand():
+    adv = t([1.5, -0.5])
+    kl = t([[0.2, 0.4, NAN], [0.1, NAN, 0.3]])
+    mask = b([[1, 1, 0], [1, 0, 1]])
+    close(
+        kl_reward_advantages(adv, kl, mask, 0.5),
+        [[1.5 - 0.5 * 0.6, 1.5 - 0.5 * 0.4, 0.0], [-0.5 - 0.5 * 0.4, 0.0, -0.5 - 0.5 * 0.3]],
+    )

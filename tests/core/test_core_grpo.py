@@ -240,7 +240,7 @@ MINS = [[2.56, 2.5, 1.0], [-3.0, -1.6, -1.8, -2.2]]
 FLAT = [[True, False, False], [False, True, False, False]]
 OLD = [[-1.0, -2.0, -0.5, NAN], [-3.0, -1.5, -0.7, -2.5]]
 REF = [[-1.2, -1.9, -0.1, INF], [-2.0, -2.0, -0.3, -2.6]]
-L = 8  # max_response_length for Dr. GRPO
+L = 8  # max_length for Dr. GRPO
 MASK = b([[1, 1, 1, 0], [1, 1, 1, 1]])
 N = [3, 4]
 
@@ -281,11 +281,11 @@ def test_loss_and_gradient_by_hand(aggregation, beta):
         ref,
         adv,
         mask,
-        clip_eps=0.2,
+        clip_eps_low=0.2,
         clip_eps_high=0.28,
         beta=beta,
         aggregation=aggregation,
-        max_response_length=L,
+        max_length=L,
     )
     w = _weights(aggregation)
     lps = [[OLD[i][j] + math.log(r) for j, r in enumerate(row)] for i, row in enumerate(RATIOS)]
@@ -311,7 +311,7 @@ def test_loss_and_gradient_by_hand(aggregation, beta):
 def test_stats_by_hand():
     new, old, ref, adv, mask = _inputs()
     _, stats = grpo_policy_loss(
-        new, old, ref, adv, mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.1
+        new, old, ref, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28, beta=0.1
     )
     flat = [r for row in RATIOS for r in row]
     lps = [OLD[i][j] + math.log(r) for i, row in enumerate(RATIOS) for j, r in enumerate(row)]
@@ -337,7 +337,7 @@ def test_symmetric_clip_by_default():
     """Without ε_high the interval is [1 − ε, 1 + ε]: ρ = 1.25 with Â > 0 is now clipped (gradient 0)."""
     new, old, ref, adv, mask = _inputs()
     loss, stats = grpo_policy_loss(
-        new, old, None, adv, mask, clip_eps=0.2, beta=0.0, aggregation="token-mean"
+        new, old, None, adv, mask, clip_eps_low=0.2, beta=0.0, aggregation="token-mean"
     )
     loss.backward()
     assert new.grad[0, 1].item() == 0.0
@@ -366,7 +366,7 @@ def test_dr_grpo_token_gradient_does_not_depend_on_its_response_length():
             mask,
             beta=0.0,
             aggregation=aggregation,
-            max_response_length=T,
+            max_length=T,
         )
         loss.backward()
         return lp.grad[0, 0].item()
@@ -396,7 +396,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce_with_baseline(aggregat
 
     lp = logprobs()
     loss, stats = grpo_policy_loss(
-        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_response_length=T
+        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_length=T
     )
     assert stats["ratio_min"].item() == 1.0 and stats["ratio_max"].item() == 1.0
     assert stats["clipfrac_low"].item() == 0.0 and stats["clipfrac_high"].item() == 0.0
@@ -409,7 +409,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce_with_baseline(aggregat
     # and by hand at the log-probabilities: −Â_i times the token's aggregation weight
     lp = logprobs().detach().requires_grad_(True)
     loss, _ = grpo_policy_loss(
-        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_response_length=T
+        lp, lp.detach(), None, adv, mask, beta=0.0, aggregation=aggregation, max_length=T
     )
     loss.backward()
     n = mask.sum(1).tolist()
@@ -447,7 +447,7 @@ def test_garbage_at_masked_positions_changes_nothing(aggregation):
             clip_eps_high=0.28,
             beta=0.05,
             aggregation=aggregation,
-            max_response_length=T,
+            max_length=T,
         )
         loss.backward()
         assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
@@ -469,7 +469,7 @@ def test_shares_with_the_whole_batch_normalizer_add_up(aggregation):
         torch.cat([ref, t([[0.0] * 4])]),
         torch.cat([adv, t([1.0])]),
     )
-    kw = dict(clip_eps_high=0.28, beta=0.1, aggregation=aggregation, max_response_length=L)
+    kw = dict(clip_eps_high=0.28, beta=0.1, aggregation=aggregation, max_length=L)
     whole, _ = grpo_policy_loss(new, old, ref, adv, mask, **kw)
     (g_whole,) = torch.autograd.grad(whole, new)
     units = aggregation_units(mask, aggregation)
@@ -507,7 +507,7 @@ def test_uniform_group_trains_nothing_without_beta():
         ({"beta": 0.1, "ref": None}, "needs ref_logprobs"),
         ({"clip_eps_high": 0.0}, "clip_eps_high"),
         ({"clip_eps_high": -0.1}, "clip_eps_high"),
-        ({"clip_eps": 1.0}, "clip_eps"),
+        ({"clip_eps_low": 1.0}, "clip_eps"),
         ({"beta": -0.1}, "beta"),
         ({"aggregation": "seq-sum"}, "'seq-sum'"),
         ({"aggregation": "seq-mean-token-sum-norm"}, "needs max_length"),

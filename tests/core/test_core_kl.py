@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from f64 import NAN, b, close, t  # tests/core/f64.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from proximal.core import (
     ProportionalKLController,
     kl_penalty,
     make_kl_controller,
+    reference_kl_loss,
 )
 
 F64 = torch.float64
@@ -191,3 +193,18 @@ def test_make_kl_controller_knows_every_configurable_name_and_names_them_when_wr
     # the values still go through each controller's own checks
     with pytest.raises(ValueError, match="k_beta"):
         make_kl_controller("adaptive", **{**FACTORY, "k_beta": 1.5})
+
+
+def test_reference_kl_loss_by_hand():
+    lp = t([[math.log(0.5), math.log(0.25)], [math.log(0.1), NAN]], requires_grad=True)
+    ref = t([[math.log(0.25), math.log(0.25)], [math.log(0.2), NAN]])
+    mask = b([[1, 1], [1, 0]])
+    k3 = lambda p, q: q / p - math.log(q / p) - 1  # noqa: E731
+    ks = [k3(0.5, 0.25), 0.0, k3(0.1, 0.2)]
+    loss, mean = reference_kl_loss(lp, ref, mask, 0.1, "token-mean")
+    close(loss, 0.1 * sum(ks) / 3)
+    close(mean, sum(ks) / 3)
+    seq, _ = reference_kl_loss(lp, ref, mask, 0.1, "seq-mean-token-mean")
+    close(seq, 0.1 * ((ks[0] + ks[1]) / 2 + ks[2]) / 2)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert not torch.isnan(grad).any()

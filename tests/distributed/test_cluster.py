@@ -18,13 +18,16 @@ fall back on is the 1-vs-2-process tolerance of ``test_run_invariance``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from cluster_support import KILL_VAR, MARK_VAR, free_port, torchrun, torchrun_env
-from multiproc import run_ranks
+from multiproc import launch, run_launched, run_ranks
 from ppo_support import load_safetensors_dir, read_jsonl, tiny_config, without_timing, write_yaml
 
 pytestmark = pytest.mark.cluster
@@ -81,7 +84,8 @@ def _assert_same_run(got: tuple[list[dict], dict], want: tuple[list[dict], dict]
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    """Wait for every launch (killing all of them past ``timeout``); their (status, output)."""
+    """Wait for every launch (killing all of them, workers included, past ``timeout``); their
+    (status, output)."""
     deadline = time.monotonic() + timeout
     out = []
     for p in procs:
@@ -89,7 +93,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
             text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
             text, _ = p.communicate()
             text += f"\n[test] killed after {timeout} s"
         out.append((p.returncode, text))
@@ -114,18 +119,21 @@ def test_two_nodes_on_one_host_reproduce_the_two_process_run(assets, tmp_path, r
     run_dir = tmp_path / "run"
     config = write_yaml(tmp_path / "ppo.yaml", _config(assets, run_dir))
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            torchrun(*_node_flags(form, node, port)) + ["ppo", "--config", str(config)],
-            cwd=tmp_path,
-            env=torchrun_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    done = _finish(procs, timeout=300)
+    with contextlib.ExitStack() as launched:  # both nodes killed, workers included, however it ends
+        procs = [
+            launched.enter_context(
+                launch(
+                    torchrun(*_node_flags(form, node, port)) + ["ppo", "--config", str(config)],
+                    cwd=tmp_path,
+                    env=torchrun_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+            for node in (0, 1)
+        ]
+        done = _finish(procs, timeout=300)
     for node, (code, text) in enumerate(done):
         assert code == 0, f"node {node}:\n{text[-3000:]}"
     assert sum(text.count("proximal ppo: done") for _, text in done) == 1  # rank 0, on one node
@@ -140,14 +148,12 @@ def test_elastic_restart_resumes_by_itself_after_a_rank_is_killed(assets, tmp_pa
     command line, which finds step 2's checkpoint and finishes the run as if nothing had happened."""
     run_dir = tmp_path / "run"
     config = write_yaml(tmp_path / "ppo.yaml", _config(assets, run_dir))
-    launch = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
-    done = subprocess.run(
-        launch + ["ppo", "--config", str(config), "--resume", "auto"],
+    command = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
+    done = run_launched(
+        command + ["ppo", "--config", str(config), "--resume", "auto"],
+        timeout=300,
         cwd=tmp_path,
         env=torchrun_env(**{KILL_VAR: "1:3", MARK_VAR: str(tmp_path / "killed")}),
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-4000:]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import run_ranks
+from multiproc import run_launched, run_ranks
 from ppo_support import read_jsonl, tiny_config, without_timing, write_yaml
 
 HERE = Path(__file__).resolve().parent
@@ -125,7 +125,7 @@ def _torchrun(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Co
         "-m",
         "proximal",
     ] + args
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_launched(cmd, timeout=timeout, cwd=cwd, env=env)  # a timeout kills the workers too
 
 
 @pytest.mark.slow

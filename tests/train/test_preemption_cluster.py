@@ -7,6 +7,7 @@ tolerance. Through real ``torchrun`` too: a SIGTERM to torchrun, which forwards 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import run_ranks
+from multiproc import launch, run_ranks
 from ppo_support import prompt_texts, read_jsonl, tiny_config, write_yaml
 from resume_support import fixed_argv, grpo_config, measured_out, weights, write_rows
 
@@ -129,7 +130,7 @@ def test_torchrun_forwards_sigterm_and_every_worker_saves(base, tmp_path):
     argv = fixed_argv("sft", base, data, run, "--resume", "auto", "--train.steps", "400")
     argv[argv.index("--train.epochs") + 1] = "1"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
-    launch = [
+    command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -137,21 +138,24 @@ def test_torchrun_forwards_sigterm_and_every_worker_saves(base, tmp_path):
         "--nproc-per-node",
         "2",
     ]
-    proc = subprocess.Popen(
-        launch + ["-m", "proximal"] + argv,
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    with launch(  # torchrun and its workers killed if still running when this block ends
+        command + ["-m", "proximal"] + argv,
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    ) as proc:
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):  # its output ends once it is gone
+                    os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"no 3 steps within 180 s: {proc.communicate()[1][-3000:]}")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
     stopped = read_jsonl(metrics)[-1]["step"]
     assert 2 <= stopped < 400, err[-3000:]
     ckpt = run / "checkpoints" / f"step_{stopped:06d}"
