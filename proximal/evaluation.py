@@ -10,17 +10,15 @@ are compared on common random numbers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from proximal.agents.collect import build_environments, context_length, trajectory_completion
-from proximal.agents.env import COUNTS, Environments, check_offered, row_schemas
-from proximal.agents.trajectory import Trajectory, run_trajectories, to_rollout
+from proximal.agents.collect import run_responder
 from proximal.config import ConfigError
-from proximal.data.collate import pad_left
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.prompts import PromptSet, load_prompts
 from proximal.data.sources import read_rows
@@ -29,35 +27,20 @@ from proximal.models.loading import freeze, load_causal_lm, load_sequence_scorer
 from proximal.models.output import token_kl
 from proximal.models.policy import Reference
 from proximal.models.reward import load_reward_model, pair_scores
-from proximal.rollout.engine import HFEngine, RolloutEngine, SamplingParams, row_seed
+from proximal.rollout.collect import Prompts, Responder, Sampling, SingleTurn
+from proximal.rollout.engine import HFEngine, RolloutEngine, row_seed
 from proximal.rollout.reward_functions import (
     DEFAULT_TIMEOUT_S,
     call_reward_functions,
     load_reward_function,
     reward_argument_problems,
 )
-from proximal.rollout.sampling import response_kl, sample
+from proximal.rollout.sampling import response_kl
 from proximal.rollout.scoring import Scorer
 from proximal.specs import import_spec
+from proximal.train.sections import EnvSection, ToolsSection, agent_max_tokens
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
-
-#: A trajectory's per-row columns beside the scores (multi-turn evaluation): its agent turns, the
-#: tool calls it wrote, those that raised, timed out or could not be read, and whether it failed.
-AGENT_COLUMNS = ("turns", *COUNTS, "failed")
-
-
-@dataclass
-class AgentEval:
-    """How the held-out evaluation runs a multi-turn trajectory per prompt, as the run's rollouts do
-    (:func:`proximal.agents.trajectory.run_trajectories`): the run's environments and tools
-    (``envs``; its worker processes), ``env.max_turns``, the response budget ``max_tokens`` (agent
-    + observation tokens) and the model's context ``max_context`` (None: no limit)."""
-
-    envs: Environments
-    max_turns: int
-    max_tokens: int
-    max_context: int | None = None
 
 
 @torch.no_grad()
@@ -111,9 +94,10 @@ def evaluate_policy(
     ``env`` and ``tools`` — a run's ``env:`` and ``tools:`` sections as dicts (``factory``,
     ``max_turns``, ``max_tokens``; ``functions``, ``format``, ``timeout_s``, ``on_error``,
     ``workers``; missing keys take the sections' defaults) — make each response a multi-turn
-    trajectory, the run's way (:class:`AgentEval`; ``max_new_tokens`` is one turn's limit). The
-    functions then score the whole trajectory, ``kl`` and ``length`` count the policy's own tokens,
-    and each row has :data:`AGENT_COLUMNS` (and ``env``, the environment's ``get_reward()``).
+    trajectory, the run's way (:func:`proximal.agents.collect.run_responder`; ``max_new_tokens``
+    is one turn's limit). The functions then score the whole trajectory, ``kl`` and ``length``
+    count the policy's own tokens, and each row has :data:`~proximal.agents.collect.AGENT_COLUMNS`
+    (and ``env``, the environment's ``get_reward()``).
     """
     functions = {
         name: load_reward_function(f) if isinstance(f, str) else f for name, f in scores.items()
@@ -128,19 +112,16 @@ def evaluate_policy(
         rm_tokenizer = load_tokenizer(str(reward_model), role="reward model", padding_side="right")
         rm = load_sequence_scorer(str(reward_model), pad_token_id=rm_tokenizer.pad_token_id)
         freeze(rm)
-    agent = None
-    if env or tools:
-        agent = agent_eval(
-            env or {}, tools or {}, max_new_tokens, context_length(actor), has_reward_source=True
-        )
+    responder = eval_responder(env or {}, tools or {}, max_new_tokens)
     try:
+        responder.ready(tokenizer, actor)
         prompts = load_prompts(  # each row rendered with the tools its trajectory is offered
             str(prompts_file),
             tokenizer,
             max_length=max_prompt_length,
             split=split,
             columns=columns,
-            tools=row_schemas(agent.envs.tools) if agent and agent.envs.tools else None,
+            tools=responder.row_tools,
         )
         measured = evaluate_loaded(
             actor,
@@ -158,41 +139,33 @@ def evaluate_policy(
             temperature=temperature,
             greedy=greedy,
             timeout_s=timeout_s,
-            agent=agent,
+            responder=responder,
         )
     finally:
-        if agent is not None:
-            agent.envs.close()
+        responder.close()
     return {"policy": str(policy), **measured}
 
 
-def agent_eval(
-    env: dict,
-    tools: dict,
-    max_new_tokens: int,
-    max_context: int | None,
-    *,
-    has_reward_source: bool,
-) -> AgentEval:
-    """An :class:`AgentEval` from a run's ``env`` and ``tools`` sections given as dicts (missing
-    keys: the sections' defaults, :class:`proximal.train.sections.EnvSection` and ``ToolsSection``),
-    its environments built and their workers started. ``max_new_tokens`` is one turn's limit
-    (``env.max_tokens`` null: ``env.max_turns`` of them)."""
-    max_turns = env.get("max_turns", 4)
-    envs = build_environments(
-        env.get("factory"),
-        list(tools.get("functions", [])),
-        call_format=tools.get("format", "hermes"),
-        timeout_s=tools.get("timeout_s", 10.0),
-        on_error=tools.get("on_error", "observe"),
-        workers=tools.get("workers", 4),
-        max_result_chars=tools.get("max_result_chars", 10_000),
-        has_reward_source=has_reward_source,
+def eval_responder(env: dict, tools: dict, max_new_tokens: int) -> Responder:
+    """The responder of a run's ``env`` and ``tools`` sections given as dicts (missing keys: the
+    sections' defaults, :class:`~proximal.train.sections.EnvSection` and ``ToolsSection``; a key
+    they do not have is ignored), its environments built and their workers started when either
+    names anything. ``max_new_tokens`` is one turn's limit (``env.max_tokens`` null:
+    ``env.max_turns`` of them)."""
+    env_s, tools_s = _section(EnvSection, env), _section(ToolsSection, tools)
+    return run_responder(
+        env_s,
+        tools_s,
+        max_new_tokens=max_new_tokens,
+        max_tokens=agent_max_tokens(env_s, max_new_tokens),
+        has_reward_source=True,
     )
-    budget = env.get("max_tokens")
-    return AgentEval(
-        envs, max_turns, budget if budget is not None else max_turns * max_new_tokens, max_context
-    )
+
+
+def _section(cls, values: dict):
+    """``cls`` (a config section) with the fields ``values`` gives, the rest its defaults."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
 
 
 @torch.no_grad()
@@ -215,7 +188,7 @@ def evaluate_loaded(
     engine: RolloutEngine | None = None,
     step: int | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    agent: AgentEval | None = None,
+    responder: Responder | None = None,
 ) -> dict:
     """:func:`evaluate_policy` on models already loaded: ``actor`` (sampled through ``engine``, or
     an :class:`~proximal.rollout.engine.HFEngine` over it), ``reference`` (a module, a
@@ -223,10 +196,11 @@ def evaluate_loaded(
     ``kl``), the rendered ``prompts``, the score ``functions`` and the ``reward_model``. Response j
     (prompt j // samples_per_prompt) draws from the generator seeded ``row_seed(seed, 0, j)``,
     whatever the batch it falls in. ``step`` names the step in a failing function's message;
-    ``timeout_s`` bounds each call of the functions (``model.reward_timeout_s``). ``agent``: a
-    multi-turn trajectory per response (:class:`AgentEval`), turn 0 drawn from that seed and turn
-    k from ``row_seed`` of it and k, as a run's rollouts draw them; the environments' counts are
-    left as they were (a run's ``agent/*`` metrics never see the evaluation's calls).
+    ``timeout_s`` bounds each call of the functions (``model.reward_timeout_s``). ``responder``: how
+    each response is made (:class:`~proximal.rollout.collect.Responder`; default one ``generate``):
+    a run's multi-turn one draws turn 0 from that seed and turn k from ``row_seed`` of it and k, as
+    its rollouts draw them, and leaves the environments' counts as they were (a run's ``agent/*``
+    metrics never see the evaluation's calls).
     Returns ``{"n", "samples_per_prompt", "seed", "mean", "rows"}``."""
     scorer = Scorer(  # the reward model's scores as the trainers compute them
         tokenizer,
@@ -236,46 +210,25 @@ def evaluate_loaded(
     )
     order = [i for i in range(len(prompts)) for _ in range(samples_per_prompt)]
     device = next(actor.parameters()).device
+    responder = responder if responder is not None else SingleTurn(max_new_tokens)
+    engine = engine if engine is not None else HFEngine(actor, tokenizer.pad_token_id)
+    sampling = Sampling(max_new_tokens, temperature, top_k=1 if greedy else 0)
     rows = []
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        ids, mask = pad_left([prompts.token_ids[i] for i in idx], tokenizer.pad_token_id, device)
         seeds = [row_seed(seed, 0, j) for j in range(start, start + len(idx))]  # one per response
-        texts, messages = [prompts.texts[i] for i in idx], [prompts.messages[i] for i in idx]
-        columns = prompts.columns_of(idx)
-        trajs = given = None
-        if agent is None:
-            r = sample(
-                engine if engine is not None else actor,
-                tokenizer,
-                ids,
-                mask,
-                seeds=seeds,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=1 if greedy else 0,
-            )
-        else:
-            if engine is None:
-                engine = HFEngine(actor, tokenizer.pad_token_id)
-            r, trajs = _trajectories(
-                agent,
-                engine,
-                tokenizer,
-                prompts,
-                idx,
-                texts,
-                messages,
-                columns,
-                seeds,
-                device,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                greedy=greedy,
-            )
-            given = [
-                trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)
-            ]
+        batch = Prompts.of(prompts, idx, seeds)
+        texts, messages, columns = batch.texts, batch.messages, batch.columns
+        got = responder.respond(
+            engine,
+            tokenizer,
+            batch,
+            sampling,
+            device=device,
+            behaviour_logprobs=False,
+            keep_counts=True,
+        )
+        r, given = got.rollout, got.completions
         completions = scorer.completions(r)
         scored = {}
         if reward_model is not None:
@@ -295,8 +248,7 @@ def evaluate_loaded(
                 for k, v in values.items()
             }
         )
-        if trajs is not None and agent.envs.has_reward:  # the environment's outcome, as in a run
-            scored["env"] = [0.0 if t.failed else float(t.env_reward or 0.0) for t in trajs]
+        scored.update(responder.eval_scores(got))  # a multi-turn run's environment outcome
         if (
             weights is not None
         ):  # over the sources that scored the row, as a run's total; None: none
@@ -311,12 +263,11 @@ def evaluate_loaded(
                     **({"kl": float(kl[j])} if kl is not None else {}),
                     "length": int(r.response_mask[j].sum()),
                     "eos": bool(r.ended[j]),
-                    **(_trajectory_columns(trajs[j]) if trajs is not None else {}),
+                    **responder.eval_row(got, j),
                 }
             )
     keys = [*scored, *(["kl"] if reference is not None else []), "length", "eos"]
-    if agent is not None:
-        keys += AGENT_COLUMNS
+    keys += responder.eval_keys
     mean = {k: _mean([row[k] for row in rows]) for k in keys}
     return {
         "n": len(rows),
@@ -337,66 +288,6 @@ def _mean(values: list) -> float:
     """The mean over the rows that have a value (a score function's None left out); NaN for none."""
     have = [float(v) for v in values if v is not None]
     return sum(have) / len(have) if have else float("nan")
-
-
-def _trajectories(
-    agent: AgentEval,
-    engine: RolloutEngine,
-    tokenizer,
-    prompts: PromptSet,
-    idx: list[int],
-    texts: list[str],
-    messages: list,
-    columns: list[dict] | None,
-    seeds: list[int],
-    device,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    greedy: bool,
-):
-    """``(rollout, trajectories)``: one multi-turn trajectory per prompt of ``idx`` (the rows as a
-    run hands them to ``reset``), the environments' counts restored afterwards."""
-    rows = [
-        {"prompt": m if m is not None else p, **(c or {})}
-        for p, m, c in zip(texts, messages, columns or [None] * len(idx))
-    ]
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=(tokenizer.eos_token_id,),
-        temperature=temperature,
-        top_k=1 if greedy else 0,
-    )
-    counts = agent.envs.counts.copy()
-    try:
-        trajs = run_trajectories(
-            engine,
-            tokenizer,
-            agent.envs,
-            [list(prompts.token_ids[i]) for i in idx],
-            rows,
-            seeds=seeds,
-            params=params,
-            max_turns=agent.max_turns,
-            max_tokens=agent.max_tokens,
-            max_context=agent.max_context,
-            messages=messages,
-            device=device,
-        )
-    finally:
-        agent.envs.counts = counts
-    return to_rollout(trajs, tokenizer.pad_token_id, device), trajs
-
-
-def _trajectory_columns(t: Trajectory) -> dict:
-    """A trajectory's :data:`AGENT_COLUMNS` and its turns (``trajectory``, as samples.jsonl keeps
-    them)."""
-    return {
-        "turns": len(t.turns),
-        **{k: int(t.counts.get(k, 0)) for k in COUNTS},
-        "failed": bool(t.failed),
-        "trajectory": t.record(),
-    }
 
 
 def _sequence_kl(actor, reference, r) -> torch.Tensor | None:
@@ -446,7 +337,7 @@ class TrainingEval:
     temperature: float
     greedy: bool
     timeout_s: float | None = DEFAULT_TIMEOUT_S
-    agent: AgentEval | None = None  # env/tools: a multi-turn trajectory per response
+    responder: Responder | None = None  # env/tools: a multi-turn trajectory per response
 
     def due(self, step: int, total: int) -> bool:
         """Before the first step (step 0), every ``every`` steps, after the last."""
@@ -481,7 +372,7 @@ class TrainingEval:
             engine=engine,
             step=step,
             timeout_s=self.timeout_s,
-            agent=self.agent,
+            responder=self.responder,
         )
         return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
 
@@ -545,24 +436,26 @@ def training_eval(
     seed: int,
     max_prompt_length: int,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    agent: AgentEval | None = None,
+    responder: Responder | None = None,
 ) -> TrainingEval | None:
     """A run's :class:`TrainingEval` from its ``eval`` section (None when ``eval.prompts`` is null):
     the prompts read and rendered now, before any model loads, with the loader every command uses
     (prompts longer than ``max_prompt_length`` keep their end); the run's reward ``functions`` and
     their ``weights`` (the reward model's as ``"proxy"``) plus ``eval.scores``. ``max_new_tokens``
     and ``seed`` stand in for the section's nulls; ``timeout_s`` bounds each call of a function.
-    ``agent``: the run's environments and limits (env/tools), so each held-out response is a
-    multi-turn trajectory as in its rollouts; the rows' ``tools`` columns are checked against them."""
+    ``responder``: the run's (env/tools: its environments and limits, so each held-out response is
+    a multi-turn trajectory as in its rollouts; the rows' ``tools`` columns are checked against
+    them)."""
     if section.prompts is None:
         return None
+    responder = responder if responder is not None else SingleTurn(max_new_tokens)
     prompts = load_prompts(
         section.prompts,
         tokenizer,
         max_length=max_prompt_length,
         split=section.split,
         columns=section.columns,
-        tools=row_schemas(agent.envs.tools) if agent and agent.envs.tools else None,
+        tools=responder.row_tools,
     )
     extra = {
         name: import_spec(spec, f"eval.scores.{name}")
@@ -573,9 +466,7 @@ def training_eval(
     problems = reward_argument_problems(functions, prompts.column_names(), str(section.prompts))
     if problems:
         raise ConfigError(f"eval.prompts: {problems[0]}")
-    if agent is not None and (
-        problem := check_offered(prompts.columns, agent.envs.tools, str(section.prompts))
-    ):
+    if problem := responder.check_offered(prompts.columns, str(section.prompts)):
         raise ConfigError(f"eval.prompts: {problem}")
     return TrainingEval(
         prompts=prompts,
@@ -589,7 +480,7 @@ def training_eval(
         temperature=section.temperature,
         greedy=section.greedy,
         timeout_s=timeout_s,
-        agent=agent,
+        responder=responder,
     )
 
 

@@ -1,6 +1,7 @@
-"""Steps 1–3 of an online method when the policy acts over several turns: a global batch of
-prompts, a multi-turn trajectory per row (:func:`~proximal.agents.trajectory.run_trajectories`
-instead of one ``generate``), their scores — this rank's share of it.
+"""The multi-turn responder (:class:`MultiTurn`): a multi-turn trajectory per prompt row
+(:func:`~proximal.agents.trajectory.run_trajectories` instead of one ``generate``), behind the seam
+every online method collects through (:class:`proximal.rollout.collect.Responder`), chosen once
+where the run's environments are built (:func:`run_responder`).
 
 The rest of the step is unchanged, for the trajectories come back as a
 :class:`~proximal.rollout.sampling.Rollout` with holes: ``response_mask`` is the agent mask (every
@@ -12,10 +13,11 @@ carries across the holes), ``context_mask`` keeps the observations in attention.
   between them), TRL's form;
 * the environment's ``get_reward()`` joins the score (``score/env``); a failed trajectory
   (``tools.on_error: end``, an environment that raised or was lost) scores 0;
-* per-turn rewards (the step form's) come as :attr:`AgentCollected.turn_rewards` (B, T), on the last
+* per-turn rewards (the step form's) come as :attr:`Responses.turn_rewards` (B, T), on the last
   agent token of their turn: PPO adds them to the shaped rewards before GAE; GRPO/RLOO add their sum
   to the score (their baselines are over whole trajectories);
-* ``agent/*`` metrics: this rank's counts and sums, reduced across ranks by :func:`agent_step_metrics`.
+* ``agent/*`` metrics: this rank's counts and sums, reduced across ranks by :func:`agent_step_metrics`;
+* ``env.on_failure: drop`` leaves failed rows out of the update through ``valid`` (:func:`dropped_rows`).
 
 Row r of the global batch draws turn 0 from the seed a single-turn rollout uses, (seed, step, r),
 and turn k from ``row_seed`` of it and k: the trajectories are the same on any number of processes
@@ -24,9 +26,7 @@ and after a resume. Each rank runs its own trajectories to the end — no collec
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -52,50 +52,24 @@ from proximal.agents.trajectory import (
     turn_rewards,
 )
 from proximal.config import ConfigError
-from proximal.rollout.collect import Collected, finite_rows
-from proximal.rollout.engine import RolloutEngine, SamplingParams, row_seed
-from proximal.rollout.scoring import Scorer
+from proximal.rollout.collect import Prompts, Responder, Responses, Sampling, SingleTurn
+from proximal.rollout.engine import SamplingParams
 from proximal.specs import import_spec
 
 __all__ = [
-    "AgentCollected",
-    "agent_collect",
+    "AGENT_COLUMNS",
+    "MultiTurn",
     "agent_step_metrics",
     "build_environments",
     "check_template",
     "context_length",
+    "run_responder",
     "run_tools",
 ]
 
-
-@dataclass
-class AgentCollected(Collected):
-    """A scored multi-turn rollout: :class:`~proximal.rollout.collect.Collected` plus the
-    trajectories, their per-turn rewards (B, T) float32 and their turn-reward sums (B,)."""
-
-    trajectories: list[Trajectory] | None = None
-    turn_rewards: torch.Tensor | None = None
-    counts: dict[str, int] | None = None  # this rank's agent/<count> of the step (tool calls, ...)
-    dropped: torch.Tensor | None = None  # (B,) bool: left out by env.on_failure: drop
-
-    def nonfinite_rows(self) -> int:
-        """This rank's rows left out for a non-finite score (not those ``env.on_failure: drop``
-        left out: ``valid`` holds both)."""
-        left_out = ~self.valid
-        if self.dropped is not None:
-            left_out = left_out & ~self.dropped
-        return int(left_out.sum())
-
-    def metrics(self) -> dict[str, float]:
-        """The step's ``agent/*`` metrics over every rank (:func:`agent_step_metrics`)."""
-        return agent_step_metrics(
-            self.trajectories or [], self.counts or {}, self.rollout.response_ids.device
-        )
-
-    def records(self) -> list[dict]:
-        """Each row's ``{"trajectory": ...}`` for ``samples.jsonl`` (its turns, rewards,
-        observations, stop)."""
-        return [{"trajectory": t.record()} for t in self.trajectories or []]
+#: A trajectory's per-row columns beside the scores (multi-turn evaluation): its agent turns, the
+#: tool calls it wrote, those that raised, timed out or could not be read, and whether it failed.
+AGENT_COLUMNS = ("turns", *COUNTS, "failed")
 
 
 def load_environment(spec) -> Callable:
@@ -133,22 +107,26 @@ def run_tools(env, tools) -> Callable[[dict], list[dict]] | None:
     return row_schemas(registered) if registered else None
 
 
-def run_environments(
+def run_responder(
     env,
     tools,
     *,
+    max_new_tokens: int,
+    max_tokens: int,
     has_reward_source: bool,
-    columns: list[dict] | None,
-    source: str,
+    columns: list[dict] | None = None,
+    source: str = "data.prompts",
     log: str | None = None,
-) -> Environments | None:
-    """A run's environments from its ``env`` and ``tools`` config sections (``factory``,
-    ``max_turns``…; ``functions``, ``format``, ``timeout_s``, ``on_error``, ``workers``,
-    ``max_result_chars``), through :func:`build_environments`; None when neither names anything —
-    a single-turn run. ``log``: where the tools' prints go (the run's ``tools.log``)."""
+) -> Responder:
+    """A run's responder from its ``env`` and ``tools`` config sections: :class:`SingleTurn`
+    (responses of ``max_new_tokens`` at most) when neither names anything, else :class:`MultiTurn`
+    over the environments :func:`build_environments` makes of them (``factory``, ``max_turns``,
+    ``on_failure``…; ``functions``, ``format``, ``timeout_s``, ``on_error``, ``workers``,
+    ``max_result_chars``), a trajectory's budget ``max_tokens``. ``log``: where the tools' prints
+    go (the run's ``tools.log``). The one place a run chooses between one turn and several."""
     if env.factory is None and not tools.functions:
-        return None
-    return build_environments(
+        return SingleTurn(max_new_tokens)
+    envs = build_environments(
         env.factory,
         tools.functions,
         call_format=tools.format,
@@ -161,6 +139,7 @@ def run_environments(
         columns=columns,
         source=source,
     )
+    return MultiTurn(envs, env.max_turns, max_tokens, on_failure=env.on_failure)
 
 
 def build_environments(
@@ -222,106 +201,122 @@ def check_template(envs: Environments, tokenizer) -> None:
         raise
 
 
-def agent_collect(
-    step: int,
-    *,
-    prompt_set,
-    sampler,
-    engine: RolloutEngine,
-    scorer: Scorer,
-    tokenizer,
-    envs: Environments,
-    seed: int,
-    device: torch.device,
-    max_new_tokens: int,
-    max_turns: int,
-    max_tokens: int,
-    max_context: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_token_ids: list[int] | None = None,
-    stop_strings: list[str] | None = None,
-    missing_eos_penalty: float | None = None,
-    nonfinite: str = "skip",
-    group_size: int = 1,
-    on_failure: str = "zero",
-) -> AgentCollected:
-    """:func:`proximal.rollout.collect.collect` with a multi-turn trajectory per row (module
-    docstring): the same prompts, rows, seeds and guards; ``max_new_tokens`` is one turn's limit,
-    ``max_turns`` / ``max_tokens`` / ``max_context`` end a trajectory (``env.*``; the model's
-    context). ``stop_strings`` must be empty (a turn ends at a stop token). ``on_failure``
-    (``env.on_failure``, :data:`~proximal.agents.env.ON_FAILURE`): a failed trajectory scores 0
-    (``zero``), or is left out of the update (``drop``) through ``valid``, the rows a non-finite
-    score leaves out (:func:`dropped_rows`)."""
-    if on_failure not in ON_FAILURE:
-        raise ConfigError(f"env.on_failure = {on_failure!r}; expected one of {ON_FAILURE}")
-    if stop_strings:
-        raise ConfigError("rollout.stop_strings cannot be used with env/tools")
-    t0 = time.perf_counter()
-    batch = sampler.next_global_batch()
-    mine = sampler.local_part(list(range(len(batch))))
-    positions = [p * group_size + j for p in mine for j in range(group_size)]
-    idx = [batch[p] for p in mine for _ in range(group_size)]
-    texts, messages = [prompt_set.texts[i] for i in idx], [prompt_set.messages[i] for i in idx]
-    columns = prompt_set.columns_of(idx)
-    rows = [
-        {"prompt": m if m is not None else p, **(c or {})}
-        for p, m, c in zip(texts, messages, columns or [None] * len(idx))
-    ]
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=(tokenizer.eos_token_id, *(stop_token_ids or [])),
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-    )
-    trajs = run_trajectories(
+class MultiTurn(Responder):
+    """A multi-turn trajectory per prompt row (module docstring) with the run's environments and
+    tools (``envs``; its worker processes), ``env.max_turns``, the response budget ``max_tokens``
+    (agent + observation tokens; ``env.max_tokens``), the model's context ``max_context`` (None: no
+    limit; :meth:`ready` takes the policy's) and ``on_failure`` (``env.on_failure``,
+    :data:`~proximal.agents.env.ON_FAILURE`): a failed trajectory scores 0 (``zero``), or is left
+    out of the update (``drop``) through ``valid``, the rows a non-finite score leaves out
+    (:func:`dropped_rows`). One turn is sampled as a single-turn response is; ``stop_strings``
+    must be empty (a turn ends at a stop token)."""
+
+    eval_keys = AGENT_COLUMNS
+
+    def __init__(
+        self,
+        envs: Environments,
+        max_turns: int,
+        max_tokens: int,
+        max_context: int | None = None,
+        *,
+        on_failure: str = "zero",
+    ):
+        if on_failure not in ON_FAILURE:
+            raise ConfigError(f"env.on_failure = {on_failure!r}; expected one of {ON_FAILURE}")
+        self.envs, self.max_turns, self.max_tokens = envs, max_turns, max_tokens
+        self.max_context, self.on_failure = max_context, on_failure
+
+    @property
+    def row_tools(self):
+        return row_schemas(self.envs.tools) if self.envs.tools else None
+
+    def ready(self, tokenizer, policy) -> None:
+        """The chat template checked (observations go through it; the workers are closed when it
+        fails), and the policy's context taken as the trajectories' limit."""
+        check_template(self.envs, tokenizer)
+        self.max_context = context_length(policy)
+
+    def respond(
+        self,
         engine,
         tokenizer,
-        envs,
-        [list(prompt_set.token_ids[i]) for i in idx],
-        rows,
-        seeds=[row_seed(seed, step, r) for r in positions],
-        params=params,
-        max_turns=max_turns,
-        max_tokens=max_tokens,
-        max_context=max_context,
-        messages=messages,
-        device=device,
-        logprobs=True,
-    )
-    rollout = to_rollout(trajs, tokenizer.pad_token_id, device)
-    if rollout.logprobs is None:  # every trajectory empty (a budget of 0): μ is 0 everywhere
-        rollout.logprobs = torch.zeros(rollout.response_ids.shape, device=device)
-    generate_s = time.perf_counter() - t0
-    completions = [
-        trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)
-    ]
-    scores, components = scorer(
-        rollout,
-        texts,
-        messages,
-        columns=columns,
-        step=step,
-        completions=completions,
-        scored_elsewhere=envs.has_reward,  # the environment's reward scores every row
-    )
-    if envs.has_reward:
-        env = torch.tensor(
-            [0.0 if t.env_reward is None else t.env_reward for t in trajs], device=device
+        prompts: Prompts,
+        sampling: Sampling,
+        *,
+        device,
+        behaviour_logprobs: bool = True,
+        keep_counts: bool = False,
+    ) -> Responses:
+        """One trajectory per row (the rows as a run hands them to ``reset``); turn 0 draws from
+        the row's seed, turn k from ``row_seed`` of it and k."""
+        if sampling.stop_strings:
+            raise ConfigError("rollout.stop_strings cannot be used with env/tools")
+        texts, messages, columns = prompts.texts, prompts.messages, prompts.columns
+        rows = [
+            {"prompt": m if m is not None else p, **(c or {})}
+            for p, m, c in zip(texts, messages, columns or [None] * len(texts))
+        ]
+        params = SamplingParams(
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=(tokenizer.eos_token_id, *(sampling.stop_token_ids or [])),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
         )
-        components["env"] = env
-        scores = scores + env
-    failed = torch.tensor([t.failed for t in trajs], dtype=torch.bool, device=device)
-    scores = torch.where(failed, torch.zeros_like(scores), scores)
-    if missing_eos_penalty is not None:
-        scores = torch.where(rollout.ended, scores, scores + missing_eos_penalty)
-    T = rollout.response_ids.shape[1]
-    per_turn = turn_rewards(trajs, T, device=device)
-    valid = finite_rows(scores, texts, step=step, policy=nonfinite, device=device)
-    dropped = torch.zeros_like(valid)
-    if on_failure == "drop":
+        counts = self.envs.counts.copy()
+        try:
+            trajs = run_trajectories(
+                engine,
+                tokenizer,
+                self.envs,
+                [list(ids) for ids in prompts.token_ids],
+                rows,
+                seeds=prompts.seeds,
+                params=params,
+                max_turns=self.max_turns,
+                max_tokens=self.max_tokens,
+                max_context=self.max_context,
+                messages=messages,
+                device=device,
+                logprobs=behaviour_logprobs,
+            )
+        finally:
+            if keep_counts:  # an evaluation's calls are never counted in a run's agent/* metrics
+                self.envs.counts = counts
+        rollout = to_rollout(trajs, tokenizer.pad_token_id, device)
+        if behaviour_logprobs and rollout.behaviour_logprobs is None:
+            # every trajectory empty (a budget of 0): μ is 0 everywhere
+            rollout.behaviour_logprobs = torch.zeros(rollout.response_ids.shape, device=device)
+        return Responses(
+            rollout,
+            completions=[
+                trajectory_completion(t, tokenizer, m is not None) for t, m in zip(trajs, messages)
+            ],
+            scored_elsewhere=self.envs.has_reward,  # the environment's reward scores every row
+            turn_rewards=turn_rewards(trajs, rollout.response_ids.shape[1], device=device),
+            records=[{"trajectory": t.record()} for t in trajs],
+            detail=trajs,
+        )
+
+    def outcome(self, got: Responses, scores: torch.Tensor, components: dict) -> torch.Tensor:
+        """The environment's ``get_reward()`` added (``score/env``); a failed trajectory's 0."""
+        trajs, device = got.detail, got.rollout.response_ids.device
+        if self.envs.has_reward:
+            env = torch.tensor(
+                [0.0 if t.env_reward is None else t.env_reward for t in trajs], device=device
+            )
+            components["env"] = env
+            scores = scores + env
+        failed = torch.tensor([t.failed for t in trajs], dtype=torch.bool, device=device)
+        return torch.where(failed, torch.zeros_like(scores), scores)
+
+    def drop(self, got: Responses, valid, *, step: int, group_size: int, device):
+        """``env.on_failure: drop``: the failed rows (:func:`dropped_rows`) out of ``valid``."""
+        dropped = torch.zeros_like(valid)
+        if self.on_failure != "drop":
+            return valid, dropped
+        failed = torch.tensor([t.failed for t in got.detail], dtype=torch.bool, device=device)
         dropped = dropped_rows(failed, valid, group_size)
         valid = valid & ~dropped
         if dist.global_sum(int(valid.sum()), device) == 0:  # as finite_rows stops for NaN alone
@@ -330,21 +325,36 @@ def agent_collect(
                 "env.on_failure: drop leaves no row to train on (env.on_failure: zero trains on "
                 "failed ones with outcome reward 0)"
             )
-    counts = envs.take_counts()
-    counts["agent/dropped"] = int(dropped.sum())
-    return AgentCollected(
-        rollout,
-        texts,
-        scores,
-        components,
-        valid,
-        positions,
-        generate_s,
-        trajectories=trajs,
-        turn_rewards=per_turn,
-        counts=counts,
-        dropped=dropped,
-    )
+        return valid, dropped
+
+    def metrics(self, got: Responses, dropped: torch.Tensor) -> dict[str, float]:
+        """The step's ``agent/*`` metrics over every rank (:func:`agent_step_metrics`)."""
+        counts = self.envs.take_counts()
+        counts["agent/dropped"] = int(dropped.sum())
+        return agent_step_metrics(got.detail, counts, got.rollout.response_ids.device)
+
+    def check_offered(self, columns, source):
+        return check_offered(columns, self.envs.tools, str(source))
+
+    def eval_scores(self, got: Responses) -> dict[str, list]:
+        """The environment's outcome, as in a run (a failed trajectory's 0)."""
+        if not self.envs.has_reward:
+            return {}
+        return {"env": [0.0 if t.failed else float(t.env_reward or 0.0) for t in got.detail]}
+
+    def eval_row(self, got: Responses, j: int) -> dict:
+        """A trajectory's :data:`AGENT_COLUMNS` and its turns (``trajectory``, as samples.jsonl
+        keeps them)."""
+        t = got.detail[j]
+        return {
+            "turns": len(t.turns),
+            **{k: int(t.counts.get(k, 0)) for k in COUNTS},
+            "failed": bool(t.failed),
+            "trajectory": t.record(),
+        }
+
+    def close(self) -> None:
+        self.envs.close()
 
 
 def dropped_rows(failed: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -76,7 +76,7 @@ class Trajectory:
     """One prompt's multi-turn rollout.
 
     ids: every token after the prompt, agent and observation. agent_mask: same length, True on
-    the policy's own sampled tokens. logprobs: same length, the engine's log μ of each sampled
+    the policy's own sampled tokens. behaviour_logprobs: same length, the engine's log μ of each sampled
     token (0 at observations); empty unless asked for. ended: it finished (done, a turn with no call, or a failure)
     rather than being cut by a limit. stop: one of :data:`STOPS`. failed: its outcome reward is 0.
     env_reward: the environment's ``get_reward()``, or None. counts: its tool calls, tool errors,
@@ -87,7 +87,7 @@ class Trajectory:
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     agent_mask: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     ended: bool = False
     stop: str = ""
@@ -337,7 +337,7 @@ def _run_batch(
             t.ids += seq
             t.agent_mask += [True] * len(seq)
             if logprobs:
-                t.logprobs += mu[i][: len(seq)]
+                t.behaviour_logprobs += mu[i][: len(seq)]
             stopped = bool(seq) and seq[-1] in stops
             t.turns.append(Turn(start, len(t.ids), tokenizer.decode(seq[:-1] if stopped else seq)))
             if stopped:
@@ -374,7 +374,7 @@ def _run_batch(
             t.ids += obs
             t.agent_mask += [False] * len(obs)
             if logprobs:
-                t.logprobs += [0.0] * len(obs)
+                t.behaviour_logprobs += [0.0] * len(obs)
             t.turns[-1].observation = r.messages
             t.turns[-1].obs_end = len(t.ids)
             running.append(b)
@@ -400,8 +400,8 @@ def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> Rollout:
     """The trajectories as a :class:`~proximal.rollout.sampling.Rollout` with holes: prompts
     left-padded (P), responses — every token after the prompt — right-padded (T);
     ``response_mask`` = the agent mask, ``context_mask`` every real token (agent and observation:
-    what attention sees, carried by ``select`` and ``experience.gather``); ``logprobs`` the engine's
-    log μ when the trajectories kept them."""
+    what attention sees, carried by ``select`` and ``experience.gather``); ``behaviour_logprobs`` the
+    engine's log μ when the trajectories kept them."""
     prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in trajs], pad_id, device)
     response_ids, token_mask = pad_right([t.ids for t in trajs], pad_id, device)
     agent = torch.zeros_like(token_mask, dtype=torch.bool)
@@ -411,12 +411,14 @@ def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> Rollout:
     mu = None
     if (
         trajs
-        and all(len(t.logprobs) == len(t.ids) for t in trajs)
-        and any(t.logprobs for t in trajs)
+        and all(len(t.behaviour_logprobs) == len(t.ids) for t in trajs)
+        and any(t.behaviour_logprobs for t in trajs)
     ):
         mu = torch.zeros(token_mask.shape, dtype=torch.float32)
         for b, t in enumerate(trajs):
-            mu[b, : len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float32)
+            mu[b, : len(t.behaviour_logprobs)] = torch.tensor(
+                t.behaviour_logprobs, dtype=torch.float32
+            )
         mu = mu.to(device)
     return Rollout(
         prompt_ids,
@@ -424,7 +426,7 @@ def to_rollout(trajs: list[Trajectory], pad_id: int, device="cpu") -> Rollout:
         response_ids,
         agent,
         ended,
-        logprobs=mu,
+        behaviour_logprobs=mu,
         context_mask=token_mask.bool(),
     )
 

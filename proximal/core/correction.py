@@ -55,22 +55,22 @@ DEFAULT_SEQUENCE_BAND = (0.999, 1.001)
 DEFAULT_CAP = 2.0
 
 
-def log_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+def log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, response_mask: Tensor) -> Tensor:
     """log ρ_t = log π_old(y_t|s_t) − log μ(y_t|s_t), (B, T); 0 at masked positions.
 
     Args:
         old_logprobs: log π_old, (B, T).
-        rollout_logprobs: log μ, the engine's, (B, T).
+        behaviour_logprobs: log μ, the engine's, (B, T).
         response_mask: bool (B, T).
     """
     check_mask(old_logprobs, response_mask, "response_mask")
-    if rollout_logprobs.shape != old_logprobs.shape:
+    if behaviour_logprobs.shape != old_logprobs.shape:
         raise ValueError(
-            f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} != old_logprobs shape "
+            f"behaviour_logprobs shape {tuple(behaviour_logprobs.shape)} != old_logprobs shape "
             f"{tuple(old_logprobs.shape)}"
         )
-    dtype = torch.promote_types(old_logprobs.dtype, rollout_logprobs.dtype)
-    old, mu = old_logprobs.detach().to(dtype), rollout_logprobs.detach().to(dtype)
+    dtype = torch.promote_types(old_logprobs.dtype, behaviour_logprobs.dtype)
+    old, mu = old_logprobs.detach().to(dtype), behaviour_logprobs.detach().to(dtype)
     return torch.where(response_mask, old - mu, 0.0)
 
 
@@ -87,7 +87,7 @@ def check_band(band: tuple[float, float]) -> tuple[float, float]:
 
 def mismatch_stats(
     old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     response_mask: Tensor,
     band: tuple[float, float] = DEFAULT_TOKEN_BAND,
     quantile: float = 0.99,
@@ -104,13 +104,13 @@ def mismatch_stats(
 
     Args:
         old_logprobs: log π_old, (B, T).
-        rollout_logprobs: log μ, (B, T).
+        behaviour_logprobs: log μ, (B, T).
         response_mask: bool (B, T).
         band: [lo, hi] of the outside-band fraction (:func:`check_band`).
         quantile: q ∈ (0, 1) of ``ratio_p99``.
     """
     lo, hi = check_band(band)
-    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask).double()[response_mask]
+    lr = log_ratio(old_logprobs, behaviour_logprobs, response_mask).double()[response_mask]
     if lr.numel() == 0:
         nan = torch.tensor(math.nan, dtype=torch.float64)
         return dict.fromkeys(
@@ -137,7 +137,10 @@ def mismatch_stats(
 
 
 def tis_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, cap: float = DEFAULT_CAP
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    response_mask: Tensor,
+    cap: float = DEFAULT_CAP,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling (Yao et al. 2025), per token::
 
@@ -151,14 +154,14 @@ def tis_weights(
         (fraction of valid tokens with ρ_t > C) and ``weight_mean`` (mean w over valid tokens).
     """
     check("correction_cap", cap)
-    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    lr = log_ratio(old_logprobs, behaviour_logprobs, response_mask)
     w = torch.where(response_mask, torch.exp(torch.clamp(lr, max=math.log(cap))), 0.0)
     return w, _weight_stats(w, response_mask, truncated_frac=(lr > math.log(cap)))
 
 
 def token_mask_weights(
     old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     response_mask: Tensor,
     band: tuple[float, float] = DEFAULT_TOKEN_BAND,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -175,7 +178,7 @@ def token_mask_weights(
         (fraction of valid tokens outside the band) and ``weight_mean``.
     """
     lo, hi = check_band(band)
-    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    lr = log_ratio(old_logprobs, behaviour_logprobs, response_mask)
     inside = (lr >= math.log(lo)) & (lr <= math.log(hi))
     # exp of a log-ratio inside the band only: an outside one (possibly huge) is never exponentiated
     w = torch.where(response_mask & inside, torch.exp(torch.where(inside, lr, 0.0)), 0.0)
@@ -184,7 +187,7 @@ def token_mask_weights(
 
 def sequence_mask_weights(
     old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     response_mask: Tensor,
     band: tuple[float, float] = DEFAULT_SEQUENCE_BAND,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -203,7 +206,7 @@ def sequence_mask_weights(
         (fraction of responses with a valid token that were rejected) and ``weight_mean``.
     """
     lo, hi = check_band(band)
-    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    lr = log_ratio(old_logprobs, behaviour_logprobs, response_mask)
     n = response_mask.sum(1)
     mean_lr = lr.sum(1) / n.clamp_min(1).to(lr.dtype)  # (B,)
     keep = (mean_lr >= math.log(lo)) & (mean_lr <= math.log(hi)) & (n > 0)
@@ -218,7 +221,7 @@ def sequence_mask_weights(
 def correction_weights(
     mode: str,
     old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     response_mask: Tensor,
     *,
     cap: float = DEFAULT_CAP,
@@ -230,14 +233,14 @@ def correction_weights(
     if mode not in CORRECTIONS:
         raise ValueError(f"rollout correction {mode!r}: expected one of {', '.join(CORRECTIONS)}")
     if mode == "tis":
-        return tis_weights(old_logprobs, rollout_logprobs, response_mask, cap)
+        return tis_weights(old_logprobs, behaviour_logprobs, response_mask, cap)
     if mode == "token_mask":
         return token_mask_weights(
-            old_logprobs, rollout_logprobs, response_mask, band or DEFAULT_TOKEN_BAND
+            old_logprobs, behaviour_logprobs, response_mask, band or DEFAULT_TOKEN_BAND
         )
     if mode == "seq_mask":
         return sequence_mask_weights(
-            old_logprobs, rollout_logprobs, response_mask, band or DEFAULT_SEQUENCE_BAND
+            old_logprobs, behaviour_logprobs, response_mask, band or DEFAULT_SEQUENCE_BAND
         )
     return None, {}
 
@@ -245,7 +248,7 @@ def correction_weights(
 def sequence_correction_weights(
     mode: str,
     old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     response_mask: Tensor,
     *,
     cap: float = DEFAULT_CAP,
@@ -264,7 +267,7 @@ def sequence_correction_weights(
         raise ValueError(f"rollout correction {mode!r}: expected one of {', '.join(CORRECTIONS)}")
     if mode in ("none", "bypass"):
         return None
-    lr = log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    lr = log_ratio(old_logprobs, behaviour_logprobs, response_mask)
     n = response_mask.sum(1)
     mean_lr = lr.sum(1) / n.clamp_min(1).to(lr.dtype)  # (B,)
     rows = n > 0

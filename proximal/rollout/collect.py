@@ -5,12 +5,17 @@ PPO, GRPO and RLOO differ in what they do with a scored rollout, not in how they
 the one place they get it. With ``group_size`` G > 1 every prompt is answered G times (GRPO's
 group, RLOO's k samples): rows b·G … b·G + G − 1 answer prompt b. A rank takes whole prompts, so a
 group never splits across ranks and its statistics need no reduction.
+
+How a batch of prompts becomes responses is the run's :class:`Responder`, chosen once where its
+environments are built: :class:`SingleTurn` (one ``generate`` per prompt) here, the multi-turn one
+(:class:`proximal.agents.collect.MultiTurn`) in ``agents``. :func:`collect`, the evaluations and the
+trainers take a responder and never ask which one it is.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +32,155 @@ from proximal.rollout.scoring import Scorer
 
 
 @dataclass
+class Prompts:
+    """A batch of prompts as a responder reads them, one entry per row: token ids, texts, messages
+    (None for a plain-text row), columns (the dataset's other fields, or None) and the row's seed
+    (:func:`~proximal.rollout.engine.row_seed`)."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    messages: list
+    columns: list[dict] | None
+    seeds: list[int]
+
+    @classmethod
+    def of(cls, prompt_set, idx: list[int], seeds: list[int]) -> Prompts:
+        """Rows ``idx`` of a :class:`~proximal.data.prompts.PromptSet`."""
+        return cls(
+            [prompt_set.token_ids[i] for i in idx],
+            [prompt_set.texts[i] for i in idx],
+            [prompt_set.messages[i] for i in idx],
+            prompt_set.columns_of(idx),
+            seeds,
+        )
+
+
+@dataclass
+class Sampling:
+    """How one response (a multi-turn rollout: one turn) is sampled."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+
+
+@dataclass
+class Responses:
+    """A responder's answer to a batch of prompts: the rollout (ids, masks, the engine's
+    ``behaviour_logprobs``), what the reward functions read as each completion (None: the decoded
+    responses), whether every row is scored by a source the responder adds (``scored_elsewhere``),
+    the per-turn rewards (B, T) float32 (None: none), each row's record for ``samples.jsonl``
+    (None: none) and ``detail``, the responder's own (a multi-turn one's trajectories)."""
+
+    rollout: Rollout
+    completions: list | None = None
+    scored_elsewhere: bool = False
+    turn_rewards: torch.Tensor | None = None
+    records: list[dict] | None = None
+    detail: object = None
+
+
+class Responder:
+    """Turns a batch of prompts into responses, and says what a run's step and its evaluation add
+    to them. This class is the interface, each hook the identity; :class:`SingleTurn` and
+    :class:`proximal.agents.collect.MultiTurn` implement it.
+
+    ``max_tokens``: a response's length at most (a multi-turn one's: agent and observation tokens).
+    ``row_tools``: each prompt row's tool schemas for the prompt loader (None: no tools)."""
+
+    max_tokens: int
+    row_tools = None
+    #: the evaluation's per-row columns beside the scores (:meth:`eval_row`)
+    eval_keys: tuple[str, ...] = ()
+
+    def ready(self, tokenizer, policy) -> None:
+        """Once the policy is loaded, before any step: what the responder needs of it."""
+
+    def respond(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        prompts: Prompts,
+        sampling: Sampling,
+        *,
+        device: torch.device,
+        behaviour_logprobs: bool = True,
+        keep_counts: bool = False,
+    ) -> Responses:
+        """The responses to ``prompts``; ``behaviour_logprobs``: with the engine's log μ;
+        ``keep_counts``: leave the run's step counts as they were (an evaluation)."""
+        raise NotImplementedError
+
+    def outcome(self, got: Responses, scores: torch.Tensor, components: dict) -> torch.Tensor:
+        """The scores with what the responder adds (``components`` gets its sources)."""
+        return scores
+
+    def drop(
+        self, got: Responses, valid: torch.Tensor, *, step: int, group_size: int, device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(valid, dropped)``: the rows the responder leaves out of the update, taken out of
+        ``valid``, and which they are (B,) bool."""
+        return valid, torch.zeros_like(valid)
+
+    def metrics(self, got: Responses, dropped: torch.Tensor) -> dict[str, float]:
+        """The step's metrics of the responder, over every rank."""
+        return {}
+
+    def check_offered(self, columns: list[dict] | None, source: str) -> str | None:
+        """A problem with the tools that prompt rows (``columns``, of ``source``) name, or None."""
+        return None
+
+    def eval_scores(self, got: Responses) -> dict[str, list]:
+        """The evaluation's scores the responder adds, ``{name: one per row}``."""
+        return {}
+
+    def eval_row(self, got: Responses, j: int) -> dict:
+        """Row ``j``'s :attr:`eval_keys` columns (and more) in the evaluation."""
+        return {}
+
+    def close(self) -> None:
+        """Its workers stopped, at the end of the run."""
+
+
+class SingleTurn(Responder):
+    """One response per prompt: one ``generate``, masked after the stop (:func:`sample`)."""
+
+    def __init__(self, max_tokens: int = 0):
+        self.max_tokens = max_tokens
+
+    def respond(
+        self,
+        engine,
+        tokenizer,
+        prompts,
+        sampling,
+        *,
+        device,
+        behaviour_logprobs=True,
+        keep_counts=False,
+    ):
+        prompt_ids, prompt_mask = pad_left(prompts.token_ids, tokenizer.pad_token_id, device)
+        rollout = sample(
+            engine,
+            tokenizer,
+            prompt_ids,
+            prompt_mask,
+            seeds=prompts.seeds,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop_token_ids=sampling.stop_token_ids,
+            stop_strings=sampling.stop_strings,
+            logprobs=behaviour_logprobs,
+        )
+        return Responses(rollout)
+
+
+@dataclass
 class Collected:
     """A scored rollout: this rank's rows of the step's global batch."""
 
@@ -34,13 +188,21 @@ class Collected:
     prompts: list[str]  # (B,) prompt texts, one per row (repeated within a group)
     scores: torch.Tensor  # (B,) total score, float32 (penalty included; may be non-finite)
     components: dict[str, torch.Tensor]  # each reward source's (B,) score
-    valid: torch.Tensor  # (B,) bool: finite score (rows to train on)
+    valid: torch.Tensor  # (B,) bool: finite score and not dropped (rows to train on)
     positions: list[int]  # each row's index in the global batch of rows
     generate_s: float  # seconds spent generating
+    dropped: torch.Tensor | None = None  # (B,) bool: left out by the responder (env.on_failure)
+    turn_rewards: torch.Tensor | None = None  # (B, T) per-turn rewards; None: none
+    records: list[dict] | None = None  # each row's samples.jsonl record beside the scores
+    metrics: dict[str, float] = field(default_factory=dict)  # the responder's step metrics
 
     def nonfinite_rows(self) -> int:
-        """This rank's rows left out of training for a non-finite score."""
-        return int((~self.valid).sum())
+        """This rank's rows left out of training for a non-finite score (not those the responder
+        dropped: ``valid`` holds both)."""
+        left_out = ~self.valid
+        if self.dropped is not None:
+            left_out = left_out & ~self.dropped
+        return int(left_out.sum())
 
 
 def load_inputs(
@@ -101,44 +263,54 @@ def collect(
     missing_eos_penalty: float | None = None,
     nonfinite: str = "skip",
     group_size: int = 1,
+    responder: Responder | None = None,
 ) -> Collected:
-    """Take the next global batch of prompts from ``sampler``, sample ``group_size`` responses to each
-    of this rank's prompts, score them, and guard non-finite scores (:func:`finite_rows`).
+    """Take the next global batch of prompts from ``sampler``, have ``responder`` (default:
+    :class:`SingleTurn`) answer each of this rank's prompts ``group_size`` times, score the
+    responses, and guard non-finite scores (:func:`finite_rows`).
 
     Row r of the global batch draws its tokens from a generator seeded by (seed, step, r), so the
     rollout is the same on any number of processes (:mod:`proximal.rollout.engine`). The engine's
-    log-probabilities of the sampled tokens, log μ, come with it (``rollout.logprobs``).
+    log-probabilities of the sampled tokens, log μ, come with it (``rollout.behaviour_logprobs``).
     """
+    responder = responder if responder is not None else SingleTurn(max_new_tokens)
     t0 = time.perf_counter()
     batch = sampler.next_global_batch()
     mine = sampler.local_part(list(range(len(batch))))  # this rank's prompt positions
     positions = [p * group_size + j for p in mine for j in range(group_size)]
     idx = [batch[p] for p in mine for _ in range(group_size)]
-    prompt_ids, prompt_mask = pad_left(
-        [prompt_set.token_ids[i] for i in idx], tokenizer.pad_token_id, device
-    )
-    texts, messages = [prompt_set.texts[i] for i in idx], [prompt_set.messages[i] for i in idx]
-    columns = prompt_set.columns_of(idx)  # this rank's rows' columns, for the reward functions
-    rollout = sample(
-        engine,
-        tokenizer,
-        prompt_ids,
-        prompt_mask,
-        seeds=[row_seed(seed, step, r) for r in positions],
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        stop_strings=stop_strings,
-        logprobs=True,
-    )
+    prompts = Prompts.of(prompt_set, idx, [row_seed(seed, step, r) for r in positions])
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, stop_strings)
+    got = responder.respond(engine, tokenizer, prompts, sampling, device=device)
+    rollout, texts = got.rollout, prompts.texts
     generate_s = time.perf_counter() - t0
-    scores, components = scorer(rollout, texts, messages, columns=columns, step=step)
+    scores, components = scorer(
+        rollout,
+        texts,
+        prompts.messages,
+        columns=prompts.columns,  # this rank's rows' columns, for the reward functions
+        step=step,
+        completions=got.completions,
+        scored_elsewhere=got.scored_elsewhere,
+    )
+    scores = responder.outcome(got, scores, components)
     if missing_eos_penalty is not None:
         scores = torch.where(rollout.ended, scores, scores + missing_eos_penalty)
     valid = finite_rows(scores, texts, step=step, policy=nonfinite, device=device)
-    return Collected(rollout, texts, scores, components, valid, positions, generate_s)
+    valid, dropped = responder.drop(got, valid, step=step, group_size=group_size, device=device)
+    return Collected(
+        rollout,
+        texts,
+        scores,
+        components,
+        valid,
+        positions,
+        generate_s,
+        dropped=dropped,
+        turn_rewards=got.turn_rewards,
+        records=got.records,
+        metrics=responder.metrics(got, dropped),
+    )
 
 
 def finite_rows(

@@ -39,14 +39,13 @@ class Experience:
     rollout: Rollout
     scores: torch.Tensor  # (B,) float32, 0 where not valid
     valid: torch.Tensor  # (B,) bool
-    logprobs: torch.Tensor | None = (
-        None  # (B, T) log π_old(y_t | s_t); None: π_old is the policy about to
-    )
-    # take its one optimiser step on this batch (see compute_experience)
+    # (B, T) log π_old(y_t | s_t); None: π_old is the policy about to take its one optimiser step
+    # on this batch (see compute_experience)
+    old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # (B, T) log π_ref(y_t | s_t)
-    # (B, T) log μ(y_t | s_t): the engine's, from the logits it sampled with (rollout.logprobs);
+    # (B, T) log μ(y_t | s_t): the engine's, from the logits it sampled with (rollout.behaviour_logprobs);
     # π_old/μ is the rollout mismatch (proximal.core.correction)
-    rollout_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # (B, T) V_old(s_t)
     advantages: torch.Tensor | None = None  # (B, T) per token, or (B,) per sequence
     returns: torch.Tensor | None = None  # (B, T) V^targ
@@ -117,22 +116,22 @@ def compute_experience(
     critic=None,
     temperature: float = 1.0,
     micro_batch_size: int = 8,
-    old_logprobs: bool = True,
+    old_pass: bool = True,
     logprobs_path: str = "fused",
 ) -> Experience:
     """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
     or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients.
 
-    ``old_logprobs=False`` skips the π_old pass (``logprobs`` is None): right when the batch gets exactly
+    ``old_pass=False`` skips the π_old pass (``old_logprobs`` is None): right when the batch gets exactly
     one optimiser step, for then π_old *is* the policy in the update's forward pass, whose own
     log-probabilities, detached, serve as log π_old — ρ = 1 and ∇ρ = ∇log π, the same gradient, one
     forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation).
 
     ``logprobs_path``: ``train.logprobs``, how both log-probabilities are computed (from the hidden
     states, or through the logits: :func:`proximal.models.output.token_logprobs`)."""
-    logprobs = (
+    old = (
         sequence_token_logprobs(actor, rollout, temperature, micro_batch_size, logprobs_path)
-        if old_logprobs
+        if old_pass
         else None
     )
     ref = None
@@ -151,7 +150,13 @@ def compute_experience(
         values = torch.cat(parts)
     scores = torch.where(valid, scores, 0.0).float()
     return Experience(
-        rollout, scores, valid, logprobs, ref, rollout_logprobs=rollout.logprobs, values=values
+        rollout,
+        scores,
+        valid,
+        old,
+        ref,
+        behaviour_logprobs=rollout.behaviour_logprobs,
+        values=values,
     )
 
 
@@ -186,7 +191,11 @@ def gather(exp: Experience) -> Experience:
                 r.ended,
             )
         ),
-        logprobs=None if r.logprobs is None else dist.all_gather_cat(right(r.logprobs)),
+        behaviour_logprobs=(
+            None
+            if r.behaviour_logprobs is None
+            else dist.all_gather_cat(right(r.behaviour_logprobs))
+        ),
         context_mask=None if r.context_mask is None else dist.all_gather_cat(right(r.context_mask)),
     )
     out = {}

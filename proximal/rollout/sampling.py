@@ -28,7 +28,7 @@ class Rollout:
     prompt_ids / prompt_mask: (B, P), left-padded. response_ids: (B, T), pad after the stop.
     response_mask: (B, T) bool, True = a real response token (the stop token included).
     ended: (B,) bool, True where the response stopped (EOS, stop token or stop string) before T.
-    logprobs: (B, T) float32 log μ(y_t | s_t), each token's log-probability under the distribution
+    behaviour_logprobs: (B, T) float32 log μ(y_t | s_t), each token's log-probability under the distribution
     the engine sampled it from (tempered, before top-k/top-p: :meth:`RolloutEngine.generate`), 0
     after the stop; None unless asked for (:func:`sample`'s ``logprobs``).
     context_mask: (B, T) bool or None. A multi-turn rollout (:mod:`proximal.agents.trajectory`) has
@@ -45,7 +45,7 @@ class Rollout:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     ended: torch.Tensor
-    logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
     context_mask: torch.Tensor | None = None
 
     @property
@@ -87,7 +87,7 @@ class Rollout:
             r.response_ids[:, :t1],
             r.response_mask[:, :t1],
             r.ended,
-            None if r.logprobs is None else r.logprobs[:, :t1],
+            None if r.behaviour_logprobs is None else r.behaviour_logprobs[:, :t1],
             None if r.context_mask is None else r.context_mask[:, :t1],
         )
 
@@ -157,7 +157,7 @@ def sample(
 
     ``seeds`` holds one seed per row (:func:`proximal.rollout.engine.row_seed`); a row's tokens depend
     on its seed and prompt only. ``logprobs``: the engine's log μ of each token in
-    :attr:`Rollout.logprobs` (0 after the stop).
+    :attr:`Rollout.behaviour_logprobs` (0 after the stop).
     """
     if isinstance(engine, torch.nn.Module):
         engine = HFEngine(engine, tokenizer.pad_token_id)

@@ -44,7 +44,7 @@ def metric_band(mode: str, band: list[float] | None) -> tuple[float, float]:
 
 def mismatch_metrics(
     old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
     mask: torch.Tensor,
     *,
     mode: str,
@@ -57,16 +57,16 @@ def mismatch_metrics(
     ``outside_band_frac``), and what ``mode`` did with them
     (:func:`~proximal.core.correction.correction_weights`' stats as ``rollout/correction_*``:
     ``weight_mean`` and ``truncated_frac``, ``masked_frac`` or ``masked_seq_frac``). An engine
-    that gave no log-probabilities (``rollout_logprobs`` None) gets NaN for the first six."""
-    if rollout_logprobs is None:
+    that gave no log-probabilities (``behaviour_logprobs`` None) gets NaN for the first six."""
+    if behaviour_logprobs is None:
         return dict.fromkeys(_MISMATCH.values(), math.nan)
-    st = mismatch_stats(old_logprobs, rollout_logprobs, mask, band=metric_band(mode, band))
+    st = mismatch_stats(old_logprobs, behaviour_logprobs, mask, band=metric_band(mode, band))
     out = {name: float(st[key]) for key, name in _MISMATCH.items()}
     if int(mask.sum()) > 0:
         _, done = correction_weights(
             mode,
             old_logprobs,
-            rollout_logprobs,
+            behaviour_logprobs,
             mask,
             cap=cap,
             band=None if band is None else tuple(band),

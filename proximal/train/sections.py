@@ -929,7 +929,7 @@ def agent_problems(
             "rollout.stop_strings cannot be used with env/tools: a turn ends at EOS (the end of "
             "an assistant turn) or rollout.stop_token_ids; set rollout.stop_strings: []"
         )
-    budget = agent_max_tokens(env, rollout)
+    budget = agent_max_tokens(env, rollout.max_new_tokens)
     if budget < rollout.max_new_tokens:
         e.append(
             f"env.max_tokens = {budget} is smaller than one turn (rollout.max_new_tokens = "
@@ -938,9 +938,10 @@ def agent_problems(
     return e
 
 
-def agent_max_tokens(env: EnvSection, rollout: RolloutSection) -> int:
-    """A trajectory's response budget: ``env.max_tokens``, or ``env.max_turns`` turns."""
-    return env.max_tokens if env.max_tokens is not None else env.max_turns * rollout.max_new_tokens
+def agent_max_tokens(env: EnvSection, max_new_tokens: int) -> int:
+    """A trajectory's response budget: ``env.max_tokens``, or ``env.max_turns`` turns of
+    ``max_new_tokens`` (``rollout.max_new_tokens``)."""
+    return env.max_tokens if env.max_tokens is not None else env.max_turns * max_new_tokens
 
 
 def keep_best_problems(output: OutputSection, has_eval: bool, what: str) -> list[str]:

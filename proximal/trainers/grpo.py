@@ -31,13 +31,6 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import (
-    agent_collect,
-    check_template,
-    context_length,
-    run_environments,
-    run_tools,
-)
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -55,19 +48,10 @@ from proximal.core import (
     sequence_correction_weights,
 )
 from proximal.data.chat import set_chat_template
-from proximal.data.sampler import Sampler
-from proximal.evaluation import (
-    AgentEval,
-    eval_postfix,
-    held_out_metrics,
-    reward_weights,
-    training_eval,
-)
-from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
-from proximal.rollout.collect import collect, load_inputs
-from proximal.rollout.engine import HFEngine, row_seed
+from proximal.rollout.collect import collect
+from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer, score_metrics
@@ -77,9 +61,8 @@ from proximal.train.command import config_command
 from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
-from proximal.train.run import due, open_run
-from proximal.train.sections import agent_max_tokens
 from proximal.trainers.grpo_config import ADVANTAGES, REINFORCE_PP, GRPOConfig
+from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
 
 __all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
 
@@ -88,69 +71,13 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run GRPO (or RLOO, Dr. GRPO, DAPO) as configured; return the run directory. ``resume_dir``
     continues a saved run exactly."""
     check_valid(cfg)
-    t, mc, r, g = cfg.train, cfg.model, cfg.rollout, cfg.grpo
-    run = open_run(
-        "grpo",
-        output_dir=cfg.output.dir,
-        overwrite=cfg.output.overwrite,
-        seed=t.seed,
-        device=t.device,
-        dist_timeout_s=t.dist_timeout_s,
-        cpu_matmul=t.cpu_matmul,
-        compile=t.compile,
-        resume_dir=resume_dir,
-        total=t.steps,
-        verbose=cfg.output.verbose,
-    )
-    d = cfg.data
-    functions, prompts = load_inputs(
-        mc.reward_functions,
-        d.prompts,
-        mc.path,
-        max_prompt_length=d.max_prompt_length,
-        on_long_prompt=d.on_long_prompt,
-        on_empty_prompt=d.on_empty_prompt,
-        chat_template=mc.chat_template,
-        split=d.split,
-        columns=d.columns,
-        tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
-    )
-    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
-    envs = run_environments(
-        cfg.env,
-        cfg.tools,
-        has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
-        columns=prompts.columns,
-        source=str(d.prompts),
-        log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
-    )
-    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
-    models = build_models(cfg, run.device, run.world_size, functions)
+    t, r, g = cfg.train, cfg.rollout, cfg.grpo
+    # Inputs, responder, models, held-out evaluation, sampler, engine: as every online method
+    # (trainers/online.py)
+    o = set_up("grpo", cfg, resume_dir, build_models)
+    run, models = o.run, o.models
     tokenizer, actor = models.tokenizer, models.actor
-    if envs is not None:  # observations go through the chat template: checked before any step
-        check_template(envs, tokenizer)
-    evaluation = training_eval(
-        cfg.eval,
-        tokenizer,
-        functions=functions,
-        weights=reward_weights(mc.reward_model, mc.reward_model_weight, mc.function_weights()),
-        max_new_tokens=r.max_new_tokens,
-        seed=t.seed,
-        max_prompt_length=d.max_prompt_length,
-        timeout_s=mc.reward_timeout_s,
-        # env/tools: the held-out responses are trajectories, with the run's environments and limits
-        agent=None
-        if envs is None
-        else AgentEval(envs, cfg.env.max_turns, max_length, context_length(actor)),
-    )
-    sampler = Sampler(
-        len(prompts),
-        r.batch_size,
-        seed=t.seed,
-        shuffle=cfg.data.shuffle,
-        rank=run.rank,
-        world_size=run.world_size,
-    )
+    settings = GRPOUpdate.of(cfg, o.responder.max_tokens)  # what the update reads of the config
     G, mini = r.group_size, cfg.mini_batch_size
     one_step_per_batch = g.iterations == 1 and mini == cfg.responses_per_step
     kl_reward = g.kl == "reward"  # β·k1 in the rewards: needs log π_old before the update
@@ -161,49 +88,16 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     opt, sched = optimizer_and_scheduler(
         actor, cfg.optim, total_steps=t.steps * g.iterations * (cfg.responses_per_step // mini)
     )
-    engine = HFEngine(
-        actor,
-        tokenizer.pad_token_id,
-        gather_weights=r.gather_weights,
-        lean_decode=r.lean_decode,
-        precision=r.engine_precision(t.precision),
-    )
     trained = {"actor": (actor, opt)}
-    stateful = {"actor_scheduler": sched, "sampler": sampler}
-    start, counters = run.restore(trained, stateful)
-    counters = {"skipped_nonfinite": 0, "skipped_uniform_groups": 0, **counters}
-    run.begin(
-        cfg,
-        start=start,
-        total=t.steps,
-        counters=counters,
-        progress=cfg.output.progress,
-        tensorboard=cfg.output.tensorboard,
-        wandb_project=cfg.output.wandb_project,
-        precision=t.precision,
-        rollout_precision=r.engine_precision(t.precision),
-    )
-    run.record_models(
-        engine=engine,
+    stateful = {"actor_scheduler": sched, "sampler": o.sampler}
+    resident = dict(
         actor=actor,
         reference=models.reference.model if models.reference is not None else None,
         reward_model=models.scorer.reward_model,
     )
-    run.track_best(cfg.output.keep_best, cfg.output.keep_best_mode)
-
-    # The sampled held-out metrics (``eval``) at a step, {} when none are due.
-    held_out = held_out_metrics(
-        evaluation,
-        t.steps,
-        actor,
-        reference=models.reference,
-        tokenizer=tokenizer,
-        scorer=models.scorer,
-        engine=engine,
-    )
-
-    if start == 0 and evaluation is not None:
-        run.log(0, held_out(0))  # the starting policy
+    counters = {"skipped_nonfinite": 0, "skipped_uniform_groups": 0}
+    start, counters = begin(o, cfg, trained, stateful, counters, resident)
+    engine = o.engine
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -213,29 +107,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
         # (agents/collect.py), and its score its outcome plus its turn rewards: the group's baseline
         # is over whole trajectories.
-        source = dict(
-            prompt_set=prompts,
-            sampler=sampler,
-            engine=engine,
-            scorer=models.scorer,
-            tokenizer=tokenizer,
-            seed=t.seed,
-            device=run.device,
-            group_size=G,
-            **r.collect_kwargs(),
-        )
-        if envs is None:
-            got = collect(step, **source)
-        else:
-            got = agent_collect(
-                step,
-                envs=envs,
-                max_turns=cfg.env.max_turns,
-                max_tokens=max_length,
-                max_context=context_length(actor),
-                on_failure=cfg.env.on_failure,
-                **source,
-            )
+        got = collect(step, **o.collect_args(cfg, group_size=G))
+        if got.turn_rewards is not None:  # GRPO/RLOO: the baseline is over whole trajectories
             got.scores = got.scores + got.turn_rewards.sum(1)
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
@@ -252,12 +125,12 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 reference=models.reference,
                 temperature=r.temperature,
                 micro_batch_size=g.micro_batch_size,
-                old_logprobs=old_in_experience,
+                old_pass=old_in_experience,
                 logprobs_path=t.logprobs,
             )
         )
         if bypass:
-            exp = exp.replace(logprobs=exp.rollout_logprobs)
+            exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
         scored = exp.valid  # (B,) rows with a finite score; exp.valid becomes the rows trained on
 
         # 5. One advantage per response from its group's scores (no critic, no GAE); DAPO's filters leave
@@ -274,7 +147,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             skip_uniform_groups=g.skip_uniform_groups,
             mask_truncated=g.mask_truncated,
         )
-        kl = kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") if kl_reward else None
+        kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_reward else None
         if g.advantage in REINFORCE_PP:
             advantages = reinforce_pp_advantages(
                 exp.scores,
@@ -299,35 +172,19 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         with at_step(step):
             update = grpo_update(
                 exp,
+                settings,
                 actor=Trained(actor, opt, sched),
-                aggregation=cfg.aggregation,
-                objective=g.objective,
-                dual_clip=g.dual_clip,
-                entropy_coef=g.entropy_coef,
-                iterations=g.iterations,
-                mini_batch_size=mini,
-                micro_batch_size=g.micro_batch_size,
-                clip_eps=g.clip_eps,
-                clip_eps_high=g.clip_eps_high,
-                beta=0.0 if kl_reward else g.beta,
-                temperature=r.temperature,
-                max_length=max_length,
-                max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
-                logprobs_path=t.logprobs,
-                correction=r.correction_mode,
-                correction_cap=r.correction_cap,
-                correction_band=r.correction_band,
                 record_first_step=not old_in_experience,
             )
         engine.after_update()
         t_train = time.perf_counter() - t1
         # μ against π_old on the trained tokens (those of the update's first mini-batch when π_old was
         # its forward: all of them by default)
-        old, rows = (exp.logprobs, exp.valid) if old_in_experience else update.pop("first_step")
+        old, rows = (exp.old_logprobs, exp.valid) if old_in_experience else update.pop("first_step")
         mismatch = mismatch_metrics(
             old,
-            exp.rollout_logprobs,
+            exp.behaviour_logprobs,
             exp.mask & rows[:, None],
             mode=r.correction_mode,
             cap=r.correction_cap,
@@ -348,7 +205,10 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             trained={"actor": update["trained"]},
             device=run.device,
         )
-        w, lengths = got.valid.float(), got.rollout.response_mask.sum(1).float()
+        w = got.valid.float()
+        counted = {
+            f"data/{k}": counters[k] for k in ("skipped_nonfinite", "skipped_uniform_groups")
+        }
         metrics = {
             "score/mean": dist.global_mean(got.scores, w),
             "score/std": float(exp.scores[scored].double().std()) if int(scored.sum()) > 1 else 0.0,
@@ -357,69 +217,35 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             "data/trained_frac": float(exp.valid.float().mean()),
             **update.pop("stats"),
             **mismatch,
-            "response/length_mean": dist.global_mean(lengths, w),
-            "response/eos_frac": dist.global_mean(got.rollout.ended.float(), w),
-            "data/skipped_nonfinite": counters["skipped_nonfinite"],
-            "data/skipped_uniform_groups": counters["skipped_uniform_groups"],
-            "data/epoch": sampler.epoch,
-            "data/prompts_skipped_too_long": prompts.skipped_too_long,
-            "data/prompts_truncated": prompts.truncated,
-            "data/prompts_skipped_empty": prompts.skipped_empty,
-            "speed/gen_tokens_per_s": dist.global_sum(lengths.sum()) / max(got.generate_s, 1e-9),
-            "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            **run.utilisation(step_s, flops=flops, tokens=update["tokens"]),
-            "time/step_s": step_s,
-            "time/wall_s": run.wall_s(),
-            **(got.metrics() if envs is not None else {}),
+            **common_metrics(
+                o,
+                got,
+                counted,
+                step_s=step_s,
+                t_train=t_train,
+                tokens=update["tokens"],
+                flops=flops,
+            ),
         }
-        metrics.update(held_out(step))
-        run.log(
+        postfix = {
+            "score": metrics["score/mean"],
+            "uniform": metrics["data/uniform_group_frac"],
+            **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
+        }
+        log_step(o, cfg, step, got, metrics, postfix)
+        end_step(
+            o,
+            cfg,
             step,
-            metrics,
-            postfix={
-                "score": metrics["score/mean"],
-                "uniform": metrics["data/uniform_group_frac"],
-                **({"kl": metrics["kl/ref_k3"]} if "kl/ref_k3" in metrics else {}),
-                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
-                **eval_postfix(metrics, cfg.output.keep_best),
-            },
+            trained=trained,
+            stateful=stateful,
+            counters=counters,
+            # the trained policy (safetensors + tokenizer) in the run directory itself, before the
+            # last checkpoint: --model.path runs/grpo starts the next stage from it
+            exports={"policy": (actor, tokenizer)},
+            export=lambda: export_final(run.dir, actor, tokenizer),
         )
-        if run.is_main:
-            write_samples(
-                run.dir,
-                step,
-                got.prompts,
-                models.scorer.completions(got.rollout),
-                got.scores,
-                got.components,
-                got.valid,
-                cfg.output.samples_per_step,
-                extra=got.records() if envs is not None else None,
-            )
-        # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
-        if step == t.steps:
-            # The trained policy (safetensors + tokenizer) in the run directory itself, before the
-            # last checkpoint: --model.path runs/grpo starts the next stage from it.
-            export_final(run.dir, actor, tokenizer)
-        stop = run.stop_requested()
-        if stop or due(step, t.steps, t.save_every) or run.new_best(step):
-            run.save(
-                step,
-                trained=trained,
-                stateful=stateful,
-                counters=counters,
-                exports={"policy": (actor, tokenizer)},
-                keep=t.keep_checkpoints,
-            )
-        if stop:
-            run.stop(step)
-
-    if start == t.steps:  # --resume of a finished run: its policy written again
-        export_final(run.dir, actor, tokenizer)
-    if envs is not None:
-        envs.close()
-    run.finish()
-    return run.dir
+    return finish(o, cfg, start, lambda: export_final(run.dir, actor, tokenizer))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,35 +279,81 @@ _UPDATE_KEYS = [name for name, _ in _TOKEN_STATS + _LOSS_STATS] + [
 ]
 
 
+@dataclass(frozen=True)
+class GRPOUpdate:
+    """GRPO's (and RLOO's) update settings, built once where the run is built (:meth:`of`): the
+    ``grpo.*`` fields the update reads (``beta``: 0 when the KL is in the rewards), the top-level
+    ``aggregation`` and mini-batch size, the sampling ``temperature`` (``rollout.temperature``),
+    ``max_length`` (the longest response: ``rollout.max_new_tokens``, or an agent run's budget),
+    ``max_grad_norm`` (``optim.*``), ``logprobs_path`` (``train.logprobs``) and the rollout
+    correction (``rollout.correction``, ``correction_cap``, ``correction_band``)."""
+
+    aggregation: str
+    iterations: int
+    mini_batch_size: int
+    micro_batch_size: int
+    clip_eps: float | None
+    clip_eps_high: float | None
+    beta: float
+    temperature: float
+    max_length: int
+    max_grad_norm: float
+    objective: str = "clip"
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    logprobs_path: str = "fused"
+    correction: str = "none"
+    correction_cap: float = 2.0
+    correction_band: list[float] | None = None
+
+    @classmethod
+    def of(cls, cfg: GRPOConfig, max_length: int) -> GRPOUpdate:
+        g, r = cfg.grpo, cfg.rollout
+        return cls(
+            aggregation=cfg.aggregation,
+            iterations=g.iterations,
+            mini_batch_size=cfg.mini_batch_size,
+            micro_batch_size=g.micro_batch_size,
+            clip_eps=g.clip_eps,
+            clip_eps_high=g.clip_eps_high,
+            beta=0.0 if g.kl == "reward" else g.beta,  # β·k1 in the rewards: not in the loss
+            temperature=r.temperature,
+            max_length=max_length,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            objective=g.objective,
+            dual_clip=g.dual_clip,
+            entropy_coef=g.entropy_coef,
+            logprobs_path=cfg.train.logprobs,
+            correction=r.correction_mode,
+            correction_cap=r.correction_cap,
+            correction_band=r.correction_band,
+        )
+
+    @property
+    def corrected(self) -> bool:
+        """The rollout correction weighs the loss (not none, not bypass)."""
+        return self.correction not in ("none", "bypass")
+
+    @property
+    def per_response(self) -> bool:
+        """GSPO's statistics are means over responses."""
+        return self.objective in ("gspo", "gspo_token")
+
+
 def grpo_update(
     exp: Experience,
+    s: GRPOUpdate,
     *,
     actor: Trained,
-    aggregation: str,
-    objective: str = "clip",
-    dual_clip: float | None = None,
-    entropy_coef: float = 0.0,
-    iterations: int,
-    mini_batch_size: int,
-    micro_batch_size: int,
-    clip_eps: float | None,
-    clip_eps_high: float | None,
-    beta: float,
-    temperature: float,
-    max_length: int,
-    max_grad_norm: float,
     shuffle_seed: int,
-    logprobs_path: str = "fused",
-    correction: str = "none",
-    correction_cap: float = 2.0,
-    correction_band: list[float] | None = None,
     record_first_step: bool = False,
 ) -> dict:
-    """``iterations`` (μ) passes over shuffled mini-batches of the **whole** generation batch ``exp``
-    (every rank holds it), each pass against the same π_old (``exp.logprobs``, recorded when the batch
-    was sampled; None when the batch gets one optimiser step: then the forward's own log-probabilities,
-    detached); rank r trains on the r-th part of each mini-batch, in micro-batches whose gradients
-    accumulate (:func:`proximal.train.batches.accumulate`).
+    """The settings ``s`` (:class:`GRPOUpdate`). ``iterations`` (μ) passes over shuffled
+    mini-batches of the **whole** generation batch ``exp`` (every rank holds it), each pass against
+    the same π_old (``exp.old_logprobs``, recorded when the batch was sampled; None when the batch
+    gets one optimiser step: then the forward's own log-probabilities, detached); rank r trains on
+    the r-th part of each mini-batch, in micro-batches whose gradients accumulate
+    (:func:`proximal.train.batches.accumulate`; each one :func:`micro_step`).
 
     The loss is normalised by the aggregation's unit count over the whole mini-batch
     (:func:`proximal.core.aggregation_units`: valid tokens for DAPO's token-mean, responses for the
@@ -491,18 +363,8 @@ def grpo_update(
     ``mini_batch_size`` = the batch (the default) that is the whole generation batch.
     ``logprobs_path``: ``train.logprobs`` (:func:`proximal.models.output.token_logprobs`).
 
-    ``objective`` (``grpo.objective``): ``clip`` is :func:`proximal.core.grpo_policy_loss` (with
-    ``dual_clip``); ``gspo`` / ``gspo_token`` :func:`proximal.core.gspo_policy_loss` and ``cispo``
-    :func:`proximal.core.cispo_policy_loss`, each plus :func:`proximal.core.reference_kl_loss` when
-    there is a reference and β > 0. ``entropy_coef`` > 0 subtracts c·S[π_θ] (aggregated like the
-    loss) and trains through the entropy. GSPO's statistics are means over responses and are
-    averaged over them; the others' (and every objective's KL to the reference) over tokens.
-
-    ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
-    detached weights of :func:`proximal.core.correction_weights` from π_old (the ``old`` each micro
-    step ratios against) and μ (``exp.rollout_logprobs``) on each token's policy-gradient term — for
-    GSPO one per response, :func:`proximal.core.sequence_correction_weights`; ``bypass`` has
-    ``exp.logprobs`` = μ already and no weights.
+    The objective (:func:`policy_loss`) and the rollout correction (:func:`correction_weights_of`)
+    are those of ``s``.
 
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``: statistics averaged over the
     optimiser steps, and the tokens this update passed through the actor (all ranks): their count,
@@ -513,15 +375,12 @@ def grpo_update(
     """
     W, rank = dist.world_size(), dist.rank()
     B = len(exp)
-    corrected = correction not in ("none", "bypass")
-    if corrected and exp.rollout_logprobs is None:
-        raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
-    band = None if correction_band is None else tuple(correction_band)
+    if s.corrected and exp.behaviour_logprobs is None:
+        raise ValueError(f"rollout.correction {s.correction} needs the engine's log-probabilities")
     token_stats = _TOKEN_STATS + (
-        (("policy/clipfrac_dual", "clipfrac_dual"),) if dual_clip is not None else ()
+        (("policy/clipfrac_dual", "clipfrac_dual"),) if s.dual_clip is not None else ()
     )
-    per_response = objective in ("gspo", "gspo_token")  # stats are means over responses
-    per_rank = mini_batch_size // W
+    per_rank = s.mini_batch_size // W
     gen = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
@@ -531,142 +390,31 @@ def grpo_update(
         if record_first_step
         else None
     )
-    for _iteration in range(iterations):
+    for _iteration in range(s.iterations):
         order = torch.randperm(B, generator=gen).to(device)
-        for start in range(0, B, mini_batch_size):
-            mini = order[start : start + mini_batch_size]
-            units = float(aggregation_units(exp.mask[mini], aggregation))
+        for start in range(0, B, s.mini_batch_size):
+            mini = order[start : start + s.mini_batch_size]
+            units = float(aggregation_units(exp.mask[mini], s.aggregation))
             # every row of this mini-batch left out (filters, non-finite): the same on every rank
             if units == 0:
                 continue
-            norm = units / W
-
-            def micro_step(idx: torch.Tensor) -> dict:
-                m = exp.select(idx)
-                mask = m.mask
-                scores = response_logprobs(
-                    actor.module,
-                    m.rollout,
-                    temperature,
-                    mask=mask,
-                    entropy="trained" if entropy_coef > 0 else "logged",
-                    path=logprobs_path,
-                )
-                logprobs, token_ent = scores.logprobs, scores.entropy
-                old = (
-                    m.logprobs if m.logprobs is not None else logprobs.detach()
-                )  # one step: π_old = π_θ
-                if first is not None and not history:  # no optimiser step yet: π_θ = π_old
-                    first.put(idx, logprobs)
-                w = None  # the rollout correction's weights from π_old/μ (bypass: old is μ, none)
-                if corrected and per_response:
-                    w = sequence_correction_weights(
-                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
-                    )
-                elif corrected:
-                    w, _ = correction_weights(
-                        correction, old, m.rollout_logprobs, mask, cap=correction_cap, band=band
-                    )
-                if objective == "clip":
-                    loss, st = grpo_policy_loss(
-                        logprobs,
-                        old,
-                        m.ref_logprobs,
-                        m.advantages,
-                        mask,
-                        clip_eps_low=clip_eps,
-                        clip_eps_high=clip_eps_high,
-                        beta=beta,
-                        aggregation=aggregation,
-                        max_length=max_length,
-                        normalizer=norm,
-                        dual_clip=dual_clip,
-                        is_weights=w,
-                    )
-                else:
-                    if objective == "cispo":
-                        pg, st = cispo_policy_loss(
-                            logprobs,
-                            old,
-                            m.advantages,
-                            mask,
-                            clip_eps_low=clip_eps,
-                            clip_eps_high=clip_eps_high,
-                            normalizer=norm,
-                            is_weights=w,
-                        )
-                    else:
-                        pg, st = gspo_policy_loss(
-                            logprobs,
-                            old,
-                            m.advantages,
-                            mask,
-                            clip_eps_low=clip_eps,
-                            clip_eps_high=clip_eps_high,
-                            token_level=objective == "gspo_token",
-                            normalizer=norm,
-                            is_weights=w,
-                        )
-                    kl_loss, kl_ref = torch.zeros_like(pg), torch.zeros_like(pg)
-                    if m.ref_logprobs is not None:
-                        kl_loss, kl_ref = reference_kl_loss(
-                            logprobs,
-                            m.ref_logprobs,
-                            mask,
-                            beta,
-                            aggregation,
-                            max_length=max_length,
-                            normalizer=norm,
-                        )
-                    loss = pg + kl_loss
-                    st = {**st, "kl_loss": kl_loss.detach(), "kl_ref": kl_ref}
-                if entropy_coef > 0:  # the bonus: −c·S, aggregated like the loss
-                    loss = loss - entropy_coef * masked_aggregate(
-                        token_ent, mask, aggregation, max_length=max_length, normalizer=norm
-                    )
-                loss.backward()
-                entropy = masked_sum(token_ent.detach(), mask)
-                n_tok = mask.sum().double()
-                n_unit = mask.any(1).sum().double() if per_response else n_tok
-                return {
-                    "n_tokens": n_tok,
-                    "n_units": n_unit,
-                    "entropy_sum": entropy,
-                    "seen_tokens": m.rollout.attention_mask.sum(),
-                    "seen_squares": m.rollout.attention_mask.sum(1).square().sum(),
-                    "scored_tokens": mask.sum(),
-                    **{
-                        name: st[k] * (n_tok if k == "kl_ref" else n_unit)
-                        for name, k in token_stats
-                    },
-                    **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
-                    **{name: st[k] for name, k in _MAX_STATS + _MIN_STATS},
-                }
-
+            record = first if not history else None  # no optimiser step yet: π_θ = π_old
             sums = accumulate(
                 mini[rank * per_rank : (rank + 1) * per_rank],
-                micro_batch_size,
-                micro_step,
+                s.micro_batch_size,
+                lambda idx: micro_step(exp, idx, s, actor.module, units / W, token_stats, record),
                 device,
                 maxima=[name for name, _ in _MAX_STATS],
                 minima=[name for name, _ in _MIN_STATS],
             )
-            n = sums["n_tokens"]
-            row = {
-                name: sums[name] / (n if k == "kl_ref" else sums["n_units"])
-                for name, k in token_stats
-            }
-            row.update({name: sums[name] / W for name, _ in _LOSS_STATS})
-            row["policy/entropy"] = sums["entropy_sum"] / n
-            row.update({name: sums[name] for name, _ in _MAX_STATS + _MIN_STATS})
-            row["policy/clipfrac"] = row["policy/clipfrac_low"] + row["policy/clipfrac_high"]
+            row = _step_row(sums, token_stats, W)
             tokens += int(sums["seen_tokens"])
             trained += Tokens(
                 int(sums["seen_tokens"]), int(sums["seen_squares"]), int(sums["scored_tokens"])
             )
             row["lr/actor"] = actor.scheduler.get_last_lr()[0]  # the rate this step runs at
             row["grad_norm/actor"] = clip_and_step(
-                actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
+                actor.module, actor.optimizer, actor.scheduler, s.max_grad_norm, what="actor"
             )
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
@@ -682,6 +430,155 @@ def grpo_update(
     if first is not None:
         out["first_step"] = first.gathered()
     return out
+
+
+def micro_step(
+    exp: Experience,
+    idx: torch.Tensor,
+    s: GRPOUpdate,
+    model,
+    norm: float,
+    token_stats: tuple,
+    record: FirstStepLogprobs | None = None,
+) -> dict:
+    """One micro-batch (rows ``idx`` of ``exp``): log π_θ and the entropy in one forward, the
+    loss (normalised by ``norm``, the mini-batch's units per rank) backward, and its sums for the
+    step's statistics (:func:`_step_row`). ``record``: where the forward's log-probabilities go
+    before the first optimiser step (they are log π_old there)."""
+    m = exp.select(idx)
+    mask = m.mask
+    scores = response_logprobs(
+        model,
+        m.rollout,
+        s.temperature,
+        mask=mask,
+        entropy="trained" if s.entropy_coef > 0 else "logged",
+        path=s.logprobs_path,
+    )
+    logprobs, token_ent = scores.logprobs, scores.entropy
+    # one step: π_old = π_θ
+    old = m.old_logprobs if m.old_logprobs is not None else logprobs.detach()
+    if record is not None:
+        record.put(idx, logprobs)
+    w = correction_weights_of(s, old, m.behaviour_logprobs, mask)
+    loss, st = policy_loss(s, logprobs, old, m, mask, norm, w)
+    if s.entropy_coef > 0:  # the bonus: −c·S, aggregated like the loss
+        loss = loss - s.entropy_coef * masked_aggregate(
+            token_ent, mask, s.aggregation, max_length=s.max_length, normalizer=norm
+        )
+    loss.backward()
+    entropy = masked_sum(token_ent.detach(), mask)
+    n_tok = mask.sum().double()
+    n_unit = mask.any(1).sum().double() if s.per_response else n_tok
+    return {
+        "n_tokens": n_tok,
+        "n_units": n_unit,
+        "entropy_sum": entropy,
+        "seen_tokens": m.rollout.attention_mask.sum(),
+        "seen_squares": m.rollout.attention_mask.sum(1).square().sum(),
+        "scored_tokens": mask.sum(),
+        **{name: st[k] * (n_tok if k == "kl_ref" else n_unit) for name, k in token_stats},
+        **{name: (loss if k == "loss" else st[k]) for name, k in _LOSS_STATS},
+        **{name: st[k] for name, k in _MAX_STATS + _MIN_STATS},
+    }
+
+
+def correction_weights_of(
+    s: GRPOUpdate, old: torch.Tensor, behaviour: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor | None:
+    """The rollout correction's detached weights from π_old (``old``, the one each micro step
+    ratios against) and μ (``behaviour``) on each token's policy-gradient term
+    (:func:`proximal.core.correction_weights`) — for GSPO one per response,
+    :func:`proximal.core.sequence_correction_weights`; None for none and bypass (bypass has
+    ``exp.old_logprobs`` = μ already)."""
+    if not s.corrected:
+        return None
+    band = None if s.correction_band is None else tuple(s.correction_band)
+    if s.per_response:
+        return sequence_correction_weights(
+            s.correction, old, behaviour, mask, cap=s.correction_cap, band=band
+        )
+    w, _ = correction_weights(s.correction, old, behaviour, mask, cap=s.correction_cap, band=band)
+    return w
+
+
+def policy_loss(
+    s: GRPOUpdate,
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    m: Experience,
+    mask: torch.Tensor,
+    norm: float,
+    w: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict]:
+    """``(loss, stats)`` of ``s.objective`` (``grpo.objective``): ``clip`` is
+    :func:`proximal.core.grpo_policy_loss` (with ``dual_clip``); ``gspo`` / ``gspo_token``
+    :func:`proximal.core.gspo_policy_loss` and ``cispo`` :func:`proximal.core.cispo_policy_loss`,
+    each plus :func:`proximal.core.reference_kl_loss` when there is a reference and β > 0."""
+    if s.objective == "clip":
+        return grpo_policy_loss(
+            logprobs,
+            old,
+            m.ref_logprobs,
+            m.advantages,
+            mask,
+            clip_eps_low=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
+            beta=s.beta,
+            aggregation=s.aggregation,
+            max_length=s.max_length,
+            normalizer=norm,
+            dual_clip=s.dual_clip,
+            is_weights=w,
+        )
+    if s.objective == "cispo":
+        pg, st = cispo_policy_loss(
+            logprobs,
+            old,
+            m.advantages,
+            mask,
+            clip_eps_low=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
+            normalizer=norm,
+            is_weights=w,
+        )
+    else:
+        pg, st = gspo_policy_loss(
+            logprobs,
+            old,
+            m.advantages,
+            mask,
+            clip_eps_low=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
+            token_level=s.objective == "gspo_token",
+            normalizer=norm,
+            is_weights=w,
+        )
+    kl_loss, kl_ref = torch.zeros_like(pg), torch.zeros_like(pg)
+    if m.ref_logprobs is not None:
+        kl_loss, kl_ref = reference_kl_loss(
+            logprobs,
+            m.ref_logprobs,
+            mask,
+            s.beta,
+            s.aggregation,
+            max_length=s.max_length,
+            normalizer=norm,
+        )
+    return pg + kl_loss, {**st, "kl_loss": kl_loss.detach(), "kl_ref": kl_ref}
+
+
+def _step_row(sums: dict, token_stats: tuple, W: int) -> dict:
+    """One optimiser step's statistics from its micro-batches' sums (:func:`micro_step`): token
+    (or, for GSPO, response) means, the losses (summed over ranks, each 1/W of the mini-batch's),
+    the entropy per token, the maxima and minima."""
+    n = sums["n_tokens"]
+    row = {name: sums[name] / (n if k == "kl_ref" else sums["n_units"]) for name, k in token_stats}
+    row.update({name: sums[name] / W for name, _ in _LOSS_STATS})
+    row["policy/entropy"] = sums["entropy_sum"] / n
+    row.update({name: sums[name] for name, _ in _MAX_STATS + _MIN_STATS})
+    row["policy/clipfrac"] = row["policy/clipfrac_low"] + row["policy/clipfrac_high"]
+    return row
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,13 +25,6 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.agents.collect import (
-    agent_collect,
-    check_template,
-    context_length,
-    run_environments,
-    run_tools,
-)
 from proximal.config import check_valid
 from proximal.core import (
     aggregation_units,
@@ -50,21 +43,13 @@ from proximal.data.chat import set_chat_template
 from proximal.data.collate import pad_right
 from proximal.data.prompts import load_texts
 from proximal.data.sampler import Sampler
-from proximal.evaluation import (
-    AgentEval,
-    eval_postfix,
-    held_out_metrics,
-    reward_weights,
-    training_eval,
-)
-from proximal.logging import write_samples
 from proximal.models.flops import Tokens
 from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.output import TokenScores, token_logprobs
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
-from proximal.rollout.collect import collect, load_inputs
-from proximal.rollout.engine import HFEngine, row_seed
+from proximal.rollout.collect import collect
+from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
 from proximal.rollout.sampling import response_logprobs
 from proximal.rollout.scoring import build_scorer, same_tokenizer, score_metrics
@@ -74,8 +59,7 @@ from proximal.train.command import config_command
 from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import global_tokens, online_step_flops
-from proximal.train.run import due, open_run
-from proximal.train.sections import agent_max_tokens
+from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
@@ -84,87 +68,15 @@ __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
 def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
     """Run PPO as configured; return the run directory. ``resume_dir`` continues a saved run exactly."""
     check_valid(cfg)
-    t, mc, r, p = cfg.train, cfg.model, cfg.rollout, cfg.ppo
-    run = open_run(
-        "ppo",
-        output_dir=cfg.output.dir,
-        overwrite=cfg.output.overwrite,
-        seed=t.seed,
-        device=t.device,
-        dist_timeout_s=t.dist_timeout_s,
-        cpu_matmul=t.cpu_matmul,
-        compile=t.compile,
-        resume_dir=resume_dir,
-        total=t.steps,
-        verbose=cfg.output.verbose,
-    )
-    d = (
-        cfg.data
-    )  # reward functions and prompts first: a mistake in either is reported before any model loads
-    functions, prompts = load_inputs(
-        mc.reward_functions,
-        d.prompts,
-        mc.path,
-        max_prompt_length=d.max_prompt_length,
-        on_long_prompt=d.on_long_prompt,
-        on_empty_prompt=d.on_empty_prompt,
-        chat_template=mc.chat_template,
-        split=d.split,
-        columns=d.columns,
-        tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
-    )
-    # env / tools: a multi-turn trajectory per row instead of one response (docs/agents.md)
-    envs = run_environments(
-        cfg.env,
-        cfg.tools,
-        has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
-        columns=prompts.columns,
-        source=str(d.prompts),
-        log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
-    )
-    max_length = r.max_new_tokens if envs is None else agent_max_tokens(cfg.env, r)
-
-    models = build_models(cfg, run.device, run.world_size, functions)
+    t, r, p = cfg.train, cfg.rollout, cfg.ppo
+    # Inputs, responder, models, held-out evaluation, sampler, engine: as every online method
+    # (trainers/online.py)
+    o = set_up("ppo", cfg, resume_dir, build_models)
+    run, models = o.run, o.models
     tokenizer, actor, critic = models.tokenizer, models.actor, models.critic
-    if envs is not None:  # observations go through the chat template: checked before any step
-        check_template(envs, tokenizer)
-    evaluation = training_eval(
-        cfg.eval,
-        tokenizer,
-        functions=functions,
-        weights=reward_weights(mc.reward_model, mc.reward_model_weight, mc.function_weights()),
-        max_new_tokens=r.max_new_tokens,
-        seed=t.seed,
-        max_prompt_length=d.max_prompt_length,
-        timeout_s=mc.reward_timeout_s,
-        # env/tools: the held-out responses are trajectories, with the run's environments and limits
-        agent=None
-        if envs is None
-        else AgentEval(envs, cfg.env.max_turns, max_length, context_length(actor)),
-    )
-    sampler = Sampler(
-        len(prompts),
-        r.batch_size,
-        seed=t.seed,
-        shuffle=cfg.data.shuffle,
-        rank=run.rank,
-        world_size=run.world_size,
-    )
-    ptx = None
-    if p.ptx_coef > 0:
-        texts = load_texts(cfg.data.ptx_file, tokenizer=tokenizer)
-        ptx = PTXData(
-            texts,
-            Sampler(
-                len(texts),
-                cfg.data.ptx_batch_size,
-                seed=t.seed + 7,
-                rank=run.rank,
-                world_size=run.world_size,
-            ),
-            cfg.data.ptx_max_length,
-            p.ptx_coef,
-        )
+    max_length = o.responder.max_tokens
+    settings = PPOUpdate.of(cfg, max_length)  # what the update reads of the config
+    ptx = load_ptx(cfg, tokenizer, run) if p.ptx_coef > 0 else None
     opt_steps = t.steps * p.epochs * (r.batch_size // p.mini_batch_size)
     actor_opt, actor_sched = optimizer_and_scheduler(actor, cfg.optim, total_steps=opt_steps)
     critic_opt, critic_sched = optimizer_and_scheduler(
@@ -177,57 +89,23 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         k_beta=cfg.kl.k_beta,
         horizon=cfg.kl.horizon,
     )
-    engine = HFEngine(
-        actor,
-        tokenizer.pad_token_id,
-        gather_weights=r.gather_weights,
-        lean_decode=r.lean_decode,
-        precision=r.engine_precision(t.precision),
-    )
     bypass = r.correction_mode == "bypass"  # π_old := μ, the engine's log-probabilities
     trained = {"actor": (actor, actor_opt), "critic": (critic, critic_opt)}
     stateful = {
         "actor_scheduler": actor_sched,
         "critic_scheduler": critic_sched,
         "kl_controller": kl_ctl,
-        "sampler": sampler,
+        "sampler": o.sampler,
         "ptx_sampler": ptx.sampler if ptx else None,
     }
-    start, counters = run.restore(trained, stateful)
-    counters = {"skipped_nonfinite": 0, **counters}
-    run.begin(
-        cfg,
-        start=start,
-        total=t.steps,
-        counters=counters,
-        progress=cfg.output.progress,
-        tensorboard=cfg.output.tensorboard,
-        wandb_project=cfg.output.wandb_project,
-        precision=t.precision,
-        rollout_precision=r.engine_precision(t.precision),
-    )
-    run.record_models(
-        engine=engine,
+    resident = dict(
         actor=actor,
         reference=models.reference.model,
         critic=critic,
         reward_model=models.scorer.reward_model,
     )
-    run.track_best(cfg.output.keep_best, cfg.output.keep_best_mode)
-
-    # The sampled held-out metrics (``eval``) at a step, {} when none are due.
-    held_out = held_out_metrics(
-        evaluation,
-        t.steps,
-        actor,
-        reference=models.reference,
-        tokenizer=tokenizer,
-        scorer=models.scorer,
-        engine=engine,
-    )
-
-    if start == 0 and evaluation is not None:
-        run.log(0, held_out(0))  # the starting policy
+    start, counters = begin(o, cfg, trained, stateful, {"skipped_nonfinite": 0}, resident)
+    engine = o.engine
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -236,28 +114,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
         # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
         # (the observations attended to, never trained on: agents/collect.py).
-        source = dict(
-            prompt_set=prompts,
-            sampler=sampler,
-            engine=engine,
-            scorer=models.scorer,
-            tokenizer=tokenizer,
-            seed=t.seed,
-            device=run.device,
-            **r.collect_kwargs(),
-        )
-        if envs is None:
-            got = collect(step, **source)
-        else:
-            got = agent_collect(
-                step,
-                envs=envs,
-                max_turns=cfg.env.max_turns,
-                max_tokens=max_length,
-                max_context=context_length(actor),
-                on_failure=cfg.env.on_failure,
-                **source,
-            )
+        got = collect(step, **o.collect_args(cfg))
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
@@ -284,26 +141,26 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             critic=critic,
             temperature=r.temperature,
             micro_batch_size=p.micro_batch_size,
-            old_logprobs=first is None and not bypass,
+            old_pass=first is None and not bypass,
             logprobs_path=t.logprobs,
         )
         if first is not None:
-            exp = exp.replace(logprobs=first.old_logprobs)
-        pi_old = exp.logprobs  # this rank's rows; None with bypass and no first pass
+            exp = exp.replace(old_logprobs=first.old_logprobs)
+        pi_old = exp.old_logprobs  # this rank's rows; None with bypass and no first pass
         if bypass:
-            exp = exp.replace(logprobs=exp.rollout_logprobs)
+            exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
         rewards, kl = shape_rewards(
             exp.scores,
-            exp.logprobs,
+            exp.old_logprobs,
             exp.ref_logprobs,
             rollout.response_mask,
             kl_ctl.beta,
             p.kl_estimator,
         )
-        if envs is not None:  # per-turn rewards on the last agent token of their turn
+        if got.turn_rewards is not None:  # multi-turn: on the last agent token of their turn
             rewards = rewards + got.turn_rewards
         advantages, returns = gae(rewards, exp.values, mask, p.gamma, p.lam)
         explained_var = float(
@@ -319,29 +176,13 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         with at_step(step):
             update = ppo_update(
                 full,
+                settings,
                 actor=Trained(actor, actor_opt, actor_sched),
                 critic=Trained(critic, critic_opt, critic_sched),
-                epochs=p.epochs,
-                mini_batch_size=p.mini_batch_size,
-                micro_batch_size=p.micro_batch_size,
-                aggregation=p.aggregation,
-                clip_eps=p.clip_eps,
-                dual_clip=p.dual_clip,
-                value_clip_eps=p.value_clip_eps,
-                entropy_coef=p.entropy_coef,
-                vf_coef=p.vf_coef,
-                target_kl=p.target_kl,
-                temperature=r.temperature,
-                max_length=max_length,
-                max_grad_norm=cfg.optim.max_grad_norm,
                 shuffle_seed=row_seed(t.seed, step, -1),
                 ptx=ptx,
                 tokenizer=tokenizer,
                 first=first,
-                logprobs_path=t.logprobs,
-                correction=r.correction_mode,
-                correction_cap=r.correction_cap,
-                correction_band=r.correction_band,
                 record_first_step=pi_old is None,
             )
         engine.after_update()
@@ -349,12 +190,12 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # μ against π_old on the trained tokens: the experience's π_old (the first pass's: one process),
         # or with bypass the rows of the update's first mini-batch (all of them by default)
         if pi_old is not None:
-            old, rows = (full.logprobs if not bypass else pi_old), full.valid
+            old, rows = (full.old_logprobs if not bypass else pi_old), full.valid
         else:
             old, rows = update.pop("first_step")
         mismatch = mismatch_metrics(
             old,
-            full.rollout_logprobs,
+            full.behaviour_logprobs,
             full.mask & rows[:, None],
             mode=r.correction_mode,
             cap=r.correction_cap,
@@ -379,8 +220,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             trained={"actor": update["trained"] + update["ptx"], "critic": update["trained"]},
             device=run.device,
         )
-        w, lengths = valid.float(), rollout.response_mask.sum(1).float()
-        gen_tokens = dist.global_sum(lengths.sum())
+        w = valid.float()
         metrics = {
             "score/mean": dist.global_mean(scores, w),
             **score_metrics(got.components, valid, list(models.scorer.functions)),
@@ -391,68 +231,38 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             **update.pop("stats"),
             **mismatch,
             "value/explained_variance": explained_var,
-            "response/length_mean": dist.global_mean(lengths, w),
-            "response/eos_frac": dist.global_mean(rollout.ended.float(), w),
-            "data/skipped_nonfinite": counters["skipped_nonfinite"],
-            "data/epoch": sampler.epoch,
-            "data/prompts_skipped_too_long": prompts.skipped_too_long,
-            "data/prompts_truncated": prompts.truncated,
-            "data/prompts_skipped_empty": prompts.skipped_empty,
-            "speed/gen_tokens_per_s": gen_tokens / max(got.generate_s, 1e-9),
-            "speed/train_tokens_per_s": update["tokens"] / max(t_train, 1e-9),
-            **run.utilisation(step_s, flops=flops, tokens=update["tokens"] + update["ptx"].body),
-            "time/step_s": step_s,
-            "time/wall_s": run.wall_s(),
-            **(got.metrics() if envs is not None else {}),
+            **common_metrics(
+                o,
+                got,
+                {"data/skipped_nonfinite": counters["skipped_nonfinite"]},
+                step_s=step_s,
+                t_train=t_train,
+                tokens=update["tokens"],
+                flops=flops,
+                trained_tokens=update["tokens"] + update["ptx"].body,
+            ),
         }
-        metrics.update(held_out(step))
-        run.log(
+        log_step(
+            o,
+            cfg,
             step,
+            got,
             metrics,
-            postfix={
-                "score": metrics["score/mean"],
-                "kl": seq_kl,
-                "beta": kl_ctl.beta,
-                **({"turns": metrics["agent/turns"]} if envs is not None else {}),
-                **eval_postfix(metrics, cfg.output.keep_best),
-            },
+            {"score": metrics["score/mean"], "kl": seq_kl, "beta": kl_ctl.beta},
         )
-        if run.is_main:
-            write_samples(
-                run.dir,
-                step,
-                got.prompts,
-                models.scorer.completions(rollout),
-                scores,
-                got.components,
-                valid,
-                cfg.output.samples_per_step,
-                extra=got.records() if envs is not None else None,
-            )
-        # A stop signal (SIGTERM, SIGUSR1, SIGINT) on any rank: this step's checkpoint, then the end.
-        if step == t.steps:
-            # The trained policy in the run directory itself and the critic in critic/, before the
-            # last checkpoint: --model.path runs/ppo starts the next stage from the policy.
-            export_models(run.dir, actor, critic, tokenizer)
-        stop = run.stop_requested()
-        if stop or due(step, t.steps, t.save_every) or run.new_best(step):
-            run.save(
-                step,
-                trained=trained,
-                stateful=stateful,
-                counters=counters,
-                exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)},
-                keep=t.keep_checkpoints,
-            )
-        if stop:
-            run.stop(step)
-
-    if start == t.steps:  # --resume of a finished run: its models written again
-        export_models(run.dir, actor, critic, tokenizer)
-    if envs is not None:
-        envs.close()
-    run.finish()
-    return run.dir
+        end_step(
+            o,
+            cfg,
+            step,
+            trained=trained,
+            stateful=stateful,
+            counters=counters,
+            # the trained policy in the run directory itself and the critic in critic/, before the
+            # last checkpoint: --model.path runs/ppo starts the next stage from the policy
+            exports={"policy": (actor, tokenizer), "critic": (critic, tokenizer)},
+            export=lambda: export_models(run.dir, actor, critic, tokenizer),
+        )
+    return finish(o, cfg, start, lambda: export_models(run.dir, actor, critic, tokenizer))
 
 
 def export_models(run_dir: Path, actor, critic, tokenizer) -> None:
@@ -476,6 +286,20 @@ class PTXData:
     sampler: Sampler
     max_length: int
     coef: float
+
+
+def load_ptx(cfg: PPOConfig, tokenizer, run) -> PTXData:
+    """``data.ptx_file``'s texts with their own sampler (``data.ptx_batch_size`` rows a step,
+    seeded ``train.seed`` + 7), ``data.ptx_max_length`` and ``ppo.ptx_coef``."""
+    texts = load_texts(cfg.data.ptx_file, tokenizer=tokenizer)
+    sampler = Sampler(
+        len(texts),
+        cfg.data.ptx_batch_size,
+        seed=cfg.train.seed + 7,
+        rank=run.rank,
+        world_size=run.world_size,
+    )
+    return PTXData(texts, sampler, cfg.data.ptx_max_length, cfg.ppo.ptx_coef)
 
 
 @dataclass
@@ -532,35 +356,70 @@ def _entropy_mode(entropy_coef: float) -> str:
     return "trained" if entropy_coef > 0 else "logged"
 
 
+@dataclass(frozen=True)
+class PPOUpdate:
+    """PPO's update settings, built once where the run is built (:meth:`of`): the ``ppo.*`` fields
+    the update reads, the sampling ``temperature`` (``rollout.temperature``), ``max_length`` (the
+    longest response: ``rollout.max_new_tokens``, or an agent run's budget), ``max_grad_norm``
+    (``optim.*``), ``logprobs_path`` (``train.logprobs``) and the rollout correction
+    (``rollout.correction``, ``correction_cap``, ``correction_band``)."""
+
+    epochs: int
+    mini_batch_size: int
+    micro_batch_size: int
+    aggregation: str
+    clip_eps: float
+    value_clip_eps: float
+    entropy_coef: float
+    vf_coef: float
+    target_kl: float | None
+    temperature: float
+    max_length: int
+    max_grad_norm: float
+    dual_clip: float | None = None
+    logprobs_path: str = "fused"
+    correction: str = "none"
+    correction_cap: float = 2.0
+    correction_band: list[float] | None = None
+
+    @classmethod
+    def of(cls, cfg: PPOConfig, max_length: int) -> PPOUpdate:
+        p, r = cfg.ppo, cfg.rollout
+        return cls(
+            epochs=p.epochs,
+            mini_batch_size=p.mini_batch_size,
+            micro_batch_size=p.micro_batch_size,
+            aggregation=p.aggregation,
+            clip_eps=p.clip_eps,
+            value_clip_eps=p.value_clip_eps,
+            entropy_coef=p.entropy_coef,
+            vf_coef=p.vf_coef,
+            target_kl=p.target_kl,
+            temperature=r.temperature,
+            max_length=max_length,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            dual_clip=p.dual_clip,
+            logprobs_path=cfg.train.logprobs,
+            correction=r.correction_mode,
+            correction_cap=r.correction_cap,
+            correction_band=r.correction_band,
+        )
+
+
 def ppo_update(
     exp: Experience,
+    s: PPOUpdate,
     *,
     actor: Trained,
     critic: Trained,
-    epochs: int,
-    mini_batch_size: int,
-    micro_batch_size: int,
-    aggregation: str,
-    clip_eps: float,
-    value_clip_eps: float,
-    entropy_coef: float,
-    dual_clip: float | None = None,
-    vf_coef: float,
-    target_kl: float | None,
-    temperature: float,
-    max_length: int,
-    max_grad_norm: float,
     shuffle_seed: int,
     ptx: PTXData | None = None,
     tokenizer=None,
     first: FirstPass | None = None,
-    logprobs_path: str = "fused",
-    correction: str = "none",
-    correction_cap: float = 2.0,
-    correction_band: list[float] | None = None,
     record_first_step: bool = False,
 ) -> dict:
-    """``epochs`` passes over shuffled mini-batches of ``mini_batch_size`` rows of the **whole** batch
+    """The settings ``s`` (:class:`PPOUpdate`). ``epochs`` passes over shuffled mini-batches of
+    ``mini_batch_size`` rows of the **whole** batch
     ``exp`` (every rank holds it, :func:`proximal.rollout.experience.gather`); rank r trains on the r-th
     part of each mini-batch, in micro-batches of ``micro_batch_size`` rows whose gradients accumulate
     — first the actor's, then its step, then the critic's and its step, so only one model's gradients
@@ -584,9 +443,9 @@ def ppo_update(
     (:func:`proximal.models.output.token_logprobs`).
 
     ``correction`` (``rollout.correction``, with ``correction_cap`` and ``correction_band``): the
-    detached weights of :func:`proximal.core.correction_weights` from π_old (``exp.logprobs``) and μ
-    (``exp.rollout_logprobs``) on each token's clipped-surrogate term; ``bypass`` has
-    ``exp.logprobs`` = μ already and no weights.
+    detached weights of :func:`proximal.core.correction_weights` from π_old (``exp.old_logprobs``) and μ
+    (``exp.behaviour_logprobs``) on each token's clipped-surrogate term; ``bypass`` has
+    ``exp.old_logprobs`` = μ already and no weights.
 
     Returns ``{"stats": {...}, "tokens": int, "trained": Tokens, "ptx": Tokens}``: mean losses and
     statistics over the optimiser steps, and the tokens this update passed through the models (all
@@ -596,26 +455,26 @@ def ppo_update(
     every rank's (:class:`proximal.train.correction.FirstStepLogprobs`).
     """
     W, rank = dist.world_size(), dist.rank()
-    B, mb = len(exp), min(mini_batch_size, len(exp))
+    B, mb = len(exp), min(s.mini_batch_size, len(exp))
     per_rank = mb // W
     g = torch.Generator().manual_seed(shuffle_seed)
     device = exp.rollout.response_ids.device
     history: dict[str, list[float]] = {}
     tokens, trained, ptx_tokens = 0, Tokens(), Tokens()
     stopped, epochs_run = False, 0
-    if correction not in ("none", "bypass") and exp.rollout_logprobs is None:
-        raise ValueError(f"rollout.correction {correction} needs the engine's log-probabilities")
+    if s.correction not in ("none", "bypass") and exp.behaviour_logprobs is None:
+        raise ValueError(f"rollout.correction {s.correction} needs the engine's log-probabilities")
     recorder = (
         FirstStepLogprobs(B, exp.rollout.response_ids.shape[1], device)
         if record_first_step
         else None
     )
-    for epoch in range(epochs):
+    for epoch in range(s.epochs):
         epochs_run += 1
         order = torch.randperm(B, generator=g).to(device)
         for start in range(0, B, mb):
             mini = order[start : start + mb]
-            units = float(aggregation_units(exp.mask[mini], aggregation))
+            units = float(aggregation_units(exp.mask[mini], s.aggregation))
             if units == 0:  # every row of this mini-batch was masked out: the same on every rank
                 continue
             norm = units / W
@@ -624,7 +483,7 @@ def ppo_update(
                 micro, given, rows = [exp], [first.take()], [torch.arange(B, device=device)]
             else:
                 own = mini[rank * per_rank : (rank + 1) * per_rank]
-                rows = list(own.split(micro_batch_size))
+                rows = list(own.split(s.micro_batch_size))
                 micro, given = [exp.select(idx) for idx in rows], None
             lrs = (
                 actor.scheduler.get_last_lr()[0],
@@ -635,51 +494,51 @@ def ppo_update(
             row = actor_pass(
                 micro,
                 actor.module,
-                clip_eps=clip_eps,
-                dual_clip=dual_clip,
-                entropy_coef=entropy_coef,
-                aggregation=aggregation,
+                clip_eps=s.clip_eps,
+                dual_clip=s.dual_clip,
+                entropy_coef=s.entropy_coef,
+                aggregation=s.aggregation,
                 norm=norm,
-                temperature=temperature,
-                max_length=max_length,
+                temperature=s.temperature,
+                max_length=s.max_length,
                 given=given,
-                path=logprobs_path,
-                correction=correction,
-                correction_cap=correction_cap,
-                correction_band=correction_band,
+                path=s.logprobs_path,
+                correction=s.correction,
+                correction_cap=s.correction_cap,
+                correction_band=s.correction_band,
                 # no optimiser step yet: the forward is π_old
                 record=(recorder, rows) if recorder is not None and not history else None,
             )
             given = None  # the first pass's graph is not held through the critic's pass
             if ptx is not None:
-                loss, seen = ptx_step(actor.module, tokenizer, ptx, path=logprobs_path)
+                loss, seen = ptx_step(actor.module, tokenizer, ptx, path=s.logprobs_path)
                 ptx_tokens += seen
                 (ptx.coef * loss).backward()
                 row["loss/ptx"] = dist.global_sum(loss.detach()) / W
             row["grad_norm/actor"] = clip_and_step(
-                actor.module, actor.optimizer, actor.scheduler, max_grad_norm, what="actor"
+                actor.module, actor.optimizer, actor.scheduler, s.max_grad_norm, what="actor"
             )
             # The critic: c1·L^VF, then one optimiser step.
             row.update(
                 critic_pass(
                     micro,
                     critic.module,
-                    value_clip_eps=value_clip_eps,
-                    vf_coef=vf_coef,
-                    aggregation=aggregation,
+                    value_clip_eps=s.value_clip_eps,
+                    vf_coef=s.vf_coef,
+                    aggregation=s.aggregation,
                     norm=norm,
-                    max_length=max_length,
+                    max_length=s.max_length,
                 )
             )
             row["grad_norm/critic"] = clip_and_step(
-                critic.module, critic.optimizer, critic.scheduler, max_grad_norm, what="critic"
+                critic.module, critic.optimizer, critic.scheduler, s.max_grad_norm, what="critic"
             )
             tokens += sum(int(m.rollout.attention_mask.sum()) for m in micro)
             for m in micro:
                 trained += Tokens.from_masks(m.rollout.attention_mask, m.mask)
             for k, v in row.items():
                 history.setdefault(k, []).append(v)
-            if target_kl is not None and row["policy/approx_kl"] > target_kl:
+            if s.target_kl is not None and row["policy/approx_kl"] > s.target_kl:
                 stopped = True  # a global value, so every rank agrees
                 break
         if stopped:
@@ -749,17 +608,22 @@ def actor_pass(
         logprobs = scores.logprobs
         if record is not None:
             record[0].put(rows, logprobs)
-        w = None  # the rollout correction's weights from π_old/μ (bypass: m.logprobs is μ, none)
+        w = None  # the rollout correction's weights from π_old/μ (bypass: m.old_logprobs is μ)
         if corrected:
             w, _ = correction_weights(
-                correction, m.logprobs, m.rollout_logprobs, mask, cap=correction_cap, band=band
+                correction,
+                m.old_logprobs,
+                m.behaviour_logprobs,
+                mask,
+                cap=correction_cap,
+                band=band,
             )
         entropy = masked_aggregate(
             scores.entropy, mask, aggregation, max_length=max_length, normalizer=norm
         )
         pg_loss, pg = ppo_policy_loss(
             logprobs,
-            m.logprobs,
+            m.old_logprobs,
             m.advantages,
             mask,
             clip_eps=clip_eps,

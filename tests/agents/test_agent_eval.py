@@ -3,7 +3,7 @@
 * A row's ``tools`` column (names, or TRL's JSON schemas) picks which registered tools its trajectory
   may call and whose schemas its chat template is given; a call to another tool is malformed; a name
   that is no registered tool is refused before any model loads.
-* ``evaluate_loaded`` with an :class:`AgentEval` runs the run's trajectories: on a scripted policy
+* ``evaluate_loaded`` with a :class:`MultiTurn` responder runs the run's trajectories: on a scripted policy
   the calculator task's columns (exact match, tool calls, tool errors, malformed calls, turns,
   length) are the hand-counted ones, and the environments' counts are left as they were.
 * A one-turn environment evaluates exactly as the single-turn evaluation (same seeds, same
@@ -18,13 +18,14 @@ import torch
 from agent_support import TOOLS_TEMPLATE, OneTurn, add, table
 from ppo_support import ALPHABET, command_main, read_jsonl
 
+from proximal.agents.collect import AGENT_COLUMNS, MultiTurn
 from proximal.agents.env import Environments, check_offered, offered_tools, row_schemas
 from proximal.agents.tools import tool_schemas
 from proximal.agents.trajectory import first_prompt
 from proximal.config import ConfigError
 from proximal.data.jsonl import DataError, write_jsonl
 from proximal.data.prompts import load_prompts
-from proximal.evaluation import AGENT_COLUMNS, AgentEval, evaluate_loaded
+from proximal.evaluation import evaluate_loaded
 from proximal.models.tiny import build_char_tokenizer
 from proximal.tasks import calculator
 from proximal.tasks.calculator import build_tokenizer, exact_match, make_task_data
@@ -196,7 +197,7 @@ def _scripted_eval(task, tmp_path, envs):
         functions={"exact_match": exact_match},
         max_new_tokens=24,
         engine=Scripted(tok),
-        agent=AgentEval(envs, max_turns=2, max_tokens=200),  # room for the error text
+        responder=MultiTurn(envs, max_turns=2, max_tokens=200),  # room for the error text
     )
 
 
@@ -268,7 +269,7 @@ def test_a_one_turn_environment_evaluates_as_the_single_turn_evaluation(task):
     )
     plain = evaluate_loaded(actor, **common)
     envs = Environments(OneTurn, call_format="minimal", workers=0)
-    turns = evaluate_loaded(actor, **common, agent=AgentEval(envs, max_turns=1, max_tokens=10))
+    turns = evaluate_loaded(actor, **common, responder=MultiTurn(envs, max_turns=1, max_tokens=10))
     envs.close()
     assert [r["response"] for r in turns["rows"]] == [r["response"] for r in plain["rows"]]
     assert [r["length"] for r in turns["rows"]] == [r["length"] for r in plain["rows"]]
@@ -347,3 +348,50 @@ def test_config_error_is_what_build_environments_raises(task):
             columns=[{"tools": ["abacus"]}],
             source="x",
         )
+
+
+def test_the_responder_is_chosen_once_from_the_sections():
+    """agents.collect.run_responder is where a run chooses: one response per prompt without env or
+    tools, else a multi-turn responder over the sections' environments and limits; the held-out
+    evaluation's env/tools dicts take the sections' defaults for the keys they leave out."""
+    from proximal.agents.collect import run_responder
+    from proximal.evaluation import eval_responder
+    from proximal.rollout.collect import SingleTurn
+    from proximal.train.sections import EnvSection, ToolsSection
+
+    single = run_responder(
+        EnvSection(), ToolsSection(), max_new_tokens=7, max_tokens=28, has_reward_source=True
+    )
+    assert type(single) is SingleTurn and single.max_tokens == 7 and single.row_tools is None
+    tools = ToolsSection(
+        functions=["proximal.tasks.calculator:calculator"],
+        format="minimal",
+        timeout_s=3.0,
+        workers=0,
+        max_result_chars=50,
+    )
+    multi = run_responder(
+        EnvSection(max_turns=3, on_failure="drop"),
+        tools,
+        max_new_tokens=7,
+        max_tokens=21,
+        has_reward_source=True,
+    )
+    try:
+        assert isinstance(multi, MultiTurn)
+        assert (multi.max_turns, multi.max_tokens, multi.on_failure) == (3, 21, "drop")
+        assert (multi.envs.max_result_chars, multi.envs.pool.timeout_s) == (50, 3.0)
+        assert list(multi.envs.functions) == ["calculator"]
+    finally:
+        multi.close()
+    evaluated = eval_responder(
+        {"max_turns": 2}, {"functions": ["proximal.tasks.calculator:calculator"], "workers": 0}, 5
+    )
+    try:
+        assert (evaluated.max_turns, evaluated.max_tokens) == (2, 10)  # env.max_tokens null: 2 × 5
+        defaults = ToolsSection()
+        assert evaluated.envs.on_error == defaults.on_error
+        assert evaluated.envs.max_result_chars == defaults.max_result_chars
+        assert evaluated.envs.pool.timeout_s == defaults.timeout_s
+    finally:
+        evaluated.close()

@@ -8,7 +8,7 @@ later agent tokens attend to, changes no loss, no statistic and no gradient of `
 response mask = every real token), must fail it.
 
 And the training forward's log-probabilities of the agent tokens equal the engine's own, taken while
-sampling (``Rollout.logprobs``), within the decode path's tested tolerance (2·2e-5/τ,
+sampling (``Rollout.behaviour_logprobs``), within the decode path's tested tolerance (2·2e-5/τ,
 tests/rollout/test_engine_logprobs.py).
 """
 
@@ -72,12 +72,12 @@ def batch(tok, model):
 def test_training_logprobs_of_agent_tokens_are_the_engines(batch, model):
     got = response_logprobs(model, batch, TEMPERATURE, path="logits").logprobs.detach()
     agent = batch.response_mask
-    err = (got - batch.logprobs).abs()[agent].max()
+    err = (got - batch.behaviour_logprobs).abs()[agent].max()
     assert float(err) <= 2 * 2e-5 / TEMPERATURE, float(err)  # noqa: PLR2004
     # the control: the same forward with the observations hidden from attention is clearly off
     hidden = dataclasses.replace(batch, context_mask=None)
     off = response_logprobs(model, hidden, TEMPERATURE, path="logits").logprobs.detach()
-    assert float((off - batch.logprobs).abs()[agent].max()) > 1e-2
+    assert float((off - batch.behaviour_logprobs).abs()[agent].max()) > 1e-2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,8 +147,9 @@ def _experience(r, model, critic=None):
                              critic=critic, temperature=TEMPERATURE)  # fmt: skip
     shape = r.response_ids.shape
     return exp.replace(
-        logprobs=exp.logprobs + 0.3 * torch.randn(shape, generator=g),  # ratios leave the clip
-        ref_logprobs=exp.logprobs + 0.2 * torch.randn(shape, generator=g),
+        old_logprobs=exp.old_logprobs
+        + 0.3 * torch.randn(shape, generator=g),  # ratios leave the clip
+        ref_logprobs=exp.old_logprobs + 0.2 * torch.randn(shape, generator=g),
         advantages=torch.randn(shape, generator=g),
         returns=torch.randn(shape, generator=g) if critic is not None else None,
     )
@@ -164,7 +165,9 @@ def _scramble(exp, holes):
             out[f.name] = torch.where(holes, v - torch.rand(v.shape, generator=g), v)
     out["rollout"] = dataclasses.replace(
         exp.rollout,
-        logprobs=torch.where(holes, exp.rollout.logprobs - 0.5, exp.rollout.logprobs),
+        behaviour_logprobs=torch.where(
+            holes, exp.rollout.behaviour_logprobs - 0.5, exp.rollout.behaviour_logprobs
+        ),
     )
     return exp.replace(**out)
 
@@ -179,10 +182,14 @@ def _grpo_run(monkeypatch, model, exp, holes=None):
         hooks = _noise_at(actor, exp.rollout.input_ids, at, seed=1)
     try:
         out = grpo.grpo_update(
-            exp, actor=_sgd(actor), aggregation="seq-mean-token-mean", iterations=2,
-            mini_batch_size=2, micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, beta=0.04,
-            temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, shuffle_seed=0,
-            entropy_coef=0.01, correction="tis",
+            exp,
+            grpo.GRPOUpdate(
+                aggregation="seq-mean-token-mean", iterations=2, mini_batch_size=2,
+                micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, beta=0.04,
+                temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, entropy_coef=0.01,
+                correction="tis",
+            ),
+            actor=_sgd(actor), shuffle_seed=0,
         )  # fmt: skip
     finally:
         for h in hooks:
@@ -201,10 +208,13 @@ def _ppo_run(monkeypatch, model, critic, exp, holes=None):
         hooks = _noise_at(actor, ids, at, 1) + _noise_at(value, ids, at, 2)
     try:
         out = ppo.ppo_update(
-            exp, actor=_sgd(actor), critic=_sgd(value), epochs=2, mini_batch_size=2,
-            micro_batch_size=1, aggregation="token-mean", clip_eps=0.2, value_clip_eps=0.2,
-            entropy_coef=0.01, vf_coef=0.5, target_kl=None, temperature=TEMPERATURE,
-            max_length=60, max_grad_norm=1e9, shuffle_seed=0, correction="tis",
+            exp,
+            ppo.PPOUpdate(
+                epochs=2, mini_batch_size=2, micro_batch_size=1, aggregation="token-mean",
+                clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.01, vf_coef=0.5, target_kl=None,
+                temperature=TEMPERATURE, max_length=60, max_grad_norm=1e9, correction="tis",
+            ),
+            actor=_sgd(actor), critic=_sgd(value), shuffle_seed=0,
         )  # fmt: skip
     finally:
         for h in hooks:

@@ -173,7 +173,7 @@ def test_bad_arguments():
         mismatch_stats(old, mu, mask, band=(0.5,))
     with pytest.raises(ValueError, match="expected one of"):
         correction_weights("icepop", old, mu, mask)
-    with pytest.raises(ValueError, match="rollout_logprobs shape"):
+    with pytest.raises(ValueError, match="behaviour_logprobs shape"):
         tis_weights(old, mu[:, :3], mask)
     with pytest.raises(ValueError, match="bool"):
         tis_weights(old, mu, mask.double())

@@ -67,10 +67,12 @@ def fixed_experience(tok, actor, critic):
     )
     g = torch.Generator().manual_seed(7)
     mask = r.response_mask
-    old = torch.where(mask, exp.logprobs + 0.3 * torch.randn(exp.logprobs.shape, generator=g), 0.0)
+    old = torch.where(
+        mask, exp.old_logprobs + 0.3 * torch.randn(exp.old_logprobs.shape, generator=g), 0.0
+    )
     adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     ret = torch.where(mask, exp.values + torch.randn(mask.shape, generator=g), 0.0)
-    return exp.replace(logprobs=old, advantages=adv, returns=ret)
+    return exp.replace(old_logprobs=old, advantages=adv, returns=ret)
 
 
 def ppo_update_once(
@@ -83,7 +85,7 @@ def ppo_update_once(
     """One PPO update (2 epochs × 2 mini-batches) with SGD on the fixed experience; the gathered
     actor and critic parameters after it."""
     from proximal.models.loading import load_tokenizer
-    from proximal.trainers.ppo import ppo_update
+    from proximal.trainers.ppo import PPOUpdate, ppo_update
 
     tok = load_tokenizer(policy_path)
     W = dist.world_size()
@@ -100,20 +102,22 @@ def ppo_update_once(
         prepare_trained(m, device=torch.device("cpu"), precision="32-true", world_size=W)
     out = ppo_update(
         exp,
+        PPOUpdate(
+            epochs=2,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            aggregation=aggregation,
+            clip_eps=0.2,
+            value_clip_eps=0.2,
+            entropy_coef=0.01,
+            vf_coef=0.5,
+            target_kl=None,
+            temperature=1.0,
+            max_length=exp.rollout.response_ids.shape[1],
+            max_grad_norm=0.0,
+        ),
         actor=sgd(actor, 0.5),
         critic=sgd(critic, 0.5),
-        epochs=2,
-        mini_batch_size=mini_batch_size,
-        micro_batch_size=micro_batch_size,
-        aggregation=aggregation,
-        clip_eps=0.2,
-        value_clip_eps=0.2,
-        entropy_coef=0.01,
-        vf_coef=0.5,
-        target_kl=None,
-        temperature=1.0,
-        max_length=exp.rollout.response_ids.shape[1],
-        max_grad_norm=0.0,
         shuffle_seed=3,
     )
     return {"actor": gathered(actor), "critic": gathered(critic), "stats": out["stats"]}

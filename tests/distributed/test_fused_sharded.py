@@ -29,7 +29,7 @@ from proximal.models.loading import load_tokenizer
 from proximal.models.parallel import prepare_trained
 from proximal.models.policy import build_actor, build_critic, load_reference
 from proximal.rollout.experience import compute_experience, gather
-from proximal.trainers.ppo import ppo_update
+from proximal.trainers.ppo import PPOUpdate, ppo_update
 
 ATOL = 1e-6
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "lm_head"])
@@ -77,30 +77,32 @@ def _experience_and_update(policy_path: str, rm_path: str, path: str, lora_head:
     )
     g = torch.Generator().manual_seed(7)
     mask = exp.rollout.response_mask
-    old = torch.where(mask, exp.logprobs + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
+    old = torch.where(mask, exp.old_logprobs + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
     adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     ret = torch.where(mask, exp.values + torch.randn(mask.shape, generator=g), 0.0)
     out = ppo_update(
-        exp.replace(logprobs=old, advantages=adv, returns=ret),
+        exp.replace(old_logprobs=old, advantages=adv, returns=ret),
+        PPOUpdate(
+            epochs=2,
+            mini_batch_size=4,
+            micro_batch_size=1,
+            aggregation="token-mean",
+            clip_eps=0.2,
+            value_clip_eps=0.2,
+            entropy_coef=0.01,
+            vf_coef=0.5,
+            target_kl=None,
+            temperature=1.0,
+            max_length=mask.shape[1],
+            max_grad_norm=0.0,
+            logprobs_path=path,
+        ),
         actor=actor_opt,
         critic=critic_opt,
-        epochs=2,
-        mini_batch_size=4,
-        micro_batch_size=1,
-        aggregation="token-mean",
-        clip_eps=0.2,
-        value_clip_eps=0.2,
-        entropy_coef=0.01,
-        vf_coef=0.5,
-        target_kl=None,
-        temperature=1.0,
-        max_length=mask.shape[1],
-        max_grad_norm=0.0,
         shuffle_seed=3,
-        logprobs_path=path,
     )
     return {
-        "logprobs": exp.logprobs,
+        "logprobs": exp.old_logprobs,
         "ref_logprobs": exp.ref_logprobs,
         "actor": gathered(actor),
         "entropy": out["stats"]["policy/entropy"],

@@ -26,7 +26,7 @@ from proximal.models.tiny import tiny_config
 from proximal.rollout.experience import compute_experience
 from proximal.rollout.sampling import Rollout
 from proximal.train.optim import Trained, build_scheduler
-from proximal.trainers.ppo import ppo_update
+from proximal.trainers.ppo import PPOUpdate, ppo_update
 
 V, B, P, T = 32_768, 8, 8, 128
 LOGITS_BYTES = B * T * V * 2  # a (B, T, V) tensor of the narrowest float
@@ -82,22 +82,24 @@ def _step(path: str) -> None:
     exp = exp.replace(advantages=adv, returns=torch.where(mask, exp.values + adv, 0.0))
     ppo_update(
         exp,
+        PPOUpdate(
+            epochs=1,
+            mini_batch_size=B,
+            micro_batch_size=B,
+            aggregation="token-mean",
+            clip_eps=0.2,
+            value_clip_eps=0.2,
+            entropy_coef=0.01,  # the entropy bonus trained on: its gradient goes through the same path
+            vf_coef=0.5,
+            target_kl=None,
+            temperature=0.7,
+            max_length=T,
+            max_grad_norm=1.0,
+            logprobs_path=path,
+        ),
         actor=_trained(actor),
         critic=_trained(critic),
-        epochs=1,
-        mini_batch_size=B,
-        micro_batch_size=B,
-        aggregation="token-mean",
-        clip_eps=0.2,
-        value_clip_eps=0.2,
-        entropy_coef=0.01,  # the entropy bonus trained on: its gradient goes through the same path
-        vf_coef=0.5,
-        target_kl=None,
-        temperature=0.7,
-        max_length=T,
-        max_grad_norm=1.0,
         shuffle_seed=0,
-        logprobs_path=path,
     )
 
 

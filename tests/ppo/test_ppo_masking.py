@@ -300,7 +300,7 @@ def test_experience_ignores_tokens_after_the_stop(assets):
         )
         for r in (resp, junk)
     ]
-    out = [(e.logprobs, e.ref_logprobs, e.values) for e in exps]
+    out = [(e.old_logprobs, e.ref_logprobs, e.values) for e in exps]
     for a, b in zip(*out):
         assert torch.equal(torch.where(mask, a, 0.0), torch.where(mask, b, 0.0))
     old, ref, values = out[0]

@@ -60,17 +60,17 @@ def test_float32_engine_logprobs_are_pi_old(model, lean, lean_steps):
     assert int(m.sum()) > 30 and not bool(r.ended.all())  # some rows stop, some run to T
     for path in ("fused", "logits"):
         old = _old(model, r, path)
-        torch.testing.assert_close(old[m], r.logprobs[m], rtol=0, atol=TOL)
-    st = mismatch_stats(old, r.logprobs, m)
+        torch.testing.assert_close(old[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
+    st = mismatch_stats(old, r.behaviour_logprobs, m)
     assert float(st["ratio_max"]) < math.exp(TOL) and float(st["ratio_min"]) > math.exp(-TOL)
-    assert (r.logprobs[~m] == 0).all()
+    assert (r.behaviour_logprobs[~m] == 0).all()
     # every correction is then the identity within the tolerance: the weights are 1 ± TOL, and the
     # weighted loss is the plain one within TOL·Σ|Â|/N
     adv = torch.linspace(-1, 1, len(m))
     plain, _ = grpo_policy_loss(old, old, None, adv, m, beta=0.0, aggregation="token-mean")
     for mode in ("tis", "token_mask", "seq_mask"):
         band = (math.exp(-2 * TOL), math.exp(2 * TOL)) if mode == "seq_mask" else None
-        w, _ = correction_weights(mode, old, r.logprobs, m, band=band)
+        w, _ = correction_weights(mode, old, r.behaviour_logprobs, m, band=band)
         torch.testing.assert_close(w[m], torch.ones_like(w[m]), rtol=0, atol=2 * TOL)
         loss, _ = grpo_policy_loss(
             old, old, None, adv, m, beta=0.0, aggregation="token-mean", is_weights=w
@@ -94,7 +94,7 @@ def test_the_restart_path_records_the_logits_it_sampled_from(model, monkeypatch,
     assert engine.lean_reason() == "its step failed at token 4 (RuntimeError: shape mismatch)"
     m = r.response_mask
     assert int(m[:, 4:].sum()) > 0
-    torch.testing.assert_close(_old(model, r)[m], r.logprobs[m], rtol=0, atol=TOL)
+    torch.testing.assert_close(_old(model, r)[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
 
 
 def test_top_p_and_top_k_record_the_unfiltered_tempered_logprob(model):
@@ -105,13 +105,13 @@ def test_top_p_and_top_k_record_the_unfiltered_tempered_logprob(model):
     )
     r = _rollout(HFEngine(model, 0), params)
     m = r.response_mask
-    torch.testing.assert_close(_old(model, r)[m], r.logprobs[m], rtol=0, atol=TOL)
+    torch.testing.assert_close(_old(model, r)[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
 
 
 def _bf16_gap(model, precision: str) -> dict:
     engine = HFEngine(model, 0, precision=precision)
     r = _rollout(engine)
-    st = mismatch_stats(_old(model, r), r.logprobs, r.response_mask)
+    st = mismatch_stats(_old(model, r), r.behaviour_logprobs, r.response_mask)
     return {k: float(v) for k, v in st.items()}
 
 
@@ -214,5 +214,5 @@ def test_bf16_true_copies_a_lora_policy_and_refreshes_its_adapters(tmp_path):
     r = _rollout(engine)  # the adapters now matter: μ follows the LoRA policy, in bfloat16
     with torch.no_grad():
         old = response_logprobs(lora, r, TAU).logprobs
-    st = mismatch_stats(old, r.logprobs, r.response_mask)
+    st = mismatch_stats(old, r.behaviour_logprobs, r.response_mask)
     assert 1e-7 < float(st["mismatch_k3"]) < 1e-2

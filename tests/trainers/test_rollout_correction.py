@@ -19,7 +19,7 @@ from proximal.rollout.experience import Experience, sequence_token_logprobs
 from proximal.rollout.sampling import sample
 from proximal.train import host
 from proximal.train.optim import Trained
-from proximal.trainers.grpo import grpo_update
+from proximal.trainers.grpo import GRPOUpdate, grpo_update
 
 MISMATCH = (
     "rollout/mismatch_k1",
@@ -176,29 +176,31 @@ def _update(model, r, old, mu, adv, mode, band, *, given_old: bool):
         r,
         torch.zeros(len(r)),
         torch.ones(len(r), dtype=torch.bool),
-        logprobs=logprobs,
-        rollout_logprobs=mu,
+        old_logprobs=logprobs,
+        behaviour_logprobs=mu,
         advantages=adv,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return grpo_update(
         exp,
+        GRPOUpdate(
+            aggregation="token-mean",
+            iterations=1,
+            mini_batch_size=len(r),
+            micro_batch_size=2,
+            clip_eps=0.2,
+            clip_eps_high=None,
+            beta=0.0,
+            temperature=1.0,
+            max_length=r.response_ids.shape[1],
+            max_grad_norm=1.0,
+            correction=mode,
+            correction_cap=2.0,
+            correction_band=band,
+        ),
         actor=Trained(model, opt, sched),
-        aggregation="token-mean",
-        iterations=1,
-        mini_batch_size=len(r),
-        micro_batch_size=2,
-        clip_eps=0.2,
-        clip_eps_high=None,
-        beta=0.0,
-        temperature=1.0,
-        max_length=r.response_ids.shape[1],
-        max_grad_norm=1.0,
         shuffle_seed=0,
-        correction=mode,
-        correction_cap=2.0,
-        correction_band=band,
         record_first_step=not given_old,
     )
 
