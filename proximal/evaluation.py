@@ -180,7 +180,7 @@ def evaluate_loaded(
     reward_tokenizer=None,
     weights: dict[str, float] | None = None,
     samples_per_prompt: int = 1,
-    max_new_tokens: int = 12,
+    max_new_tokens: int,
     seed: int = 0,
     batch_size: int = 256,
     temperature: float = 1.0,

@@ -191,11 +191,6 @@ def parse_hermes(text: str, tools: dict[str, Callable] | None = None) -> list[Ca
     return calls
 
 
-def format_hermes(name: str, arguments: dict[str, Any]) -> str:
-    """A call as a Hermes block (what :func:`parse_hermes` reads back)."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
 @dataclass(frozen=True)
 class MinimalFormat:
     """``[name arg1 arg2 ...]``: a format a character-level model can write in a few tokens.

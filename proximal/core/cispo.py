@@ -79,9 +79,10 @@ def cispo_policy_loss(
         check("clip_eps", clip_eps_low)
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0.0)
     advantages = torch.where(response_mask, advantages.to(log_ratio.dtype), 0.0)
+    # r and sg[r̂], (B, T)
     ratio, weight = clipped_ratio(
         log_ratio.detach(), clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
-    )  # r and sg[r̂], (B, T)
+    )
     lp = torch.where(response_mask, logprobs, 0.0)
     per_token = weight_tokens(-weight * advantages * lp, is_weights, response_mask)
     loss = masked_aggregate(per_token, response_mask, "token-mean", normalizer=normalizer)

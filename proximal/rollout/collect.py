@@ -220,7 +220,7 @@ def load_inputs(
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported, a callable taken as
-    it is (:func:`~proximal.rollout.scoring.load_reward_functions`: ``{name: function}``), the
+    it is (:func:`~proximal.rollout.reward_functions.load_reward_functions`: ``{name: function}``), the
     prompts rendered and tokenised with the policy's tokenizer
     (:func:`~proximal.data.prompts.load_prompts`; ``tools``, an agent run's, gives each row's tool
     schemas), and every argument a function requires found among the prompts' columns

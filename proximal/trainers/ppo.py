@@ -485,10 +485,8 @@ def ppo_update(
                 own = mini[rank * per_rank : (rank + 1) * per_rank]
                 rows = list(own.split(s.micro_batch_size))
                 micro, given = [exp.select(idx) for idx in rows], None
-            lrs = (
-                actor.scheduler.get_last_lr()[0],
-                critic.scheduler.get_last_lr()[0],
-            )  # the rates this step runs at
+            # the rates this step runs at
+            lrs = (actor.scheduler.get_last_lr()[0], critic.scheduler.get_last_lr()[0])
 
             # The actor: −(L^CLIP + c2·S), plus γ_PTX·(−L^PTX), then one optimiser step.
             row = actor_pass(
@@ -547,9 +545,8 @@ def ppo_update(
         k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in history.items()
     }
     stats["policy/epochs_run"] = epochs_run
-    stats["policy/optimizer_steps"] = len(
-        history.get("grad_norm/actor", [])
-    )  # mini-batches with rows to train on
+    # mini-batches with rows to train on
+    stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))
     stats["policy/early_stopped"] = float(stopped)
     if history:
         stats["lr/actor"], stats["lr/critic"] = lrs

@@ -3,6 +3,7 @@ each counted, none hanging the run."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import agent_support as S
@@ -13,7 +14,6 @@ from proximal.agents.tools import (
     Malformed,
     MinimalFormat,
     ToolCall,
-    format_hermes,
     load_tools,
     parse_hermes,
     tool_schemas,
@@ -27,6 +27,11 @@ TOOLS = {"add": S.add, "shout": S.shout, "table": S.table, "fail": S.fail, "hang
 # ----------------------------------------------------------------------------------------------
 # Parsers
 # ----------------------------------------------------------------------------------------------
+
+
+def format_hermes(name: str, arguments: dict) -> str:
+    """A call as a Hermes block, written as Qwen2.5's template writes one."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 def test_hermes_blocks():
