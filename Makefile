@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-cluster test-learning lint format compare install clean
+.PHONY: demo test test-quick test-cluster test-learning lint format compare install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,15 @@ compare: $(STAMP)
 # TEST_WORKERS pytest-xdist processes share the files (a file's tests stay in one worker, so a module
 # fixture such as the demo's runs once), each computing on one thread (tests/conftest.py); 0 runs the
 # tests in this process, in order.
+# It ends with the 15 slowest tests (--durations). `make test-quick` leaves out those marked `slow`
+# too (each over about 20 s alone on 2 cores: end-to-end runs of the demo, compare, compiled models,
+# torchrun launches, the memory planner against real runs): the loop while editing; CI runs them all.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -m "not cluster and not learning" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not cluster and not learning" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not cluster and not learning and not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-cluster: $(STAMP)
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
