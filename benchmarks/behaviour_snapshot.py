@@ -89,7 +89,7 @@ DETERMINISTIC_ENV = {
 #: compared by name only.
 CLOCK_PREFIXES = ("time/", "speed/", "perf/", "memory/")
 
-#: The policy's characters (ids 4… after pad, eos, bos, unk): tests/ppo/ppo_support.py's, and the
+#: The policy's characters (ids 4… after pad, eos, bos, unk): tests/trainers/ppo/ppo_support.py's, and the
 #: brackets of the minimal tool-call format.
 ALPHABET = "abcdefgh 0123456789[]"
 #: What the tool policy is taught to write (a call of :meth:`Adder.add` in ``tools.format: minimal``).

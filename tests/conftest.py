@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for sub in (
-    "",
-    "ppo",
-):  # tests/multiproc.py; reward functions are configured as 'ppo_support:<name>'
+# tests/multiproc.py; reward functions are configured as 'ppo_support:<name>'
+for sub in ("", "trainers/ppo"):
     if str(HERE / sub) not in sys.path:
         sys.path.insert(0, str(HERE / sub))
 

@@ -47,9 +47,9 @@ def free_port() -> int:
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:
-    """The environment of a torchrun launch: this folder and ``tests/ppo`` importable (the reward
-    functions), one thread per process."""
-    path = [str(HERE), str(HERE.parent / "ppo"), os.environ.get("PYTHONPATH", "")]
+    """The environment of a torchrun launch: this folder and ``tests/trainers/ppo`` importable (the
+    reward functions), one thread per process."""
+    path = [str(HERE), str(HERE.parent / "trainers" / "ppo"), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **extra}
 
 

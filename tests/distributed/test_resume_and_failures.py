@@ -112,7 +112,9 @@ def test_early_stop_is_decided_for_every_rank(assets, tmp_path):
 def _torchrun(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE.parent / "ppo"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE.parent / "trainers" / "ppo"), os.environ.get("PYTHONPATH", "")]
+        ),
         "OMP_NUM_THREADS": "1",
     }
     cmd = [

@@ -4,7 +4,7 @@ one process.
 A rank's share of an evaluation is what it would be under torchrun: ``proximal.dist``'s rank and
 process count are set to those of rank r of W (the sums over ranks are then this rank's own, as the
 collectives are the identity without a process group), so each rank's calls can be checked alone.
-(The sums and extremes of ``accumulate`` over two real ranks: tests/ppo/test_ppo_update_stats.py.)
+(The sums and extremes of ``accumulate`` over two real ranks: tests/trainers/ppo/test_ppo_update_stats.py.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Helpers shared by the GRPO tests: the tiny run config, running the real CLI, and recording the
-gradient of every optimiser step. Reward functions come from ``tests/ppo/ppo_support.py`` (on the
+gradient of every optimiser step. Reward functions come from ``tests/trainers/ppo/ppo_support.py`` (on the
 path through ``tests/conftest.py``), named ``ppo_support:<name>``."""
 
 from __future__ import annotations

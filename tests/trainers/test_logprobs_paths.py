@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ppo_support import without_timing  # noqa: E402  (tests/ppo is on sys.path)
+from ppo_support import without_timing  # noqa: E402  (tests/trainers/ppo is on sys.path)
 
 from proximal.cli import main
 from proximal.logging import read_metrics
