@@ -249,9 +249,8 @@ def evaluate_loaded(
             }
         )
         scored.update(responder.eval_scores(got))  # a multi-turn run's environment outcome
-        if (
-            weights is not None
-        ):  # over the sources that scored the row, as a run's total; None: none
+        # over the sources that scored the row, as a run's total; None: none
+        if weights is not None:
             scored["score"] = [_weighted(scored, weights, j) for j in range(len(idx))]
         kl = _sequence_kl(actor, reference, r)
         for j, completion in enumerate(completions):
