@@ -1,7 +1,7 @@
-"""The seed's reference losses (docs/formulas.md): ``token_nll``, with ``sft_loss`` and ``ptx_loss`` on
-it, and ``entropy_from_logits``. No trainer calls them — the trainers take the same numbers from
-log-probabilities (``nll_from_logprobs``) and the fused or logits path's entropy — so they are held
-here by hand, and against the quantity the trainers compute."""
+"""The reference losses of docs/formulas.md (SFT; PTX after Ouyang et al. 2022): ``token_nll``,
+with ``sft_loss`` and ``ptx_loss`` on it, and ``entropy_from_logits``. No trainer calls them — the
+trainers take the same numbers from log-probabilities (``nll_from_logprobs``) and the fused or logits
+path's entropy — so they are held here by hand, and against the quantity the trainers compute."""
 
 from __future__ import annotations
 
