@@ -300,7 +300,6 @@ def test_help_names_the_config_and_no_resume(capsys):
     assert "--resume" not in text and "--compare.methods (list[str]" in text
 
 
-@pytest.mark.slow
 def test_a_stop_signal_names_the_run_and_the_same_command_line_continues(
     inputs, tmp_path, monkeypatch, capsys
 ):

@@ -436,6 +436,7 @@ def test_cli_error_for_directory_without_config(tmp_path, capsys):
 # ---- checked against reality ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_measured_ppo_step_within_25_percent_of_prediction():
     """One real PPO step (float32, CPU; benchmarks/memory_check.py, configuration 'test'): the peak of
     PyTorch's allocator lies within +-25% of the planner's per-GPU peak, and so does every phase."""

@@ -10,8 +10,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +21,6 @@ def test_demo_configs_are_package_data():
         assert (DEFAULT_CONFIGS / name).is_file(), name
 
 
-@pytest.mark.slow
 def test_the_wheel_ships_the_demo_configs(tmp_path):
     import shutil
 

@@ -61,6 +61,7 @@ def _config(assets, run_dir, **sections):
     return tiny_config(assets.policy("llama"), assets.prompts, run_dir, **base)
 
 
+@pytest.mark.slow
 def test_two_process_run_resumes_exactly_after_a_crash(assets, tmp_path):
     full = run_ranks(2, _ppo, _config(assets, tmp_path / "full"))[0]
     crashed = run_ranks(
@@ -178,6 +179,7 @@ def test_torchrun_a_failing_rank_ends_the_job_with_its_message(assets, tmp_path)
     )
 
 
+@pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_one_process(assets, tmp_path):
     """DCP reshards the saved state: a run checkpointed by 2 processes continues on 1 and computes what
     the 2-process run computes, up to float32 summation order (see test_run_invariance)."""
