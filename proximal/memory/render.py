@@ -109,26 +109,16 @@ def render(
             f"CPU memory for the offloaded AdamW state: {fmt(p.cpu_optimizer, unit)} in all"
             f" ({fmt(-(-p.cpu_optimizer // st.nodes), unit)} per node)"
         )
-    budget = fmt(st.gpu_memory, unit)
-    if p.fits:
-        verdict = f"verdict: FITS in {budget} per GPU ({100 * p.peak / st.gpu_memory:.0f}% used)"
-        if not p.sized:
-            verdict = (
-                f"verdict: weights, optimizer and gradients fit in {budget}, but activations and "
-                "the KV cache are not sized"
-            )
-    else:
-        verdict = (
-            f"verdict: DOES NOT FIT in {budget} per GPU "
-            f"(needs {at_least}{p.peak / st.gpu_memory:.1f}x)"
-        )
-    lines.append(verdict)
-    if largest_micro_batch is not None and p.sized:
-        lines.append(
-            f"largest micro-batch that fits this layout: {largest_micro_batch} per GPU"
-            if largest_micro_batch
-            else "largest micro-batch that fits this layout: none (not even 1)"
-        )
+    lines += _verdict(
+        p,
+        fmt(st.gpu_memory, unit),
+        need=p.peak,
+        where=" per GPU",
+        unsized_where="",
+        largest_micro_batch=largest_micro_batch,
+        fits="fits this layout",
+        per="GPU",
+    )
     if best is None:
         hint = "reduce --micro-batch or the sequence length" + (
             "" if st.activation_checkpointing else ", or add --activation-checkpointing"
@@ -220,36 +210,59 @@ def _render_cpu(p: Plan, unit: str, largest_micro_batch: int | None, memory_from
         f"peak per process: {at_least}{fmt(p.peak, unit)} = weights + optimizer state "
         f"{fmt(p.static, unit)}{host_txt} + the largest phase, {p.peak_phase} ({phase_txt})"
     )
-    need = p.peak * st.gpus
     processes = f" for {st.gpus} processes" if st.gpus > 1 else ""
-    if p.fits:
-        verdict = (
-            f"verdict: FITS in {budget} of host memory{processes} ({100 * need / st.gpu_memory:.0f}% "
-            "used)"
-        )
-        if not p.sized:
-            verdict = (
-                f"verdict: weights, optimizer and gradients fit in {budget} of host memory, but "
-                "activations and the KV cache are not sized"
-            )
-    else:
-        verdict = (
-            f"verdict: DOES NOT FIT in {budget} of host memory{processes} (needs "
-            f"{at_least}{need / st.gpu_memory:.1f}x)"
-        )
-    lines.append(verdict)
-    if largest_micro_batch is not None and p.sized:
-        lines.append(
-            f"largest micro-batch that fits: {largest_micro_batch} per process"
-            if largest_micro_batch
-            else "largest micro-batch that fits: none (not even 1)"
-        )
+    lines += _verdict(
+        p,
+        budget,
+        need=p.peak * st.gpus,
+        where=f" of host memory{processes}",
+        unsized_where=" of host memory",
+        largest_micro_batch=largest_micro_batch,
+        fits="fits",
+        per="process",
+    )
     lines += [f"note: {n}" for n in p.notes]
     lines.append(
         "not counted: allocator fragmentation, temporaries inside kernels and AdamW's step, the "
         "data set's rows (docs/memory.md)"
     )
     return "\n".join(lines)
+
+
+def _verdict(
+    p: Plan,
+    budget: str,
+    *,
+    need: int,
+    where: str,
+    unsized_where: str,
+    largest_micro_batch: int | None,
+    fits: str,
+    per: str,
+) -> list[str]:
+    """The verdict line — ``need`` bytes against the ``budget`` of ``setup.gpu_memory``, ``where``
+    saying of what (" per GPU", " of host memory for 2 processes"), ``unsized_where`` when the
+    activations are not sized — and the largest micro-batch's line (``fits``: what it fits, ``per``:
+    one GPU or process) where it was searched."""
+    memory = p.setup.gpu_memory
+    at_least = "" if p.sized else "at least "
+    if not p.fits:
+        verdict = f"verdict: DOES NOT FIT in {budget}{where} (needs {at_least}{need / memory:.1f}x)"
+    elif not p.sized:
+        verdict = (
+            f"verdict: weights, optimizer and gradients fit in {budget}{unsized_where}, but "
+            "activations and the KV cache are not sized"
+        )
+    else:
+        verdict = f"verdict: FITS in {budget}{where} ({100 * need / memory:.0f}% used)"
+    lines = [verdict]
+    if largest_micro_batch is not None and p.sized:
+        lines.append(
+            f"largest micro-batch that {fits}: {largest_micro_batch} per {per}"
+            if largest_micro_batch
+            else f"largest micro-batch that {fits}: none (not even 1)"
+        )
+    return lines
 
 
 def to_json(
