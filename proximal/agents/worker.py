@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -327,6 +328,19 @@ class _Worker:
 START_S = 120.0
 
 
+#: Every pool of this process, for the child of a fork (:meth:`WorkerPool._forget_in_child`).
+_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_pools_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
 class WorkerPool:
     """``n`` worker processes; :meth:`run` executes a list of jobs, each slot's jobs in order on
     worker slot mod n, different workers in parallel, each job under ``timeout_s`` from its start —
@@ -357,8 +371,24 @@ class WorkerPool:
         self._local = Handler() if n == 0 else None
         self.replaced = 0  # workers killed and replaced (timeouts, deaths)
         # The workers' guardians read the first end; this process alone holds the second (not
-        # inheritable), so they see the end of file only when it is gone.
+        # inheritable, and closed in a child this process forks: _forget_in_child), so they see
+        # the end of file only when it is gone.
         self._alive: tuple[int, int] | None = None
+        _POOLS.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a child this process forked (without exec: a forked rank, a multiprocessing worker):
+        close the pipe's ends the child inherited, so the guardians still see the end of file when
+        the trainer is gone, and forget the parent's workers (the child must neither use nor kill
+        them)."""
+        if self._alive is not None:
+            for end in self._alive:
+                try:
+                    os.close(end)
+                except OSError:
+                    pass
+        self._alive = None
+        self._workers = [None] * self.n
 
     def _worker(self, w: int) -> _Worker:
         if self._alive is None and os.name == "posix":

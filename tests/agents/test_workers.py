@@ -102,18 +102,25 @@ TRAINER = textwrap.dedent(
     else:
         pool.start()
     assert pool.run([Job(0, ("call", S.add, (1, 2), {}))]) == [("ok", "3")]
+    if sys.argv[1] == "forked":  # a child forked without exec lives on after the trainer
+        import os, time
+        if os.fork() == 0:
+            open(sys.argv[2] + ".forked", "w").write(str(os.getpid()))
+            time.sleep(30)
+            os._exit(0)
     print(pool._workers[0].process.pid, flush=True)
     pool.run([Job(0, ("call", S.spawn, (sys.argv[2],), {}))])  # hangs
     """
 )
 
 
-@pytest.mark.parametrize("started_by", ["main", "thread"])
+@pytest.mark.parametrize("started_by", ["main", "thread", "forked"])
 def test_a_killed_trainer_leaves_no_worker(tmp_path, started_by):
     """Fault 2: the trainer SIGKILLed while a tool call hangs; its worker used to live on under
     init, and with it the ``sleep`` its tool started. From another thread, PR_SET_PDEATHSIG would
     kill the worker when that thread ends (the call after it must still work), so it is not set
-    there."""
+    there. ``forked``: the trainer has forked a child that outlives it, which must not hold the
+    guardians' pipe open (the tool's ``sleep`` lived on while that child did)."""
     script, pid_file = tmp_path / "trainer.py", tmp_path / "child"
     script.write_text(TRAINER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -137,7 +144,8 @@ def test_a_killed_trainer_leaves_no_worker(tmp_path, started_by):
     finally:
         trainer.kill()
         trainer.wait(timeout=5)
-        kill(worker, child)
+        forked = Path(f"{pid_file}.forked")
+        kill(worker, child, int(forked.read_text()) if forked.exists() else None)
 
 
 def test_a_jobs_time_starts_when_its_worker_is_ready(monkeypatch):
