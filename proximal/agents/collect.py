@@ -201,8 +201,9 @@ def check_template(envs: Environments, tokenizer) -> None:
         raise
 
 
-class MultiTurn(Responder):
-    """A multi-turn trajectory per prompt row (module docstring) with the run's environments and
+class MultiTurn:
+    """The :class:`~proximal.rollout.collect.Responder` of env/tools runs: a multi-turn trajectory
+    per prompt row (module docstring) with the run's environments and
     tools (``envs``; its worker processes), ``env.max_turns``, the response budget ``max_tokens``
     (agent + observation tokens; ``env.max_tokens``), the model's context ``max_context`` (None: no
     limit; :meth:`ready` takes the policy's) and ``on_failure`` (``env.on_failure``,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -83,18 +84,19 @@ class Responses:
     detail: object = None
 
 
-class Responder:
+class Responder(Protocol):
     """Turns a batch of prompts into responses, and says what a run's step and its evaluation add
-    to them. This class is the interface, each hook the identity; :class:`SingleTurn` and
-    :class:`proximal.agents.collect.MultiTurn` implement it.
+    to them: the interface :class:`SingleTurn` and :class:`proximal.agents.collect.MultiTurn`
+    implement (each in full, without a base class to inherit from; SingleTurn's hooks are the
+    identities).
 
     ``max_tokens``: a response's length at most (a multi-turn one's: agent and observation tokens).
-    ``row_tools``: each prompt row's tool schemas for the prompt loader (None: no tools)."""
+    ``row_tools``: each prompt row's tool schemas for the prompt loader (None: no tools).
+    ``eval_keys``: the evaluation's per-row columns beside the scores (:meth:`eval_row`)."""
 
     max_tokens: int
-    row_tools = None
-    #: the evaluation's per-row columns beside the scores (:meth:`eval_row`)
-    eval_keys: tuple[str, ...] = ()
+    row_tools: Any
+    eval_keys: tuple[str, ...]
 
     def ready(self, tokenizer, policy) -> None:
         """Once the policy is loaded, before any step: what the responder needs of it."""
@@ -112,44 +114,45 @@ class Responder:
     ) -> Responses:
         """The responses to ``prompts``; ``behaviour_logprobs``: with the engine's log μ;
         ``keep_counts``: leave the run's step counts as they were (an evaluation)."""
-        raise NotImplementedError
 
     def outcome(self, got: Responses, scores: torch.Tensor, components: dict) -> torch.Tensor:
         """The scores with what the responder adds (``components`` gets its sources)."""
-        return scores
 
     def drop(
         self, got: Responses, valid: torch.Tensor, *, step: int, group_size: int, device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(valid, dropped)``: the rows the responder leaves out of the update, taken out of
         ``valid``, and which they are (B,) bool."""
-        return valid, torch.zeros_like(valid)
 
     def metrics(self, got: Responses, dropped: torch.Tensor) -> dict[str, float]:
         """The step's metrics of the responder, over every rank."""
-        return {}
 
     def check_offered(self, columns: list[dict] | None, source: str) -> str | None:
         """A problem with the tools that prompt rows (``columns``, of ``source``) name, or None."""
-        return None
 
     def eval_scores(self, got: Responses) -> dict[str, list]:
         """The evaluation's scores the responder adds, ``{name: one per row}``."""
-        return {}
 
     def eval_row(self, got: Responses, j: int) -> dict:
         """Row ``j``'s :attr:`eval_keys` columns (and more) in the evaluation."""
-        return {}
 
     def close(self) -> None:
         """Its workers stopped, at the end of the run."""
 
 
-class SingleTurn(Responder):
-    """One response per prompt: one ``generate``, masked after the stop (:func:`sample`)."""
+class SingleTurn:
+    """One response per prompt: one ``generate``, masked after the stop (:func:`sample`). A
+    :class:`Responder` whose hooks are the identities: it adds no score, drops no row, has no
+    metrics, offers no tools and holds no workers."""
+
+    row_tools = None
+    eval_keys: tuple[str, ...] = ()
 
     def __init__(self, max_tokens: int = 0):
         self.max_tokens = max_tokens
+
+    def ready(self, tokenizer, policy) -> None:
+        pass
 
     def respond(
         self,
@@ -178,6 +181,27 @@ class SingleTurn(Responder):
             logprobs=behaviour_logprobs,
         )
         return Responses(rollout)
+
+    def outcome(self, got: Responses, scores: torch.Tensor, components: dict) -> torch.Tensor:
+        return scores
+
+    def drop(self, got: Responses, valid: torch.Tensor, *, step: int, group_size: int, device):
+        return valid, torch.zeros_like(valid)
+
+    def metrics(self, got: Responses, dropped: torch.Tensor) -> dict[str, float]:
+        return {}
+
+    def check_offered(self, columns: list[dict] | None, source: str) -> str | None:
+        return None
+
+    def eval_scores(self, got: Responses) -> dict[str, list]:
+        return {}
+
+    def eval_row(self, got: Responses, j: int) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
