@@ -87,6 +87,9 @@ class RolloutEngine(Protocol):
     def after_update(self) -> None:
         """Called after every policy update: an engine holding its own weights refreshes them here."""
 
+    def close(self) -> None:
+        """Called when the run ends: an engine holding resources of its own releases them."""
+
 
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set to −inf every logit outside the top-k and outside the nucleus of probability ``top_p``
@@ -382,6 +385,10 @@ class HFEngine:
         """With bf16-true sampling, the engine's bfloat16 copy is refreshed from the updated policy
         before the next rollout; otherwise nothing to do: this engine decodes with the live model."""
         self._stale = True
+
+    def close(self) -> None:
+        """Nothing to release: this engine decodes with the policy (or holds a copy the collector
+        frees)."""
 
     @torch.no_grad()
     def _refresh(self) -> None:

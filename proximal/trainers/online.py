@@ -305,9 +305,10 @@ def end_step(
 
 def finish(o: Online, cfg, start: int, export: Callable[[], None]) -> Path:
     """The run's end: a ``--resume`` of a finished run writes its models again (``export``); the
-    responder's workers stopped. Returns the run directory."""
+    responder's workers stopped and the engine closed. Returns the run directory."""
     if start == cfg.train.steps:
         export()
     o.responder.close()
+    o.engine.close()
     o.run.finish()
     return o.run.dir
