@@ -385,15 +385,19 @@ def held_out_metrics(
     tokenizer,
     scorer,
     engine: RolloutEngine | None,
+    refresh: bool = False,
 ) -> Callable[[int], dict[str, float]]:
     """An online trainer's held-out evaluation bound to its live models: ``step → eval/* metrics``,
     empty when the run has no ``eval`` section or the step is not :meth:`TrainingEval.due` (of
     ``total`` steps). ``scorer``: the run's :class:`~proximal.rollout.scoring.Scorer` (its reward
-    model and tokenizer score the held-out responses too)."""
+    model and tokenizer score the held-out responses too). ``refresh``: ``engine`` is the
+    evaluation's own (``eval.engine``), told the policy changed before each evaluation."""
 
     def at(step: int) -> dict[str, float]:
         if evaluation is None or not evaluation.due(step, total):
             return {}
+        if refresh:
+            engine.after_update()
         return evaluation(
             actor,
             reference=reference,

@@ -41,6 +41,7 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,9 @@ from proximal import dist
 from proximal.config import ConfigError
 from proximal.models.loading import unwrap
 from proximal.models.parallel import gathered, is_sharded, merged_lora_state
-from proximal.rollout.engine import SamplingParams
+
+if TYPE_CHECKING:  # the engine module builds this one (build_engine): no import at run time
+    from proximal.rollout.engine import SamplingParams
 
 #: Head dimensions vLLM's CPU attention kernel runs (``vllm/v1/attention/backends/cpu_attn.py``, 0.32).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -794,6 +794,11 @@ class EvalSection:
         "their evaluations alone and push the policy's weights before each.",
         choices=(None, *ENGINES),
     )
+    kv_cache_gib: float = option(
+        0.25,
+        "eval.engine vllm in dpo and simpo: that engine's KV-cache budget per process, GiB (ppo "
+        "and grpo evaluate with the run's engine and its rollout.kv_cache_gib).",
+    )
     scores: dict[str, str] | None = option(
         None,
         "More scores to log, {name: 'module:function'} (a gold score, a verifier not trained on), "

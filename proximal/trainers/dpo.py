@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from proximal.config import check_valid
+from proximal.config import ConfigError, check_valid
 from proximal.core import dpo_loss, masked_mean, masked_sum, simpo_loss
 from proximal.data.chat import set_chat_template
 from proximal.data.packing import collate_packed_pairs, per_sequence
@@ -42,7 +42,9 @@ from proximal.models.heads import check_packing
 from proximal.models.loading import check_fits, load_tokenizer
 from proximal.models.output import TokenScores, token_kl, token_logprobs
 from proximal.models.policy import build_policy, load_reference
+from proximal.rollout.engine import build_engine
 from proximal.rollout.scoring import build_scorer
+from proximal.rollout.vllm import preflight_problems
 from proximal.train.batches import evaluate, evaluate_rows
 from proximal.train.command import config_command
 from proximal.train.fixed import fit, load_data
@@ -146,6 +148,11 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
     # 2. The policy, and DPO's reference when it is to be resident: a frozen copy, or the LoRA policy with
     # its adapters off. SimPO, and DPO with precomputed log-probabilities of a full fine-tune, hold one model.
     resident = obj.needs_reference and (not precompute or m.lora_r > 0)
+    if cfg.eval.engine == "vllm" and cfg.eval.prompts is not None:  # before any model loads
+        if isinstance(m.path, str) and (
+            problems := preflight_problems(m.path, device=run.device.type, field="eval.engine")
+        ):
+            raise ConfigError(problems[0])
     _, policy, reference = build_policy(
         m.path,
         lora=m.lora(),
@@ -268,9 +275,23 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             micro_batch_size=t.micro_batch_size,
         )
 
+    # eval.engine vllm: one engine for the evaluations alone, given the policy's weights before each.
+    eval_engine = None
+    if evaluation is not None and cfg.eval.engine == "vllm":
+        eval_engine = build_engine(
+            "vllm",
+            policy,
+            tokenizer.pad_token_id,
+            kv_cache_bytes=int(cfg.eval.kv_cache_gib * 2**30),
+            max_model_len=d.max_length + (cfg.eval.max_new_tokens or 64),
+            seed=t.seed + run.rank,
+        )
+
     def sampled(step: int) -> dict:
         if evaluation is None or not evaluation.due(step, data.total):
             return {}
+        if eval_engine is not None:
+            eval_engine.after_update()
         with starting_model(
             reference,
             m.path,
@@ -286,6 +307,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
                 tokenizer=tokenizer,
                 reward_model=scorer.reward_model if scorer is not None else None,
                 reward_tokenizer=scorer.reward_tokenizer if scorer is not None else None,
+                engine=eval_engine,
                 step=step,
             )
 
@@ -297,29 +319,36 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
         "model/reference_resident": int(resident),
         **({"data/eval_truncated": data.eval_report.truncated} if data.eval_report else {}),
     }
-    return fit(
-        run,
-        cfg,
-        data,
-        model=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        name="policy",
-        tokenizer=tokenizer,
-        max_grad_norm=cfg.optim.max_grad_norm,
-        train=t,
-        output=cfg.output,
-        micro_step=lambda idx, norm: step_fn(data.train, idx, "train", normalizer=norm),
-        lengths=lambda i: [len(data.train[i].chosen_ids), len(data.train[i].rejected_ids)],
-        metrics=metrics,
-        held_out=held_out,
-        postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
-        first=first,
-        models={"policy": policy, "reference": reference.model if reference is not None else None},
-        forward_only=("reference",) if reference is not None and not precompute else (),
-        scored=lambda i: response_tokens(data.train[i]),
-        sampled=sampled,
-    )
+    try:
+        return fit(
+            run,
+            cfg,
+            data,
+            model=policy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            name="policy",
+            tokenizer=tokenizer,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            train=t,
+            output=cfg.output,
+            micro_step=lambda idx, norm: step_fn(data.train, idx, "train", normalizer=norm),
+            lengths=lambda i: [len(data.train[i].chosen_ids), len(data.train[i].rejected_ids)],
+            metrics=metrics,
+            held_out=held_out,
+            postfix={"loss": ("train/loss",), "acc": ("eval/accuracy", "train/accuracy")},
+            first=first,
+            models={
+                "policy": policy,
+                "reference": reference.model if reference is not None else None,
+            },
+            forward_only=("reference",) if reference is not None and not precompute else (),
+            scored=lambda i: response_tokens(data.train[i]),
+            sampled=sampled,
+        )
+    finally:
+        if eval_engine is not None:
+            eval_engine.close()
 
 
 def token_scores(model, batch: dict, *, keep: bool = False, path: str = "fused") -> TokenScores:

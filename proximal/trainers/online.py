@@ -52,6 +52,7 @@ class Online:
     sampler: Sampler
     engine: RolloutEngine
     held_out: Callable[[int], dict] = field(default=lambda step: {})
+    eval_engine: RolloutEngine | None = None  # eval.engine, where it is not the rollout's
 
     def collect_args(self, cfg, group_size: int = 1) -> dict:
         """What :func:`proximal.rollout.collect.collect` takes from the run, as keyword arguments
@@ -112,7 +113,10 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
-    if r.engine == "vllm":  # before any model loads: the package, the architecture, the heads
+    if "vllm" in (
+        r.engine,
+        cfg.eval.engine,
+    ):  # before any model loads: package, architecture, heads
         vllm_preflight(mc.path, device=run.device.type)
     models = build_models(cfg, run.device, run.world_size, functions)
     responder.ready(models.tokenizer, models.actor)  # multi-turn: the chat template, the context
@@ -146,7 +150,29 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         max_model_len=longest_sequence(cfg),
         seed=t.seed + run.rank,
     )
-    return Online(run, functions, prompts, responder, models, evaluation, sampler, engine)
+    eval_engine = None
+    if evaluation is not None and (cfg.eval.engine or r.engine) != r.engine:
+        eval_engine = build_engine(
+            cfg.eval.engine,
+            models.actor,
+            models.tokenizer.pad_token_id,
+            gather_weights=r.gather_weights,
+            lean_decode=r.lean_decode,
+            kv_cache_bytes=int(cfg.eval.kv_cache_gib * 2**30),
+            max_model_len=longest_sequence(cfg),
+            seed=t.seed + run.rank,
+        )
+    return Online(
+        run,
+        functions,
+        prompts,
+        responder,
+        models,
+        evaluation,
+        sampler,
+        engine,
+        eval_engine=eval_engine,
+    )
 
 
 def longest_sequence(cfg) -> int:
@@ -201,7 +227,8 @@ def begin(
         reference=o.models.reference,
         tokenizer=o.models.tokenizer,
         scorer=o.models.scorer,
-        engine=o.engine,
+        engine=o.eval_engine or o.engine,
+        refresh=o.eval_engine is not None,  # an engine of its own takes the weights before each
     )
     if start == 0 and o.evaluation is not None:
         run.log(0, o.held_out(0))  # the starting policy
@@ -310,5 +337,7 @@ def finish(o: Online, cfg, start: int, export: Callable[[], None]) -> Path:
         export()
     o.responder.close()
     o.engine.close()
+    if o.eval_engine is not None:
+        o.eval_engine.close()
     o.run.finish()
     return o.run.dir
