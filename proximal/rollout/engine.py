@@ -430,9 +430,7 @@ def build_engine(
         )
     if kind != "vllm":
         raise ValueError(f"build_engine: unknown engine {kind!r} (hf or vllm)")
-    from proximal.rollout.vllm import (
-        VLLMEngine,  # lazy: vllm.py builds on this module; vLLM is optional
-    )
+    from proximal.rollout.vllm import VLLMEngine  # lazy: vLLM is an optional engine
 
     weights = next(model.parameters()).dtype
     bf16 = precision in ("bf16-mixed", "bf16-true") or weights == torch.bfloat16
