@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 from proximal import dist
 from proximal.config import check_divides, option, reworded
@@ -594,6 +595,16 @@ class PromptDataSection:
 ENGINES = ("hf", "vllm")
 
 
+def engine_missing(engine: str | None, field: str) -> list[str]:
+    """``engine`` vllm where the package is not installed: one line naming the install command
+    (nothing is imported; a config is checked before any model loads)."""
+    if engine != "vllm" or find_spec("vllm") is not None:
+        return []
+    from proximal.rollout.vllm import INSTALL  # lazy: only a vllm config that cannot run needs it
+
+    return [f"{field} = vllm: vLLM is not installed ({INSTALL})"]
+
+
 @dataclass
 class RolloutSection:
     batch_size: int = option(16, "Prompts sampled per step, over all processes together.")
@@ -723,6 +734,7 @@ class RolloutSection:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
         if not self.kv_cache_gib > 0:
             e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be > 0")
+        e += engine_missing(self.engine, f"{name}.engine")
         if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
             e.append(msg)
         if self.correction_band is not None:
@@ -823,6 +835,10 @@ class EvalSection:
             e.append(f"{name}.max_new_tokens = {self.max_new_tokens} must be ≥ 1 (or null)")
         if msg := problem("temperature", self.temperature, f"{name}.temperature"):
             e.append(msg)
+        if self.prompts is not None:
+            e += engine_missing(self.engine, f"{name}.engine")
+        if not self.kv_cache_gib > 0:
+            e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be > 0")
         for key, spec in (self.scores or {}).items():
             if not isinstance(spec, str) or ":" not in spec:
                 e.append(f"{name}.scores.{key} = {spec!r}: expected 'module:function'")

@@ -9,6 +9,8 @@ process in ``.venv-vllm`` (``make test-vllm``), never beside the main suite's te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -245,3 +247,19 @@ def test_a_head_dimension_the_cpu_kernel_does_not_run_is_one_line(assets, engine
     with pytest.raises(Exception) as info:
         engines(model, 0)
     assert "heads have dimension 16" in str(info.value) and "rollout.engine: hf" in str(info.value)
+
+
+def test_a_grpo_run_on_a_policy_vllm_cannot_run_is_one_line_before_any_model_loads(
+    assets, engines, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "trainers"))
+    from grpo_support import grpo_config, grpo_main
+
+    from proximal.trainers import grpo
+
+    monkeypatch.setattr(grpo, "build_models", lambda *a, **k: pytest.fail("models were loaded"))
+    cfg = grpo_config(assets.policy("llama"), assets.prompts, tmp_path / "run")  # head dim 16
+    assert grpo_main(cfg, "--rollout.engine", "vllm") == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine = vllm: the policy's attention heads have dimension 16" in err
+    assert "Traceback" not in err
