@@ -270,12 +270,11 @@ def pushed_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     from a sharded policy (each rank gathers each tensor in turn: a collective), and for a peft
     policy the adapters merged (:func:`~proximal.models.parallel.merged_lora_state`, which needs the
     whole state)."""
-    inner = unwrap(model)
-    if hasattr(inner, "get_base_model"):
-        state = {_clean(k): _full(v).detach() for k, v in inner.state_dict().items()}
-        yield from merged_lora_state(inner, state).items()
+    if hasattr(model, "get_base_model"):  # peft: its keys, merged by the peft model's layers
+        state = {_clean(k): _full(v).detach() for k, v in model.state_dict().items()}
+        yield from merged_lora_state(model, state).items()
         return
-    for name, tensor in inner.state_dict().items():
+    for name, tensor in model.state_dict().items():
         yield _clean(name), _full(tensor).detach()
 
 

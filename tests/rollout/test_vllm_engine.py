@@ -162,6 +162,32 @@ def test_the_engine_equals_the_policy_after_several_updates(assets, engines):
     assert engine.pushes == 3
 
 
+def test_a_lora_policy_pushes_its_merged_weights(assets, engines):
+    """LoRA: the engine takes W + s·BA of every adapted layer (the live weights never merged in
+    place), so it equals the peft model's forward after its adapters trained."""
+    from proximal.models.policy import with_lora
+
+    model = with_lora(
+        _model(assets, "qwen2"), "CAUSAL_LM", {"r": 4, "alpha": 8, "target_modules": ["all-linear"]}
+    )
+    engine = engines(model)
+    sequences = [[2, 5, 9, 11, 4, 7, 8]]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # 0 at the start: the adapters do nothing until they train
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    base = [p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n]
+    engine.after_update()
+    got = torch.tensor(engine.sequence_logprobs(sequences)[0], dtype=torch.float64)
+    ref = _policy_logprobs(model, sequences)[0]
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+    with model.disable_adapter():  # the adapters matter here: without them the numbers differ
+        assert (got - _policy_logprobs(model, sequences)[0]).abs().max() > 1e-3
+    after = [p for n, p in model.named_parameters() if "base_layer" in n]
+    assert all(torch.equal(a, b) for a, b in zip(base, after))
+
+
 def _stale_pushes():
     every = vllm_engine.pushed_weights
 
