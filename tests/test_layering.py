@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "data": 1,
     "models": 1,
     "specs": 1,  # import_spec: the one import path of user code (needs config's ConfigError)
+    "rewards": 1,  # the field's reward functions (TRL's names), so that tasks and rollout can use them
     # what is built from them: rollouts, and the built-in tasks with their gold scores
     "rollout": 2,
     "tasks": 2,
