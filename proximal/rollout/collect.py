@@ -241,15 +241,17 @@ def load_inputs(
     split: str | None = None,
     columns: dict[str, str] | None = None,
     tools=None,
+    reward_function_kwargs: dict[str, dict] | None = None,
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported, a callable taken as
-    it is (:func:`~proximal.rollout.reward_functions.load_reward_functions`: ``{name: function}``), the
+    it is, a factory called with its ``reward_function_kwargs``
+    (:func:`~proximal.rollout.reward_functions.load_reward_functions`: ``{name: function}``), the
     prompts rendered and tokenised with the policy's tokenizer
     (:func:`~proximal.data.prompts.load_prompts`; ``tools``, an agent run's, gives each row's tool
     schemas), and every argument a function requires found among the prompts' columns
     (ConfigError naming the function, the argument and the file)."""
-    functions = load_reward_functions(reward_functions)
+    functions = load_reward_functions(reward_functions, reward_function_kwargs)
     tokenizer = load_tokenizer(policy_path, role="policy tokenizer (model.path)")
     set_chat_template(tokenizer, chat_template)  # the policy tokenizer gets it too (build_models)
     prompt_set = load_prompts(

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from proximal import dist
-from proximal.config import PythonObject
+from proximal.config import ConfigError, PythonObject
 from proximal.specs import import_spec
 
 #: What proximal itself passes to a reward function beside the prompt row's columns (a column may not
@@ -110,11 +110,67 @@ def reward_function_names(specs: Sequence[str | Callable]) -> list[str]:
     return names
 
 
-def load_reward_functions(specs: Sequence[str | Callable]) -> dict[str, Callable]:
-    """``{name: function}`` for ``model.reward_functions`` (specs and callables), in order."""
-    return {
-        name: load_reward_function(spec) for name, spec in zip(reward_function_names(specs), specs)
-    }
+def load_reward_functions(
+    specs: Sequence[str | Callable],
+    kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    field: str = "model.reward_function_kwargs",
+) -> dict[str, Callable]:
+    """``{name: function}`` for ``model.reward_functions`` (specs and callables), in order.
+
+    ``kwargs`` (``model.reward_function_kwargs``, read from ``field``) maps a function's name (its
+    spec; :func:`reward_function_names`) to the arguments of a *factory*: that spec is called with
+    them once, here, and what it returns is the reward function (TRL's
+    ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``). ConfigError naming the
+    spec and the argument when the factory does not take them, raises, or returns no callable; and
+    for a factory of :mod:`proximal.rewards` (``reward_function_factory``) named without them."""
+    kwargs = kwargs or {}
+    functions = {}
+    for name, spec in zip(reward_function_names(specs), specs):
+        fn = load_reward_function(spec)
+        if name in kwargs:
+            fn = build_reward_function(fn, kwargs[name], f"{field}[{name!r}]")
+        elif getattr(fn, "reward_function_factory", False):
+            raise ConfigError(
+                f"reward function {name!r} is a factory of reward functions: give its arguments "
+                f"in {field} ({{{name!r}: {{{', '.join(_parameters(fn))}}}}})"
+            )
+        functions[name] = fn
+    return functions
+
+
+def build_reward_function(factory: Callable, kwargs: Mapping[str, Any], where: str) -> Callable:
+    """``factory(**kwargs)``, the reward function a factory spec makes; ConfigError naming ``where``
+    (the field and the spec) and the argument it does not take or lacks, the exception it raised, or
+    what it returned when that is not callable."""
+    takes = ", ".join(_parameters(factory)) or "none"
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:  # an unknown or a missing argument, named by Python
+        raise ConfigError(f"{where}: {e} (its arguments: {takes})") from None
+    except ValueError:  # no signature to read (some builtins): the call says
+        pass
+    try:
+        fn = factory(**kwargs)
+    except Exception as e:  # the factory's check of its arguments: one line, the user's mistake
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(
+            f"{where}: called with these arguments it returned {type(fn).__name__} {fn!r:.60}, not "
+            "a reward function; only a factory (a function that returns the reward function) takes "
+            "arguments here"
+        )
+    return fn
+
+
+def _parameters(fn: Callable) -> list[str]:
+    try:
+        return [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return []
 
 
 # ----------------------------------------------------------------------------------------------

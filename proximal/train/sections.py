@@ -491,6 +491,14 @@ class OnlineModelSection(PolicyModelSection):
         "logs a score without training on it.",
         default_factory=list,
     )
+    reward_function_kwargs: dict[str, dict] = option(
+        help="Arguments of the reward functions that are factories, by spec: {spec: {argument: "
+        "value}} (e.g. {'proximal.rewards:get_soft_overlong_punishment': {max_completion_len: 64, "
+        "soft_punish_cache: 16}}). Each such spec is called once with them, before any model "
+        "loads, and returns the reward function (TRL's get_* rewards); a spec named twice in "
+        "reward_functions is spec#2 the second time. See docs/rewards.md.",
+        default_factory=dict,
+    )
     reward_timeout_s: float | None = option(
         DEFAULT_TIMEOUT_S,
         "Seconds one step's call of a reward function may take (the async ones together); "
@@ -517,6 +525,16 @@ class OnlineModelSection(PolicyModelSection):
                 isinstance(spec, str) and ":" in spec
             ):
                 e.append(f"{name}.reward_functions[{i}] = {spec!r}: expected 'module:function'")
+        names = reward_function_names(self.reward_functions)
+        for spec, kwargs in self.reward_function_kwargs.items():
+            where = f"{name}.reward_function_kwargs[{spec!r}]"
+            if spec not in names:
+                e.append(
+                    f"{where}: {spec!r} is not one of {name}.reward_functions "
+                    f"({', '.join(names) or 'none'})"
+                )
+            elif not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+                e.append(f"{where} = {kwargs!r}: expected a mapping {{argument: value}}")
         if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
             e.append(
                 f"{name}.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "

@@ -102,6 +102,7 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         split=d.split,
         columns=d.columns,
         tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
+        reward_function_kwargs=mc.reward_function_kwargs,
     )
     responder = run_responder(
         cfg.env,
