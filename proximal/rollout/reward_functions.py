@@ -144,11 +144,21 @@ def build_reward_function(factory: Callable, kwargs: Mapping[str, Any], where: s
     what it returned when that is not callable."""
     takes = ", ".join(_parameters(factory)) or "none"
     try:
-        inspect.signature(factory).bind(**kwargs)
-    except TypeError as e:  # an unknown or a missing argument, named by Python
-        raise ConfigError(f"{where}: {e} (its arguments: {takes})") from None
-    except ValueError:  # no signature to read (some builtins): the call says
-        pass
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call says
+        params = None
+    if params is not None:
+        if not any(p.kind == _P.VAR_KEYWORD for p in params):
+            unknown = [k for k in kwargs if k not in {p.name for p in params if p.kind in _NAMED}]
+            if unknown:
+                raise ConfigError(f"{where}: no argument {unknown[0]!r} (its arguments: {takes})")
+        missing = [
+            p.name
+            for p in params
+            if p.kind in _NAMED and p.default is _P.empty and p.name not in kwargs
+        ]
+        if missing:
+            raise ConfigError(f"{where}: argument {missing[0]!r} missing (its arguments: {takes})")
     try:
         fn = factory(**kwargs)
     except Exception as e:  # the factory's check of its arguments: one line, the user's mistake
