@@ -38,8 +38,10 @@ def accuracy_reward(completions: list, solution: list, **kwargs) -> list[float |
     The solution is parsed with math-verify's default extraction (LaTeX, then a plain expression:
     ``\frac{1}{2}``, ``$\frac{1}{2}$``, ``0.5`` and ``1/2`` all parse); the completion with
     :data:`ANSWER_EXTRACTION` (``\boxed{0.5}`` or ``the final answer is $0.5$``; a bare ``0.5`` is
-    not read). ``verify(gold, answer)`` then compares them as sympy does, numbers to 6 decimals:
-    ½ equals ``\boxed{0.5}``, ``\boxed{5 \text{ cm}}`` equals 5, ``\boxed{x \cdot x}`` equals x².
+    not read; two boxes are read as the set of both, so ``\boxed{3} or \boxed{4}`` is not 3).
+    ``verify(gold, answer)`` then compares them as sympy does, numbers to 6 decimals: ½ equals
+    ``\boxed{0.5}``, ``\boxed{5 \text{ cm}}`` equals 5, ``\boxed{x \cdot x}`` equals x². Bare LaTeX
+    solutions other than fractions do not parse (``\sqrt{2}``: None; ``$\sqrt{2}$`` parses).
 
     Safe in any thread: math-verify's time limits use ``signal.alarm``, which raises outside the
     main thread, so there they are off (``parsing_timeout=None``, ``timeout_seconds=None``) and the

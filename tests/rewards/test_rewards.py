@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERLONG = "proximal.rewards:get_soft_overlong_punishment"
 
 
-def grpo_run(policy, prompts, run_dir, model: dict) -> int:
+def grpo_run(policy, prompts, run_dir, model: dict, *args: str) -> int:
     """``proximal grpo`` for one cheap step (two prompts, four responses each, at most 8 tokens)
     with ``model`` over the reward settings; the exit code."""
     cfg = {
@@ -48,7 +48,7 @@ def grpo_run(policy, prompts, run_dir, model: dict) -> int:
         "train": {"steps": 1, "seed": 0, "device": "cpu"},
         "output": {"dir": str(run_dir), "progress": False, "samples_per_step": 8},
     }
-    return command_main("grpo", cfg)
+    return command_main("grpo", cfg, *args)
 
 
 def completion_length(completion_ids, **kwargs):
@@ -457,6 +457,14 @@ def test_grpo_scores_with_the_factory_its_config_builds(assets, tmp_path, capsys
             f"model.reward_function_kwargs['{OVERLONG}']: no argument 'max_len' (its arguments: "
             "max_completion_len, soft_punish_cache)",
         ),
+        (  # the same from the command line, as docs/rewards.md writes it
+            [
+                "--model.reward_function_kwargs",
+                f"{{{OVERLONG}: {{max_len: 6, soft_punish_cache: 4}}}}",
+            ],
+            f"model.reward_function_kwargs['{OVERLONG}']: no argument 'max_len' (its arguments: "
+            "max_completion_len, soft_punish_cache)",
+        ),
     ],
 )
 def test_grpo_refuses_bad_kwargs_in_one_line_before_any_model(
@@ -468,8 +476,11 @@ def test_grpo_refuses_bad_kwargs_in_one_line_before_any_model(
         raise AssertionError("models were loaded before the config error was reported")
 
     monkeypatch.setattr(grpo, "build_models", forbidden)
-    model = {"reward_functions": ["ppo_support:frac_a", OVERLONG], **model}
-    rc = grpo_run(assets.policy("llama"), assets.prompts, tmp_path / "run", model)
+    # a dict: the config's model section gets it; a list: command-line arguments
+    args = model if isinstance(model, list) else []
+    settings = {} if args else model
+    model = {"reward_functions": ["ppo_support:frac_a", OVERLONG], **settings}
+    rc = grpo_run(assets.policy("llama"), assets.prompts, tmp_path / "run", model, *args)
     err = capsys.readouterr().err
     assert rc == 2, err
     assert message in err, err
