@@ -21,6 +21,7 @@ from ppo_support import command_main, read_jsonl
 
 import proximal.rewards as rewards
 from proximal.config import ConfigError
+from proximal.data.jsonl import write_jsonl
 from proximal.rewards import (
     accuracy_reward,
     exact_match,
@@ -413,25 +414,53 @@ def test_kwargs_for_a_function_that_is_no_factory_are_refused():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_grpo_scores_with_the_factory_its_config_builds(assets, tmp_path, capsys):
-    """One GRPO step of at most 8 tokens, scored by the overlong punishment with L_max 6 and
-    L_cache 4 and a weight-0 function logging each response's |y|: every sample's punishment is
-    DAPO's value at its own length."""
-    run_dir = tmp_path / "run"
+def test_grpo_scores_with_the_rewards_its_config_builds(assets, tmp_path, capsys):
+    """One GRPO step of at most 8 tokens on prompts carrying reasoning-gym entries (chain_sum), with
+    the overlong punishment (L_max 6, L_cache 4) built from model.reward_function_kwargs and trained
+    on, and logged beside it at weight 0: each response's |y| (a test function), the reasoning-gym
+    scorer (default and built by its factory with the whole completion as the answer), exact match
+    and the think format. Every sample's scores are worked out from its response and its row."""
+    entries = _rows("chain_sum", 2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    rows = [  # prompts of the tiny model's alphabet; the entry's answer and metadata as columns
+        {"prompt": f"{'ab'[i] * 3} {i}", "answer": e["answer"], "metadata": e["metadata"]}
+        for i, e in enumerate(entries)
+    ]
+    write_jsonl(tmp_path / "prompts.jsonl", rows)
+    by_prompt = {r["prompt"]: e for r, e in zip(rows, entries)}
+    whole = "proximal.rewards:get_reasoning_gym_reward"
+    functions = [
+        OVERLONG,
+        "test_rewards:completion_length",
+        "proximal.rewards:reasoning_gym",
+        whole,
+        "proximal.rewards:exact_match",
+        "proximal.rewards:think_format_reward",
+    ]
     model = {
-        "reward_functions": [OVERLONG, "test_rewards:completion_length"],
-        "reward_function_weights": [1.0, 0.0],
-        "reward_function_kwargs": {OVERLONG: {"max_completion_len": 6, "soft_punish_cache": 4}},
+        "reward_functions": functions,
+        "reward_function_weights": [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        "reward_function_kwargs": {
+            OVERLONG: {"max_completion_len": 6, "soft_punish_cache": 4},
+            whole: {"answer_tag": None},
+        },
     }
-    assert grpo_run(assets.policy("llama"), assets.prompts, run_dir, model) == 0, (
+    run_dir = tmp_path / "run"
+    assert grpo_run(assets.policy("llama"), tmp_path / "prompts.jsonl", run_dir, model) == 0, (
         capsys.readouterr().err
     )
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert len(samples) == 8
+    score_answer = rg.get_score_answer_fn("chain_sum")
     for s in samples:
         n = s["score/test_rewards:completion_length"]
         by_hand = 0.0 if n <= 2 else (-1.0 if n > 6 else (2 - n) / 4)
         assert s[f"score/{OVERLONG}"] == by_hand and s["score"] == by_hand
+        entry, response = by_prompt[s["prompt"]], s["response"]
+        assert "<" not in response  # the alphabet has no tags: no <answer>, no <think>
+        assert s["score/proximal.rewards:reasoning_gym"] == score_answer(None, entry) == 0.0
+        assert s[f"score/{whole}"] == score_answer(response.strip(), entry)
+        assert s["score/proximal.rewards:exact_match"] == float(response.strip() == entry["answer"])
+        assert s["score/proximal.rewards:think_format_reward"] == 0.0
     assert {s["score/test_rewards:completion_length"] for s in samples} & {7.0, 8.0}, (
         "no response reached the −1 region: the test would not tell the regions apart"
     )
