@@ -51,7 +51,15 @@ from proximal.core.kl import (
     make_kl_controller,
     reference_kl_loss,
 )
-from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
+from proximal.core.logprobs import (
+    filter_logits,
+    filtered_logprobs_from_logits,
+    filters,
+    logprobs_from_logits,
+    sequence_logprobs,
+    token_entropy,
+    token_kl,
+)
 from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
@@ -104,6 +112,9 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
+    "filter_logits",
+    "filtered_logprobs_from_logits",
+    "filters",
     "aggregation_units",
     "gae",
     "group_advantages",
