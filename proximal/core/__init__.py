@@ -54,11 +54,11 @@ from proximal.core.kl import (
 from proximal.core.logprobs import (
     filter_logits,
     filtered_logprobs_from_logits,
-    filters,
     logprobs_from_logits,
     sequence_logprobs,
     token_entropy,
     token_kl,
+    truncates,
 )
 from proximal.core.losses import (
     bradley_terry_loss,
@@ -114,7 +114,6 @@ __all__ = [
     "explained_variance",
     "filter_logits",
     "filtered_logprobs_from_logits",
-    "filters",
     "aggregation_units",
     "gae",
     "group_advantages",
@@ -156,6 +155,7 @@ __all__ = [
     "token_kl",
     "token_mask_weights",
     "token_nll",
+    "truncates",
     "uniform_groups",
     "value_loss",
     "whiten",

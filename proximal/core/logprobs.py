@@ -24,6 +24,11 @@ from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_mean, masked_sum
 
 DEFAULT_CHUNK_TOKENS = 1024
+#: :func:`filtered_logprobs_from_logits`' blocks: the filter's sort (values and int64 indices),
+#: cumulative sums and masks hold about seven floats per logit of a block at their peak (measured:
+#: 665 MB over a 98 MB block), so its blocks are an eighth of the plain log-softmax's, to keep the
+#: peak about the same.
+REPLAY_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 8
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
@@ -269,7 +274,7 @@ def filter_logits(z: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return z
 
 
-def filters(top_k: int, top_p: float) -> bool:
+def truncates(top_k: int, top_p: float) -> bool:
     """Whether ``top_k`` / ``top_p`` truncate the distribution at all (top_k > 0 or top_p < 1)."""
     return top_k > 0 or top_p < 1.0
 
@@ -279,7 +284,7 @@ def _kept_lse(logp: Tensor, tokens: Tensor, top_k: int, top_p: float) -> Tensor:
     block of full log-probabilities ``logp`` (b, t, V) (the filter sees softmax(logp) =
     softmax(z): the same set). (b, t). The set is a choice, not a function to differentiate.
     Without a filter, exactly 0: the replay is then log softmax(z)[y] to the bit."""
-    if not filters(top_k, top_p):
+    if not truncates(top_k, top_p):
         return logp.new_zeros(logp.shape[:-1])
     kept = filter_logits(logp, top_k, top_p)
     # the sampled token always counts, so its log-probability is finite even where this model's
@@ -368,7 +373,7 @@ def filtered_logprobs_from_logits(
     top_k: int = 0,
     top_p: float = 1.0,
     mask: Tensor | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int = REPLAY_CHUNK_TOKENS,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """The replay of an engine's top-k / top-p filter in the trainer: the log-probability of each
@@ -390,7 +395,8 @@ def filtered_logprobs_from_logits(
 
     Chunked like :func:`logprobs_from_logits` (its module docstring): the logits and (B, T)
     statistics are saved for backward; the filter (a sort over V) runs per block, in forward and
-    again in backward, so the extra memory is a few blocks of ``chunk_tokens × V``.
+    again in backward, so the extra memory is a few blocks of ``chunk_tokens × V`` (about seven
+    floats per logit of a block, hence the smaller default, :data:`REPLAY_CHUNK_TOKENS`).
 
     Args:
         logits: (B, T, V), any float dtype; ``logits[:, t]`` scores ``tokens[:, t]``.

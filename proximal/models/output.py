@@ -37,9 +37,9 @@ from torch import Tensor
 from proximal import dist
 from proximal.core import (
     filtered_logprobs_from_logits,
-    filters,
     logprobs_from_logits,
     token_entropy,
+    truncates,
 )
 from proximal.core import token_kl as logits_token_kl
 from proximal.core.fused import linear_logprobs, linear_token_kl
@@ -446,7 +446,7 @@ def token_logprobs(
     """
     if entropy not in ENTROPY:
         raise ValueError(f"entropy {entropy!r} is not one of {ENTROPY}")
-    if filter is not None and filters(*filter):
+    if filter is not None and truncates(*filter):
         return _filtered_logprobs(
             model,
             input_ids,

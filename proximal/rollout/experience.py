@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from proximal import dist
-from proximal.core import filters
+from proximal.core import truncates
 from proximal.models.heads import token_values
 from proximal.rollout.sampling import Rollout, response_logprobs
 
@@ -114,7 +114,7 @@ def sequence_token_logprobs(
         scores = response_logprobs(model, r, temperature, path=path, filter=filter)
         out.append(_pad_to(scores.logprobs, T))
         full.append(_pad_to(scores.unfiltered, T))
-    if filter is not None and filters(*filter):
+    if filter is not None and truncates(*filter):
         return torch.cat(out), torch.cat(full)
     return torch.cat(out)
 
