@@ -385,7 +385,7 @@ def test_vllm_with_a_filter_needs_the_replay():
         cfg = GRPOConfig()
         for k, v in rollout.items():
             setattr(cfg.rollout, k, v)
-        return [p for p in cfg.validate() if "rollout.engine" in p]
+        return [p for p in cfg.validate() if "replay_filter" in p]
 
     assert len(said(engine="vllm", top_k=5)) == 1
     assert said(engine="vllm", top_k=5)[0].startswith(
