@@ -1,0 +1,121 @@
+"""Runs through the vllm rollout engine (issue 41), end to end.
+
+* ``proximal ppo --rollout.engine vllm``: healthy steps, ``models.json`` recording the engine, and
+  the engine's μ equal to the trainer's π_old (``rollout/mismatch_k1``) at every step — so the
+  weights were pushed after every update.
+* A multi-turn GRPO run through vllm: each trajectory's ids are exactly the engine's sampled ids and
+  the observations' template rendering, the agent mask True exactly on the sampled ones, each turn's
+  input the prompt and everything before it; μ equal to π_old with the observations in context.
+* dpo's ``--eval.engine vllm``: the held-out evaluations are sampled by a vllm engine holding the
+  policy's weights of that step (the numbers of a fresh engine over the saved policy, not the hf
+  engine's), and the run closes it.
+* Two processes under FSDP2: after optimiser steps of the sharded policy, each rank's engine holds
+  the policy's weights (``rollout.gather_weights`` true and false).
+
+vLLM takes over process-wide state (its parallel state is one per process), so these tests carry
+the ``vllm`` marker and run in their own pytest process in ``.venv-vllm`` (``make test-vllm``); every
+engine is closed before the next is built (the runs close theirs when they end).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed (make test-vllm builds .venv-vllm)"
+)
+
+from multiproc import run_ranks  # noqa: E402
+
+from proximal.models.tiny import build_tiny_causal_lm  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+KV = 32 << 20  # 32 MiB of KV cache: thousands of tokens at these shapes
+
+
+@pytest.fixture(scope="module")
+def policy(assets):
+    """A tiny float32 Qwen2 whose heads vLLM's CPU attention runs (hidden 64, 2 heads: dimension
+    32), on the tests' character tokenizer."""
+    return build_tiny_causal_lm(
+        assets.root / "vllm_cli_qwen2", assets.tokenizer, arch="qwen2", hidden=64, heads=2
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Two processes, FSDP2
+# ----------------------------------------------------------------------------------------------
+
+#: Fixed sequences (BOS, then characters of the tiny alphabet) the engine and the policy score.
+SEQUENCES = [[2, 5, 9, 11, 4, 7, 8, 14], [2, 6, 6, 10, 11], [2, 20, 4, 4, 4, 13, 9]]
+
+
+def _policy_logprobs(model, sequences) -> list[torch.Tensor]:
+    """log p(x_i | x_<i) of each token after the first, from the trainer's own forward (a sharded
+    model's is collective: every rank passes the same sequences), float64 softmax of its logits."""
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            z = model(torch.tensor([s])).logits[0, :-1].double()
+            out.append(z.log_softmax(-1).gather(-1, torch.tensor(s[1:])[:, None]).squeeze(-1))
+    return out
+
+
+def _gap(engine, model) -> float:
+    got = engine.sequence_logprobs(SEQUENCES)
+    ref = _policy_logprobs(model, SEQUENCES)
+    return max(
+        float((torch.tensor(g, dtype=torch.float64) - r).abs().max()) for g, r in zip(got, ref)
+    )
+
+
+def _sharded_engine_follows(policy_path: str, steps: int) -> dict:
+    """On each rank: the tiny policy sharded (FSDP2), its vllm engine, then for gather_weights true
+    and then false, ``steps`` AdamW steps on this rank's own rows (so the ranks' gradients differ and
+    the reduction matters) and the engine's log-probabilities of SEQUENCES against the policy's."""
+    from proximal import dist
+    from proximal.models.loading import load_causal_lm
+    from proximal.models.parallel import is_sharded, prepare_trained
+    from proximal.rollout.vllm import VLLMEngine
+
+    model = load_causal_lm(policy_path)
+    prepare_trained(
+        model, device=torch.device("cpu"), precision="32-true", world_size=dist.world_size()
+    )
+    assert is_sharded(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = VLLMEngine(model, 0, kv_cache_bytes=KV, max_model_len=64)
+    g = torch.Generator().manual_seed(100 + dist.rank())
+    out = {"start": _gap(engine, model)}  # the first push
+    for gather in (True, False):
+        before = _policy_logprobs(model, SEQUENCES)
+        for _ in range(steps):
+            ids = torch.cat([torch.full((4, 1), 2), torch.randint(4, 23, (4, 11), generator=g)], 1)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        engine.gather_weights = gather
+        engine.after_update()
+        moved = max(
+            float((a - b).abs().max()) for a, b in zip(before, _policy_logprobs(model, SEQUENCES))
+        )
+        out[gather] = (_gap(engine, model), moved)
+    out["pushes"] = engine.pushes
+    engine.close()
+    return out
+
+
+def test_each_ranks_engine_holds_the_sharded_policys_weights_after_updates(policy):
+    """Two processes, the policy sharded by FSDP2: after AdamW steps (the ranks' gradients reduced),
+    each rank's engine scores fixed sequences as the policy does, within 1e-5, whether the push
+    gathers the whole policy once (gather_weights true) or one tensor at a time (false). Each round
+    of steps moved the policy's log-probabilities far more than that, so a stale push fails it."""
+    results = run_ranks(2, _sharded_engine_follows, str(policy), 3, timeout_s=600)
+    for r in results:
+        assert r["start"] <= 1e-5 and r["pushes"] == 3
+        for gather in (True, False):
+            gap, moved = r[gather]
+            assert gap <= 1e-5, (gather, gap)
+            assert moved > 1e-2, (gather, moved)
