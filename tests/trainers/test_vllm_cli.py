@@ -26,7 +26,11 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed (make test-vllm builds .venv-vllm)"
 )
 
+import json  # noqa: E402
+import math  # noqa: E402
+
 from multiproc import run_ranks  # noqa: E402
+from ppo_support import REQUIRED_METRICS, ppo_main, read_jsonl, tiny_config  # noqa: E402
 
 from proximal.models.tiny import build_tiny_causal_lm  # noqa: E402
 
@@ -42,6 +46,48 @@ def policy(assets):
     return build_tiny_causal_lm(
         assets.root / "vllm_cli_qwen2", assets.tokenizer, arch="qwen2", hidden=64, heads=2
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# proximal ppo --rollout.engine vllm
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_ppo_run_samples_through_vllm_and_its_mu_is_the_trainers_pi_old(
+    policy, assets, tmp_path, capsys
+):
+    """Three PPO steps (the critic from the policy, a rule reward): every required metric finite,
+    the engine recorded in models.json and the start line, and at every step the engine's μ of the
+    sampled tokens equal to the trainer's π_old (|mismatch_k1| < 1e-5 in float32, every ratio
+    within 1e-5 of 1) — after the first step only if each update's weights reached the engine (an
+    update moves the policy by a KL near 0.07 here)."""
+    run = tmp_path / "ppo"
+    cfg = tiny_config(
+        policy,
+        assets.prompts,
+        run,
+        rollout={"engine": "vllm", "kv_cache_gib": KV / 2**30},
+        ppo={"epochs": 2},
+        optim={"lr": 1e-2, "critic_lr": 1e-2},
+        train={"steps": 3},
+    )
+    assert ppo_main(cfg) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert "decode: vLLM " in said and "processed_logprobs" in said
+    decode = json.loads((run / "models.json").read_text())["actor"]["decode"]
+    assert decode["path"] == "vllm" and decode["dtype"] == "float32"
+    assert decode["logprobs_mode"] == "processed_logprobs" and decode["kv_cache_bytes"] == KV
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in REQUIRED_METRICS:
+            assert math.isfinite(r[key]), (r["step"], key, r.get(key))
+        assert r["response/length_mean"] > 0
+        assert abs(r["rollout/mismatch_k1"]) < 1e-5, (r["step"], r["rollout/mismatch_k1"])
+        assert abs(r["rollout/ratio_max"] - 1) < 1e-5 and abs(r["rollout/ratio_min"] - 1) < 1e-5
+        # each update moves the policy by far more (its second epoch's KL to π_old): a step sampled
+        # by an engine still holding the previous weights would be as far from π_old
+        assert r["policy/approx_kl"] > 1e-3, (r["step"], r["policy/approx_kl"])
 
 
 # ----------------------------------------------------------------------------------------------
