@@ -28,11 +28,22 @@ vllm = pytest.importorskip(
 
 import json  # noqa: E402
 import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from multiproc import run_ranks  # noqa: E402
 from ppo_support import REQUIRED_METRICS, ppo_main, read_jsonl, tiny_config  # noqa: E402
 
+from proximal.models.loading import load_tokenizer  # noqa: E402
 from proximal.models.tiny import build_tiny_causal_lm  # noqa: E402
+from proximal.rollout.engine import row_seed  # noqa: E402
+
+AGENTS = Path(__file__).resolve().parents[1] / "agents"
+if str(AGENTS) not in sys.path:  # the agent tests' helpers and environments (workers import them)
+    sys.path.insert(0, str(AGENTS))
+
+from test_agent_runs import TALK, _multi_turn_checks, _prompts, grpo_config, grpo_main  # noqa: E402
+from test_trajectory import TEMPLATE, Recording  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -88,6 +99,86 @@ def test_a_ppo_run_samples_through_vllm_and_its_mu_is_the_trainers_pi_old(
         # each update moves the policy by far more (its second epoch's KL to π_old): a step sampled
         # by an engine still holding the previous weights would be as far from π_old
         assert r["policy/approx_kl"] > 1e-3, (r["step"], r["policy/approx_kl"])
+
+
+# ----------------------------------------------------------------------------------------------
+# A multi-turn GRPO run through vllm
+# ----------------------------------------------------------------------------------------------
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _check_trajectories(call: dict, stops: set[int], obs: list[int]) -> int:
+    """tests/agents/test_trajectory.py's id-by-id check of one batch of trajectories against what
+    the engine was given and sampled (``Recording``): each turn's input is exactly the prompt and
+    everything appended before it; the trajectory is exactly each turn's sampled ids (cut after its
+    stop token) and, between turns, the observation's ids ``obs``; the agent mask is True exactly on
+    the sampled ids; μ is 0 at the observations. Returns how many observations it saw."""
+    seen = 0
+    for b, t in enumerate(call["trajs"]):
+        expected, mask, turn = [], [], 0
+        for ids, amask, call_seeds, params, sampled in call["engine"]:
+            want = call["seeds"][b] if turn == 0 else row_seed(call["seeds"][b], turn)
+            if want not in call_seeds:
+                continue
+            i = call_seeds.index(want)
+            assert ids[i][amask[i].bool()].tolist() == t.prompt_ids + expected
+            seq = sampled[i].tolist()
+            cut = next((j for j, x in enumerate(seq) if x in stops), len(seq))
+            seq = seq[: min(cut + 1, params.max_new_tokens)]
+            expected += seq
+            mask += [True] * len(seq)
+            turn += 1
+            if len(t.turns) > turn:  # the trajectory went on: the observation follows
+                expected += obs
+                mask += [False] * len(obs)
+                seen += 1
+        assert t.ids == expected and t.agent_mask == mask and len(t.turns) == turn >= 1
+        assert all(mu == 0.0 for mu, a in zip(t.behaviour_logprobs, mask) if not a)
+        assert len(t.behaviour_logprobs) == len(t.ids)
+    return seen
+
+
+def test_a_multi_turn_grpo_run_through_vllm_keeps_ids_masks_and_mu(
+    policy, tmp_path, monkeypatch, capsys
+):
+    """tests/agents/test_agent_runs.py's multi-turn GRPO run (the Talk environment: the reply "ab",
+    per-turn rewards) with the vllm engine and a chat template: the same run-level checks
+    (``_multi_turn_checks``), every trajectory id by id against the engine's calls with the
+    observation rendered as the template writes it ("8 ab 9 "), and μ equal to π_old with the
+    observations in the context (|mismatch_k1| < 1e-5)."""
+    from proximal.agents import collect
+
+    batches = []
+    real = collect.run_trajectories
+
+    def recorded(engine, tokenizer, envs, prompt_ids, rows, **kw):
+        engine = Recording(engine)
+        trajs = real(engine, tokenizer, envs, prompt_ids, rows, **kw)
+        batches.append({"trajs": trajs, "engine": engine.calls, "seeds": list(kw["seeds"])})
+        return trajs
+
+    monkeypatch.setattr(collect, "run_trajectories", recorded)
+    cfg = grpo_config(
+        policy,
+        _prompts(tmp_path, turns=2),
+        tmp_path / "run",
+        model={"reward_functions": [], "chat_template": TEMPLATE},
+        rollout={"stop_token_ids": [11, 12, 13], "engine": "vllm", "kv_cache_gib": KV / 2**30},
+        env=TALK,
+        tools={"workers": 1},
+        output={"samples_per_step": 8},
+    )
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    _multi_turn_checks(tmp_path / "run", 2)
+    tok = load_tokenizer(str(policy))
+    stops = {tok.eos_token_id, 11, 12, 13}
+    assert len(batches) == 2  # one rollout a step
+    assert sum(_check_trajectories(b, stops, _ids(tok, "8 ab 9 ")) for b in batches) > 0
+    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl"):
+        assert abs(r["rollout/mismatch_k1"]) < 1e-5, (r["step"], r["rollout/mismatch_k1"])
 
 
 # ----------------------------------------------------------------------------------------------
