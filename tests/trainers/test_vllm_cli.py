@@ -19,6 +19,11 @@ engine is closed before the next is built (the runs close theirs when they end).
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,13 +31,9 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed (make test-vllm builds .venv-vllm)"
 )
 
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 from multiproc import run_ranks  # noqa: E402
 from ppo_support import REQUIRED_METRICS, ppo_main, read_jsonl, tiny_config  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
 
 from proximal.models.loading import load_tokenizer  # noqa: E402
 from proximal.models.tiny import build_tiny_causal_lm  # noqa: E402
@@ -68,7 +69,7 @@ def test_a_ppo_run_samples_through_vllm_and_its_mu_is_the_trainers_pi_old(
     policy, assets, tmp_path, capsys
 ):
     """Three PPO steps (the critic from the policy, a rule reward): every required metric finite,
-    the engine recorded in models.json and the start line, and at every step the engine's μ of the
+    the engine recorded in models.json and the start line and closed at the end, and at every step the engine's μ of the
     sampled tokens equal to the trainer's π_old (|mismatch_k1| < 1e-5 in float32, every ratio
     within 1e-5 of 1) — after the first step only if each update's weights reached the engine (an
     update moves the policy by a KL near 0.07 here)."""
@@ -83,6 +84,7 @@ def test_a_ppo_run_samples_through_vllm_and_its_mu_is_the_trainers_pi_old(
         train={"steps": 3},
     )
     assert ppo_main(cfg) == 0, capsys.readouterr().err
+    assert not parallel_state.model_parallel_is_initialized()  # the run closed its engine
     said = capsys.readouterr().out
     assert "decode: vLLM " in said and "processed_logprobs" in said
     decode = json.loads((run / "models.json").read_text())["actor"]["decode"]
@@ -182,6 +184,97 @@ def test_a_multi_turn_grpo_run_through_vllm_keeps_ids_masks_and_mu(
 
 
 # ----------------------------------------------------------------------------------------------
+# dpo --eval.engine vllm
+# ----------------------------------------------------------------------------------------------
+
+#: The held-out evaluation of the dpo run: every frac_a and length of 2 responses a prompt.
+EVAL = {"every": 0, "samples_per_prompt": 2, "seed": 11, "max_new_tokens": 6}
+
+
+def _evaluated(weights, reference, prompts_file, engine: str) -> dict:
+    """The ``eval/*`` metrics of the policy at ``weights`` (loaded afresh), sampled through a new
+    engine of kind ``engine`` (closed after), as the run's evaluation computes them."""
+    from ppo_support import frac_a
+
+    from proximal.data.prompts import load_prompts
+    from proximal.evaluation import METRIC_NAMES, evaluate_loaded
+    from proximal.models.loading import freeze, load_causal_lm
+    from proximal.rollout.engine import HFEngine
+    from proximal.rollout.vllm import VLLMEngine
+
+    tok = load_tokenizer(str(weights))
+    actor, ref = load_causal_lm(str(weights)), load_causal_lm(str(reference))
+    for m in (actor, ref):
+        freeze(m)
+    if engine == "vllm":
+        built = VLLMEngine(actor, tok.pad_token_id, kv_cache_bytes=KV, max_model_len=64)
+    else:
+        built = HFEngine(actor, tok.pad_token_id)
+    try:
+        out = evaluate_loaded(
+            actor,
+            reference=ref,
+            tokenizer=tok,
+            prompts=load_prompts(str(prompts_file), tok, max_length=16),  # data.max_length
+            functions={"a": frac_a},
+            samples_per_prompt=EVAL["samples_per_prompt"],
+            max_new_tokens=EVAL["max_new_tokens"],
+            seed=EVAL["seed"],
+            engine=built,
+        )
+    finally:
+        if engine == "vllm":
+            built.close()
+    return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
+
+
+def test_dpo_samples_its_held_out_evaluations_through_its_own_vllm_engine(
+    policy, assets, tmp_path, capsys
+):
+    """dpo with ``--eval.engine vllm``: the evaluations before the first step and after the last are
+    exactly those of a new vllm engine over the policy of that step (the start, the exported
+    result) — not the hf engine's, which draws other responses — so the run sampled them through a
+    vllm engine holding that step's weights (the final one only if it was pushed after the updates:
+    the final policy samples other responses than the start). The run ends with its engine closed
+    (vLLM's model-parallel state torn down)."""
+    from test_dpo_cli import write_yaml  # noqa: E402  (tests/trainers on sys.path)
+
+    from proximal.cli import main
+
+    config = write_yaml(
+        tmp_path / "dpo.yaml",
+        policy,
+        tmp_path,
+        "dpo",
+        eval={
+            "prompts": str(assets.prompts),
+            "scores": {"a": "ppo_support:frac_a"},
+            "kv_cache_gib": KV / 2**30,
+            **EVAL,
+        },
+        optim={"lr": 1e-2},
+    )
+    assert main(["dpo", "--config", config, "--eval.engine", "vllm"]) == 0, capsys.readouterr().err
+    assert not parallel_state.model_parallel_is_initialized()
+    rows = {
+        r["step"]: r
+        for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+        if "eval/a" in r  # the sampled evaluation's rows
+    }
+    assert sorted(rows) == [0, 2]
+    want = {}
+    for step, weights in ((0, policy), (2, tmp_path / "run")):
+        want[step] = _evaluated(weights, policy, assets.prompts, "vllm")
+        hf = _evaluated(weights, policy, assets.prompts, "hf")
+        assert set(want[step]) == {"eval/a", "eval/kl_ref", "eval/length_mean", "eval/eos_frac"}
+        for k, v in want[step].items():
+            assert rows[step][k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k)
+        assert hf["eval/a"] != want[step]["eval/a"]  # the hf engine's responses are others
+    assert want[0]["eval/a"] != want[2]["eval/a"]  # a stale engine would have sampled the start's
+    assert want[2]["eval/kl_ref"] > 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
 # Two processes, FSDP2
 # ----------------------------------------------------------------------------------------------
 
@@ -240,7 +333,10 @@ def _sharded_engine_follows(policy_path: str, steps: int) -> dict:
         )
         out[gather] = (_gap(engine, model), moved)
     out["pushes"] = engine.pushes
-    engine.close()
+    engine.close()  # vLLM's groups go, the trainer's process group stays and still reduces
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    out["closed"] = (not parallel_state.model_parallel_is_initialized(), float(total))
     return out
 
 
@@ -248,10 +344,11 @@ def test_each_ranks_engine_holds_the_sharded_policys_weights_after_updates(polic
     """Two processes, the policy sharded by FSDP2: after AdamW steps (the ranks' gradients reduced),
     each rank's engine scores fixed sequences as the policy does, within 1e-5, whether the push
     gathers the whole policy once (gather_weights true) or one tensor at a time (false). Each round
-    of steps moved the policy's log-probabilities far more than that, so a stale push fails it."""
+    of steps moved the policy's log-probabilities far more than that, so a stale push fails it.
+    Closing the engine tears vLLM's groups down and keeps the trainer's process group working."""
     results = run_ranks(2, _sharded_engine_follows, str(policy), 3, timeout_s=600)
     for r in results:
-        assert r["start"] <= 1e-5 and r["pushes"] == 3
+        assert r["start"] <= 1e-5 and r["pushes"] == 3 and r["closed"] == (True, 2.0)
         for gather in (True, False):
             gap, moved = r[gather]
             assert gap <= 1e-5, (gather, gap)
