@@ -44,7 +44,10 @@ if str(AGENTS) not in sys.path:  # the agent tests' helpers and environments (wo
     sys.path.insert(0, str(AGENTS))
 
 from test_agent_runs import TALK, _multi_turn_checks, _prompts, grpo_config, grpo_main  # noqa: E402
-from test_trajectory import TEMPLATE, Recording  # noqa: E402
+from test_trajectory import Recording  # noqa: E402
+
+#: tests/agents' chat template (a user turn "8 " + content + " ", an assistant's "9 " + content + EOS).
+TEMPLATE = str(AGENTS.parent / "fixtures" / "data" / "chat_template.jinja")
 
 pytestmark = pytest.mark.vllm
 
