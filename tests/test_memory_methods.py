@@ -359,6 +359,21 @@ def test_run_reads_the_fields_a_plan_needs(tmp_path, model_dir):
     assert rm.actor.n_params == N_SCORE  # the reward model: the backbone under a one-label head
 
 
+@pytest.mark.parametrize("method", ["ppo", "grpo"])
+def test_a_replayed_filter_is_planned_through_the_logits(tmp_path, model_dir, method):
+    """rollout.replay_filter with top-p/top-k computes the policy's log-probabilities through the
+    logits (the fused path holds no vocabulary row to filter): planned so, with a note; without
+    a filter the field changes nothing."""
+    replay = {"rollout.replay_filter": True, "rollout.top_p": 0.9}
+    got, run = plan_run(str(run_dir(tmp_path / "r", method, model_dir, **replay)))
+    assert got.logprobs == "logits"
+    assert any("rollout.replay_filter" in n for n in run.notes), run.notes
+    plain, run = plan_run(
+        str(run_dir(tmp_path / "p", method, model_dir, **{"rollout.replay_filter": True}))
+    )
+    assert plain.logprobs == "fused" and not any("replay" in n for n in run.notes)
+
+
 def test_flags_override_the_run_and_a_yaml_file_needs_its_method(tmp_path, model_dir):
     d = run_dir(tmp_path, "sft", model_dir)
     setup, _ = plan_run(str(d), micro_batch=2, gpus=4)

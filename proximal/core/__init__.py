@@ -51,7 +51,15 @@ from proximal.core.kl import (
     make_kl_controller,
     reference_kl_loss,
 )
-from proximal.core.logprobs import logprobs_from_logits, sequence_logprobs, token_entropy, token_kl
+from proximal.core.logprobs import (
+    filter_logits,
+    filtered_logprobs_from_logits,
+    logprobs_from_logits,
+    sequence_logprobs,
+    token_entropy,
+    token_kl,
+    truncates,
+)
 from proximal.core.losses import (
     bradley_terry_loss,
     entropy_from_logits,
@@ -104,6 +112,8 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
+    "filter_logits",
+    "filtered_logprobs_from_logits",
     "aggregation_units",
     "gae",
     "group_advantages",
@@ -145,6 +155,7 @@ __all__ = [
     "token_kl",
     "token_mask_weights",
     "token_nll",
+    "truncates",
     "uniform_groups",
     "value_loss",
     "whiten",

@@ -100,6 +100,7 @@ def grpo_policy_loss(
     normalizer: float | Tensor | None = None,
     dual_clip: float | None = None,
     is_weights: Tensor | None = None,
+    kl_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The negated GRPO objective (DeepSeekMath eq. 3), per token i, t::
 
@@ -146,6 +147,10 @@ def grpo_policy_loss(
             micro-batch or one rank's share (:func:`~proximal.core.stats.masked_aggregate`).
         dual_clip: c > 1, dual-clip PPO's bound for Â < 0 (Ye et al. 2020); None = off.
         is_weights: w ≥ 0, (B, T), detached per-token weights on the surrogate; None = all 1.
+        kl_logprobs: log π_θ for the k3 term (with grad), (B, T), where it differs from the
+            surrogate's ``logprobs``: under a replayed top-k/top-p filter the ratio is on the
+            truncated support and the KL on the full softmax (the KL compares policies, not
+            sampling procedures); None = ``logprobs``.
 
     Returns:
         ``(loss, stats)``: :func:`~proximal.core.surrogate.surrogate_stats` over the valid tokens
@@ -188,7 +193,7 @@ def grpo_policy_loss(
     kl_loss, kl_ref = torch.zeros_like(pg_loss), stats["pg_loss"].new_zeros(())
     if ref_logprobs is not None:
         kl, kl_ref = reference_kl_loss(
-            logprobs,
+            logprobs if kl_logprobs is None else kl_logprobs,
             ref_logprobs,
             response_mask,
             float(beta),

@@ -24,6 +24,11 @@ from proximal.core.ranges import check
 from proximal.core.stats import check_mask, masked_mean, masked_sum
 
 DEFAULT_CHUNK_TOKENS = 1024
+#: :func:`filtered_logprobs_from_logits`' blocks: the filter's sort (values and int64 indices),
+#: cumulative sums and masks hold about seven floats per logit of a block at their peak (measured:
+#: 665 MB over a 98 MB block), so its blocks are an eighth of the plain log-softmax's, to keep the
+#: peak about the same.
+REPLAY_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 8
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
@@ -248,6 +253,184 @@ def _check(logits: Tensor, mask: Tensor | None, temperature: float, chunk_tokens
                 f"mask shape {tuple(mask.shape)} does not match logits (B, T) "
                 f"{tuple(logits.shape[:2])}"
             )
+
+
+def filter_logits(z: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set to −inf every logit outside the top-k and outside the nucleus of probability ``top_p``
+    (Holtzman et al. 2020; the token that crosses ``top_p`` is kept, as in ``transformers`` and
+    vLLM): the support an engine samples from. (..., V); ``z`` itself when neither filter is on.
+
+    The nucleus is taken after top-k: the smallest set of the most likely tokens whose probability
+    under softmax(top-k-filtered z) reaches ``top_p``. Ties at the top-k boundary are all kept."""
+    if 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = torch.where(z < kth, -torch.inf, z)
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        z = torch.where(drop, -torch.inf, z)
+    return z
+
+
+def truncates(top_k: int, top_p: float) -> bool:
+    """Whether ``top_k`` / ``top_p`` truncate the distribution at all (top_k > 0 or top_p < 1)."""
+    return top_k > 0 or top_p < 1.0
+
+
+def _kept_lse(logp: Tensor, tokens: Tensor, top_k: int, top_p: float) -> Tensor:
+    """log Σ_{v ∈ K} p_v, K = :func:`filter_logits`'s kept set of ``logp`` ∪ {the token}, from a
+    block of full log-probabilities ``logp`` (b, t, V) (the filter sees softmax(logp) =
+    softmax(z): the same set). (b, t). The set is a choice, not a function to differentiate.
+    Without a filter, exactly 0: the replay is then log softmax(z)[y] to the bit."""
+    if not truncates(top_k, top_p):
+        return logp.new_zeros(logp.shape[:-1])
+    kept = filter_logits(logp, top_k, top_p)
+    # the sampled token always counts, so its log-probability is finite even where this model's
+    # own filter would have dropped it (another engine, other numerics)
+    kept = kept.scatter(-1, tokens[..., None], logp.gather(-1, tokens[..., None]))
+    return torch.logsumexp(kept, dim=-1)
+
+
+class _FilteredTokenLogprobs(torch.autograd.Function):
+    """log softmax over K of z at y (the filter's replay) and log softmax(z)[y] (the full one), a
+    block at a time from one log-softmax per block; optionally the full entropy (not
+    differentiated). The kept set is recomputed in backward from the saved logits (the same
+    deterministic choice), so nothing (B, T, V) is saved beyond the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, temperature, top_k, top_p, chunk_tokens, with_entropy):
+        shape = logits.shape[:2]
+        full = logits.new_empty(shape, dtype=_compute_dtype(logits))
+        lse_kept = torch.empty_like(full)
+        ent = torch.empty_like(full) if with_entropy else None
+        safe_tokens = tokens if mask is None else torch.where(mask, tokens, 0)
+        ws = _Workspace(logits, shape, chunk_tokens)
+        floor = torch.finfo(full.dtype).min
+        for block in _blocks(shape, chunk_tokens):
+            z = _z(logits, block, temperature)  # (b, t, V)
+            logp = _log_softmax(z, ws)
+            y = safe_tokens[block]
+            full[block] = logp.gather(-1, y[..., None]).squeeze(-1)
+            lse_kept[block] = _kept_lse(logp, y, top_k, top_p)  # log of the kept mass, ≤ 0
+            if with_entropy:
+                logp.clamp_(min=floor)
+                p = torch.exp(logp, out=ws.get("p", z.shape))
+                ent[block] = -torch.einsum("btv,btv->bt", p, logp)
+        ctx.save_for_backward(logits, safe_tokens, mask)
+        ctx.settings = (temperature, top_k, top_p, chunk_tokens)
+        filtered = full - lse_kept
+        if mask is not None:
+            filtered, full = torch.where(mask, filtered, 0.0), torch.where(mask, full, 0.0)
+            ent = torch.where(mask, ent, 0.0) if with_entropy else None
+        if with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return filtered, full, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_filtered, grad_full, _grad_entropy):
+        logits, tokens, mask = ctx.saved_tensors
+        tau, top_k, top_p, chunk_tokens = ctx.settings
+        zeros = None
+        if grad_filtered is None or grad_full is None:
+            zeros = torch.zeros(
+                logits.shape[:2], dtype=_compute_dtype(logits), device=logits.device
+            )
+        g_f = zeros if grad_filtered is None else grad_filtered
+        g_a = zeros if grad_full is None else grad_full
+        if mask is not None:
+            g_f, g_a = torch.where(mask, g_f, 0.0), torch.where(mask, g_a, 0.0)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        ws = _Workspace(logits, logits.shape[:2], chunk_tokens)
+        for block in _blocks(logits.shape[:2], chunk_tokens):
+            z = _z(logits, block, tau)
+            logp = _log_softmax(z, ws)
+            y = tokens[block]
+            lse = _kept_lse(logp, y, top_k, top_p)
+            # d(z_y − lse_K)/dz = onehot(y) − p^K (p^K = p / kept mass on K, 0 off it);
+            # d(z_y − lse)/dz = onehot(y) − p. Then d/dlogits = d/dz / τ.
+            kept = filter_logits(logp, top_k, top_p).scatter(
+                -1, y[..., None], logp.gather(-1, y[..., None])
+            )
+            p_kept = torch.exp(kept - lse[..., None])  # 0 outside K (exp(−inf))
+            gf, ga = g_f[block][..., None], g_a[block][..., None]
+            g = torch.exp(logp).mul_(-ga).sub_(p_kept.mul_(gf))
+            _zero_masked(g, mask, block)
+            _add_at(g, y, g_f[block] + g_a[block])
+            if tau != 1.0:
+                g.div_(tau)
+            grad[block] = g
+        return grad, None, None, None, None, None, None, None
+
+
+def filtered_logprobs_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mask: Tensor | None = None,
+    chunk_tokens: int = REPLAY_CHUNK_TOKENS,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """The replay of an engine's top-k / top-p filter in the trainer: the log-probability of each
+    token under the truncated, renormalised distribution it was drawn from,
+
+        log π^f(y_t | s_t) = z_y / τ − log Σ_{v ∈ K_t} exp(z_v / τ),
+        K_t = {the kept set of :func:`filter_logits`(z / τ, top_k, top_p)} ∪ {y_t},
+
+    and, from the same pass, the full log softmax(z_t / τ)[y_t] (:func:`logprobs_from_logits`) —
+    what the KL terms and the entropy use: they compare policies, not sampling procedures.
+
+    K_t is the filter applied to *this* model's logits, so π_old^f and π_θ^f are each truncated to
+    their own support, as an engine holding those weights would sample. The sampled token is always
+    in K_t: a token this model's filter would drop (drawn by an engine whose numerics put it just
+    inside the nucleus) keeps a finite log-probability — its mass joins the normaliser — instead of
+    −inf, which would make every ratio to it 0 or NaN. K_t is chosen without gradient (a set); the
+    gradient of log π^f reaches only the logits in K_t: ∂/∂z_v = (1[v = y] − π^f_v)/τ for v ∈ K_t, 0
+    outside. log π^f ≥ log softmax(z/τ)[y], equal (to the bit) without a filter (top_k = 0, top_p = 1).
+
+    Chunked like :func:`logprobs_from_logits` (its module docstring): the logits and (B, T)
+    statistics are saved for backward; the filter (a sort over V) runs per block, in forward and
+    again in backward, so the extra memory is a few blocks of ``chunk_tokens × V`` (about seven
+    floats per logit of a block, hence the smaller default, :data:`REPLAY_CHUNK_TOKENS`).
+
+    Args:
+        logits: (B, T, V), any float dtype; ``logits[:, t]`` scores ``tokens[:, t]``.
+        tokens: (B, T) token ids.
+        temperature: τ > 0, dividing the logits before the filter (as the engines do).
+        top_k: keep the k most likely (0 = all). top_p: keep the nucleus of that mass (1 = all).
+        mask: optional bool (B, T); where False both results are 0, nothing there is read, and the
+            gradient is 0.
+        chunk_tokens: about how many (row, position) pairs are expanded to V floats at once.
+        with_entropy: also the entropy of the full softmax(logits / τ), not differentiated.
+
+    Returns:
+        ``(filtered, full)`` (B, T) float32 (float64 for float64 logits), both differentiable; with
+        ``with_entropy``, ``(filtered, full, entropy)``.
+    """
+    _check(logits, mask, temperature, chunk_tokens)
+    if tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"tokens shape {tuple(tokens.shape)} does not match logits (B, T) "
+            f"{tuple(logits.shape[:2])}"
+        )
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k = {top_k} must be ≥ 0 and top_p = {top_p} in (0, 1]")
+    filtered, full, ent = _FilteredTokenLogprobs.apply(
+        logits,
+        tokens.long(),
+        mask,
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        int(chunk_tokens),
+        bool(with_entropy),
+    )
+    return (filtered, full, ent) if with_entropy else (filtered, full)
 
 
 def logprobs_from_logits(

@@ -179,6 +179,16 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
         f["gather_weights"] = get("rollout.gather_weights", bool, None)
         if "rollout.precision" in values:
             f["rollout_precision"] = get("rollout.precision", str, None, none=True)
+        top_p, top_k = values.get("rollout.top_p"), values.get("rollout.top_k")
+        truncates = (isinstance(top_p, (int, float)) and top_p < 1) or (
+            isinstance(top_k, int) and top_k > 0
+        )
+        if values.get("rollout.replay_filter") is True and truncates:
+            f["logprobs"] = "logits"  # the filter's replay needs whole vocabulary rows
+            plan.notes.append(
+                "rollout.replay_filter: the policy's log-probabilities through the logits "
+                "(planned so for every model)"
+            )
         plan.reward_path = get("model.reward_model", str, None, none=True)
     if method == "ppo":
         f["micro_batch"] = get("ppo.micro_batch_size")

@@ -35,7 +35,12 @@ import torch
 from torch import Tensor
 
 from proximal import dist
-from proximal.core import logprobs_from_logits, token_entropy
+from proximal.core import (
+    filtered_logprobs_from_logits,
+    logprobs_from_logits,
+    token_entropy,
+    truncates,
+)
 from proximal.core import token_kl as logits_token_kl
 from proximal.core.fused import linear_logprobs, linear_token_kl
 from proximal.models.compiled import eager_blocks
@@ -388,11 +393,20 @@ ENTROPY = (None, "logged", "trained")
 class TokenScores:
     """What :func:`token_logprobs` returns. logprobs: (B, T) float32, 0 where the mask is False;
     entropy: (B, T) or None; kept: the policy's side of a later :func:`token_kl` (detached: the
-    hidden states and head on the fused path, the logits on the other), or None."""
+    hidden states and head on the fused path, the logits on the other), or None. full_logprobs:
+    with a replayed filter, log softmax(logits_t / τ)[y_t] over the whole vocabulary (what the KL
+    terms read), ``logprobs`` being the filtered ones; None without one (they are ``logprobs``)."""
 
     logprobs: Tensor
     entropy: Tensor | None = None
     kept: tuple[Tensor, OutputHead] | Tensor | None = None
+    full_logprobs: Tensor | None = None
+
+    @property
+    def unfiltered(self) -> Tensor:
+        """log softmax(logits_t / τ)[y_t] on the full vocabulary: :attr:`full_logprobs` where a
+        filter was replayed, else :attr:`logprobs`."""
+        return self.logprobs if self.full_logprobs is None else self.full_logprobs
 
 
 def token_logprobs(
@@ -409,6 +423,7 @@ def token_logprobs(
     entropy: str | None = None,
     keep: bool = False,
     path: str = "fused",
+    filter: tuple[int, float] | None = None,
 ) -> TokenScores:
     """log π(y_t | s_t) = log softmax(logits_t / τ)[y_t] of ``tokens`` (B, T = stop − start) at
     positions ``start … stop − 1`` of the input (the caller aligns: position i predicts token i + 1),
@@ -422,9 +437,31 @@ def token_logprobs(
         keep: also keep what a later :func:`token_kl` against another model needs (evaluation).
         path: ``train.logprobs``; "fused" falls back to "logits" where the model needs it
             (:func:`fused_problem`), with a one-line note.
+        filter: ``(top_k, top_p)`` to replay the engine's filter (``rollout.replay_filter``):
+            ``logprobs`` are then those of the truncated, renormalised distribution
+            (:func:`proximal.core.filtered_logprobs_from_logits`) and ``full_logprobs`` the full
+            softmax's; the entropy stays the full softmax's. It needs whole vocabulary rows, so it
+            takes the logits path (a one-line note where "fused" was asked). None, or a filter
+            that keeps everything (0, 1.0): as without.
     """
     if entropy not in ENTROPY:
         raise ValueError(f"entropy {entropy!r} is not one of {ENTROPY}")
+    if filter is not None and truncates(*filter):
+        return _filtered_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            start,
+            stop,
+            tokens,
+            mask=mask,
+            temperature=temperature,
+            position_ids=position_ids,
+            entropy=entropy,
+            keep=keep,
+            path=path,
+            filter=filter,
+        )
     if _uses_fused(model, path):
 
         def fn(hidden, head):
@@ -459,6 +496,53 @@ def token_logprobs(
         lp, ent = logprobs_from_logits(logits, tokens, temperature, mask=mask, with_entropy=True)
         return TokenScores(lp, ent, kept)
     return TokenScores(logprobs_from_logits(logits, tokens, temperature, mask=mask), None, kept)
+
+
+def _filtered_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    start,
+    stop,
+    tokens,
+    *,
+    mask,
+    temperature,
+    position_ids,
+    entropy,
+    keep,
+    path,
+    filter,
+) -> TokenScores:
+    """:func:`token_logprobs` with a replayed filter, through the logits: the fused path never holds
+    a whole vocabulary row, which the filter (a sort over V) needs."""
+    if path not in LOGPROBS_PATHS:
+        raise ValueError(f"logprobs path {path!r} is not one of {', '.join(LOGPROBS_PATHS)}")
+    if path == "fused" and not model.__dict__.get("_proximal_replay_noted"):
+        model.__dict__["_proximal_replay_noted"] = True
+        if dist.is_main():
+            print(
+                f"proximal: log-probabilities of {type(unwrap(model)).__name__} through the logits "
+                "(train.logprobs: fused cannot be used: rollout.replay_filter needs whole "
+                "vocabulary rows for top-k/top-p)",
+                flush=True,
+            )
+    top_k, top_p = filter
+    logits = lm_logits(model, input_ids, attention_mask, start, stop, position_ids=position_ids)
+    kept = logits.detach() if keep else None
+    lp, full, *ent = filtered_logprobs_from_logits(
+        logits,
+        tokens,
+        temperature,
+        top_k=top_k,
+        top_p=top_p,
+        mask=mask,
+        with_entropy=entropy == "logged",
+    )
+    ent = ent[0] if ent else None
+    if entropy == "trained":  # the entropy bonus of the full softmax, with its gradient
+        ent = token_entropy(logits, temperature, mask=mask)
+    return TokenScores(lp, ent, kept, full)
 
 
 @torch.no_grad()

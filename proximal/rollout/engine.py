@@ -35,6 +35,7 @@ import torch
 
 from proximal import dist
 from proximal.config import ConfigError
+from proximal.core.logprobs import filter_logits
 from proximal.models.compiled import eager_blocks
 from proximal.models.heads import position_ids_from_mask
 from proximal.models.kernels import packed_weights
@@ -76,12 +77,14 @@ class RolloutEngine(Protocol):
         token the ids are meaningless (the caller masks them).
 
         With ``logprobs=True``: ``(ids, logprobs)``, logprobs (B, T) float32 the log-probability μ of
-        each sampled token under the distribution the engine sampled it from, log softmax(z / τ) at
-        the token, z the very logits it was drawn with — *before* top-k / top-p: the tempered,
-        unfiltered distribution, which is what the trainer computes as π_old, so π_old/μ measures the
-        engine's numerics alone (precision, kernels). The filter's truncation is a separate gap,
-        not reported: the token was drawn from softmax(z / τ) renormalised over the kept set, whose
-        log-probability is higher by −log(kept mass) (docs/rollout-correction.md). After a row's
+        each sampled token under the distribution the engine actually drew it from — the processed
+        log-probability: log softmax(filter(z / τ))[y], z the very logits it was drawn with and
+        filter top-k / top-p (:func:`proximal.core.filter_logits`: the truncated distribution,
+        renormalised over the kept set). Without top-k / top-p that is log softmax(z / τ)[y], what the
+        trainer computes as π_old; with them, the trainer computes π_old on the same truncated
+        support only under ``rollout.replay_filter`` (else π_old/μ also carries the truncation,
+        −log(kept mass)). vLLM's ``logprobs_mode="processed_logprobs"`` is this same quantity
+        (docs/rollout-correction.md). After a row's
         stop the values are meaningless (masked), like the ids."""
 
     def after_update(self) -> None:
@@ -91,35 +94,18 @@ class RolloutEngine(Protocol):
         """Called when the run ends: an engine holding resources of its own releases them."""
 
 
-def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to −inf every logit outside the top-k and outside the nucleus of probability ``top_p``
-    (Holtzman et al. 2020; the token that crosses ``top_p`` is kept, as in ``transformers``). (B, V)."""
-    if 0 < top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = torch.where(z < kth, -torch.inf, z)
-    if top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before >= top_p)
-        z = torch.where(drop, -torch.inf, z)
-    return z
-
-
-def sampled_logprobs(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(z / τ) at each row's ``token``, (B,) float32, from the (B, V) ``logits`` z the
-    token was sampled with: the tempered, unfiltered log-probability (what π_old is computed as;
-    :meth:`RolloutEngine.generate`)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    return z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
 def categorical_sample(
-    logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams
-) -> torch.Tensor:
+    logits: torch.Tensor,
+    generators: list[torch.Generator],
+    params: SamplingParams,
+    *,
+    logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(filter(logits / τ)), row b's randomness from ``generators[b]``. (B,).
+    With ``logprobs``, ``(token, μ)``: μ (B,) float32 the token's log-probability under that very
+    distribution, log softmax(filter(z / τ))[y] — the filter's truncated, renormalised distribution
+    (:func:`proximal.core.filter_logits`; without top-k / top-p, log softmax(z / τ)[y]), from the
+    filtered logits the token was drawn with (the filter runs once).
 
     Inverse-CDF sampling: the cumulative sum (in float64, so that rounding cannot move a boundary
     by more than ~1e-16) is searched for u·F(V), u ~ U[0, 1) — one draw per row, where the
@@ -129,13 +115,16 @@ def categorical_sample(
     z = logits.float()
     if params.temperature != 1.0:
         z = z / params.temperature
-    # (B, V)
-    cdf = torch.softmax(filter_logits(z, params.top_k, params.top_p), dim=-1).double().cumsum_(-1)
+    z = filter_logits(z, params.top_k, params.top_p)  # (B, V); z itself without a filter
+    cdf = torch.softmax(z, dim=-1).double().cumsum_(-1)
     u = torch.cat(
         [torch.rand(1, generator=g, dtype=torch.float64, device=cdf.device) for g in generators]
     )
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    return token.clamp_max_(cdf.shape[-1] - 1)
+    token = token.clamp_max_(cdf.shape[-1] - 1)
+    if not logprobs:
+        return token
+    return token, z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 class HFEngine:
@@ -195,7 +184,7 @@ class HFEngine:
         logprobs: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`RolloutEngine.generate`: the ids, and with ``logprobs`` each sampled token's
-        log softmax(z / τ) from the logits z it was drawn with (0 after a row's stop)."""
+        log softmax(filter(z / τ)) from the logits z it was drawn with (0 after a row's stop)."""
         if self._stale and self.decoder is not self.model:
             self._refresh()
         self._stale = False
@@ -236,10 +225,11 @@ class HFEngine:
                 if lean is not None:
                     cache = None  # its keys and values were moved into the decoder's buffers
                 for t in range(T):
-                    token = categorical_sample(logits, generators, params)
                     if logprobs:  # from the logits just sampled, before the pad replaces the token
-                        lp = sampled_logprobs(logits, token, params.temperature)
+                        token, lp = categorical_sample(logits, generators, params, logprobs=True)
                         lps.append(torch.where(done, 0.0, lp))
+                    else:
+                        token = categorical_sample(logits, generators, params)
                     token = torch.where(done, self.pad_token_id, token)
                     tokens.append(token)
                     done = done | torch.isin(token, stop)

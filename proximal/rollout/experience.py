@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from proximal import dist
+from proximal.core import truncates
 from proximal.models.heads import token_values
 from proximal.rollout.sampling import Rollout, response_logprobs
 
@@ -49,9 +50,18 @@ class Experience:
     values: torch.Tensor | None = None  # (B, T) V_old(s_t)
     advantages: torch.Tensor | None = None  # (B, T) per token, or (B,) per sequence
     returns: torch.Tensor | None = None  # (B, T) V^targ
+    # (B, T) log π_old on the full softmax where old_logprobs replays the engine's top-k/top-p
+    # (rollout.replay_filter): what the KL terms read; None otherwise (old_logprobs is it)
+    old_full_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rollout)
+
+    @property
+    def old_unfiltered(self) -> torch.Tensor | None:
+        """log π_old on the full tempered softmax, for the KL terms (:attr:`old_full_logprobs`
+        under a replayed filter, else :attr:`old_logprobs`)."""
+        return self.old_logprobs if self.old_full_logprobs is None else self.old_full_logprobs
 
     @property
     def mask(self) -> torch.Tensor:
@@ -86,16 +96,26 @@ def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sequence_token_logprobs(
-    model, rollout: Rollout, temperature: float, micro_batch_size: int, path: str = "fused"
-) -> torch.Tensor:
+    model,
+    rollout: Rollout,
+    temperature: float,
+    micro_batch_size: int,
+    path: str = "fused",
+    filter: tuple[int, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(y_t | s_t) of the sampled tokens under ``model``, (B, T), 0 after the stop; micro-batched.
-    ``path``: ``train.logprobs`` (:func:`proximal.rollout.sampling.response_logprobs`)."""
+    ``path``: ``train.logprobs`` (:func:`proximal.rollout.sampling.response_logprobs`). With a
+    ``filter`` (top_k, top_p) that truncates: ``(filtered, full)``, the log-probabilities of the
+    replayed truncated distribution and of the full softmax."""
     T = rollout.response_ids.shape[1]
-    out = []
+    out, full = [], []
     for idx in _micro_batches(len(rollout), micro_batch_size):
         r = rollout.select(idx)
-        lp = response_logprobs(model, r, temperature, path=path).logprobs
-        out.append(_pad_to(lp, T))
+        scores = response_logprobs(model, r, temperature, path=path, filter=filter)
+        out.append(_pad_to(scores.logprobs, T))
+        full.append(_pad_to(scores.unfiltered, T))
+    if filter is not None and truncates(*filter):
+        return torch.cat(out), torch.cat(full)
     return torch.cat(out)
 
 
@@ -118,6 +138,7 @@ def compute_experience(
     micro_batch_size: int = 8,
     old_pass: bool = True,
     logprobs_path: str = "fused",
+    filter: tuple[int, float] | None = None,
 ) -> Experience:
     """log π_old from ``actor``, log π_ref from ``reference`` (a :class:`proximal.models.policy.Reference`,
     or None), V_old from ``critic`` (or None), micro-batch by micro-batch, no gradients.
@@ -128,12 +149,18 @@ def compute_experience(
     forward pass fewer (TRL's GRPOTrainer does the same when it takes one step per generation).
 
     ``logprobs_path``: ``train.logprobs``, how both log-probabilities are computed (from the hidden
-    states, or through the logits: :func:`proximal.models.output.token_logprobs`)."""
-    old = (
-        sequence_token_logprobs(actor, rollout, temperature, micro_batch_size, logprobs_path)
-        if old_pass
-        else None
-    )
+    states, or through the logits: :func:`proximal.models.output.token_logprobs`).
+
+    ``filter``: (top_k, top_p) of ``rollout.replay_filter``: π_old on the engine's truncated support
+    (``old_logprobs``) and on the full softmax (``old_full_logprobs``, for the KL terms); π_ref is
+    always the full softmax's — the KL compares policies, not sampling procedures."""
+    old = full = None
+    if old_pass:
+        old = sequence_token_logprobs(
+            actor, rollout, temperature, micro_batch_size, logprobs_path, filter
+        )
+        if isinstance(old, tuple):
+            old, full = old
     ref = None
     if reference is not None:
         with reference.active() as ref_model:
@@ -157,6 +184,7 @@ def compute_experience(
         ref,
         behaviour_logprobs=rollout.behaviour_logprobs,
         values=values,
+        old_full_logprobs=full,
     )
 
 

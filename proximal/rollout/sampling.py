@@ -210,12 +210,14 @@ def response_logprobs(
     mask: torch.Tensor | None = None,
     entropy: str | None = None,
     path: str = "fused",
+    filter: tuple[int, float] | None = None,
 ) -> TokenScores:
     """log π(y_t | s_t) of each response token under ``model`` (and, with ``entropy``, the entropy of
     π(·|s_t)), (B, T), 0 where ``mask`` (default: the response mask) is False: from positions
     P-1 … P+T-2, as :func:`response_logits`, through
     :func:`proximal.models.output.token_logprobs` — the fused path unless ``path`` is "logits" or
-    the model needs the logits."""
+    the model needs the logits. ``filter``: (top_k, top_p) replayed (``rollout.replay_filter``):
+    the log-probabilities of the truncated distribution, the full ones in ``full_logprobs``."""
     P = rollout.prompt_ids.shape[1]
     input_ids = rollout.input_ids
     return token_logprobs(
@@ -229,6 +231,7 @@ def response_logprobs(
         temperature=temperature,
         entropy=entropy,
         path=path,
+        filter=filter,
     )
 
 

@@ -207,10 +207,18 @@ def _kept_process_state():
             gc.unfreeze()
 
 
-def _shutdown(client, owns_process_group: bool) -> None:
+def _shutdown(client, detached, owns_process_group: bool) -> None:
     """Shut an engine down (vLLM's ``shutdown``: its model-parallel groups and, through
     ``destroy_distributed_environment``, the default process group). Where the process group is the
-    trainer's (torchrun; ``external_launcher``), it is kept: only vLLM's own groups go."""
+    trainer's (torchrun; ``external_launcher``), it is kept: only vLLM's own groups go.
+
+    ``detached``: what the client's own finalizer held (``weakref.finalize.detach()``), taken off
+    at build so that collecting the client does not shut the engine down. The client's ``shutdown``
+    only runs while that finalizer is alive (after the detach it was a silent no-op, leaving the
+    engine and vLLM's parallel state in place), so it is armed again first."""
+    if detached is not None:
+        _, func, args, kwargs = detached
+        client._finalizer = weakref.finalize(client, func, *args, **(kwargs or {}))
     if owns_process_group:
         client.shutdown()
         return
@@ -347,9 +355,8 @@ class VLLMEngine:
         # vLLM shuts its engine down when the engine is collected, taking the process group with it;
         # proximal does it in close() (or when this object is collected), keeping a trainer's group.
         client = self.llm.llm_engine.engine_core
-        if hasattr(client, "_finalizer"):
-            client._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _shutdown, client, owns_process_group)
+        detached = client._finalizer.detach() if hasattr(client, "_finalizer") else None
+        self._finalizer = weakref.finalize(self, _shutdown, client, detached, owns_process_group)
 
     def close(self) -> None:
         """Shut the engine down now (its memory freed). vLLM's model-parallel state is one per

@@ -632,6 +632,13 @@ class RolloutSection:
     )
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0 = off).")
     top_k: int = option(0, "Top-k sampling (0 = off).")
+    replay_filter: bool = option(
+        False,
+        "With top_p < 1 or top_k > 0: compute π_old and π_θ on the truncated, renormalised support "
+        "the engine sampled from (the filter replayed on the trainer's logits, the sampled token "
+        "always kept; through the logits, not train.logprobs fused), so π_old/μ measures the engine "
+        "alone. The KL terms and the entropy stay on the full softmax. docs/rollout-correction.md.",
+    )
     stop_strings: list[str] = option(
         help="Strings that end a response (besides EOS).", default_factory=list
     )
@@ -716,6 +723,14 @@ class RolloutSection:
         config loader reads a bare ``none`` as null)."""
         return self.correction or "none"
 
+    @property
+    def replayed_filter(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` for the trainer to replay (``rollout.replay_filter`` with a filter that
+        truncates), else None."""
+        if self.replay_filter and (self.top_p < 1 or self.top_k > 0):
+            return (self.top_k, self.top_p)
+        return None
+
     def engine_precision(self, train_precision: str) -> str | None:
         """The engine's own sampling precision, or None where it is the policy's (null, or the
         same as ``train_precision``)."""
@@ -753,6 +768,12 @@ class RolloutSection:
         if not self.kv_cache_gib > 0:
             e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be > 0")
         e += engine_missing(self.engine, f"{name}.engine")
+        if self.engine == "vllm" and (self.top_p < 1 or self.top_k > 0) and not self.replay_filter:
+            e.append(
+                f"{name}.engine = vllm with {name}.top_p = {self.top_p}, {name}.top_k = "
+                f"{self.top_k}: vLLM's log-probabilities μ are those of the truncated distribution; "
+                f"set {name}.replay_filter: true, or {name}.top_p: 1 and {name}.top_k: 0"
+            )
         if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
             e.append(msg)
         if self.correction_band is not None:

@@ -127,6 +127,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 micro_batch_size=g.micro_batch_size,
                 old_pass=old_in_experience,
                 logprobs_path=t.logprobs,
+                filter=r.replayed_filter,
             )
         )
         if bypass:
@@ -147,7 +148,8 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             skip_uniform_groups=g.skip_uniform_groups,
             mask_truncated=g.mask_truncated,
         )
-        kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_reward else None
+        # (on the full softmax: rollout.replay_filter truncates π_old's ratio, never the KL)
+        kl = kl_penalty(exp.old_unfiltered, exp.ref_logprobs, "k1") if kl_reward else None
         if g.advantage in REINFORCE_PP:
             advantages = reinforce_pp_advantages(
                 exp.scores,
@@ -285,8 +287,9 @@ class GRPOUpdate:
     ``grpo.*`` fields the update reads (``beta``: 0 when the KL is in the rewards), the top-level
     ``aggregation`` and mini-batch size, the sampling ``temperature`` (``rollout.temperature``),
     ``max_length`` (the longest response: ``rollout.max_new_tokens``, or an agent run's budget),
-    ``max_grad_norm`` (``optim.*``), ``logprobs_path`` (``train.logprobs``) and the rollout
-    correction (``rollout.correction``, ``correction_cap``, ``correction_band``)."""
+    ``max_grad_norm`` (``optim.*``), ``logprobs_path`` (``train.logprobs``), the rollout
+    correction (``rollout.correction``, ``correction_cap``, ``correction_band``) and the filter
+    π_θ is computed under (``rollout.replay_filter``: (top_k, top_p), or None)."""
 
     aggregation: str
     iterations: int
@@ -305,6 +308,7 @@ class GRPOUpdate:
     correction: str = "none"
     correction_cap: float = 2.0
     correction_band: list[float] | None = None
+    filter: tuple[int, float] | None = None
 
     @classmethod
     def of(cls, cfg: GRPOConfig, max_length: int) -> GRPOUpdate:
@@ -327,6 +331,7 @@ class GRPOUpdate:
             correction=r.correction_mode,
             correction_cap=r.correction_cap,
             correction_band=r.correction_band,
+            filter=r.replayed_filter,
         )
 
     @property
@@ -454,6 +459,7 @@ def micro_step(
         mask=mask,
         entropy="trained" if s.entropy_coef > 0 else "logged",
         path=s.logprobs_path,
+        filter=s.filter,
     )
     logprobs, token_ent = scores.logprobs, scores.entropy
     # one step: π_old = π_θ
@@ -461,7 +467,7 @@ def micro_step(
     if record is not None:
         record.put(idx, logprobs)
     w = correction_weights_of(s, old, m.behaviour_logprobs, mask)
-    loss, st = policy_loss(s, logprobs, old, m, mask, norm, w)
+    loss, st = policy_loss(s, logprobs, old, m, mask, norm, w, kl_logprobs=scores.unfiltered)
     if s.entropy_coef > 0:  # the bonus: −c·S, aggregated like the loss
         loss = loss - s.entropy_coef * masked_aggregate(
             token_ent, mask, s.aggregation, max_length=s.max_length, normalizer=norm
@@ -510,11 +516,16 @@ def policy_loss(
     mask: torch.Tensor,
     norm: float,
     w: torch.Tensor | None,
+    *,
+    kl_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """``(loss, stats)`` of ``s.objective`` (``grpo.objective``): ``clip`` is
     :func:`proximal.core.grpo_policy_loss` (with ``dual_clip``); ``gspo`` / ``gspo_token``
     :func:`proximal.core.gspo_policy_loss` and ``cispo`` :func:`proximal.core.cispo_policy_loss`,
-    each plus :func:`proximal.core.reference_kl_loss` when there is a reference and β > 0."""
+    each plus :func:`proximal.core.reference_kl_loss` when there is a reference and β > 0.
+    ``kl_logprobs``: log π_θ on the full softmax for the KL term where ``logprobs`` replay the
+    engine's filter (None: ``logprobs``)."""
+    kl_logprobs = logprobs if kl_logprobs is None else kl_logprobs
     if s.objective == "clip":
         return grpo_policy_loss(
             logprobs,
@@ -530,6 +541,7 @@ def policy_loss(
             normalizer=norm,
             dual_clip=s.dual_clip,
             is_weights=w,
+            kl_logprobs=kl_logprobs,
         )
     if s.objective == "cispo":
         pg, st = cispo_policy_loss(
@@ -557,7 +569,7 @@ def policy_loss(
     kl_loss, kl_ref = torch.zeros_like(pg), torch.zeros_like(pg)
     if m.ref_logprobs is not None:
         kl_loss, kl_ref = reference_kl_loss(
-            logprobs,
+            kl_logprobs,
             m.ref_logprobs,
             mask,
             s.beta,

@@ -123,7 +123,14 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # first epoch's actor forward sees exactly this batch (one process, one mini-batch, one micro-batch),
         # that pass runs now, with gradients, and its detached log-probabilities are log π_old.
         first = (
-            first_pass(rollout, actor, r.temperature, entropy_coef=p.entropy_coef, path=t.logprobs)
+            first_pass(
+                rollout,
+                actor,
+                r.temperature,
+                entropy_coef=p.entropy_coef,
+                path=t.logprobs,
+                filter=r.replayed_filter,
+            )
             if reuses_first_pass(
                 p.reuse_first_pass,
                 batch_size=r.batch_size,
@@ -143,18 +150,22 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             micro_batch_size=p.micro_batch_size,
             old_pass=first is None and not bypass,
             logprobs_path=t.logprobs,
+            filter=r.replayed_filter,
         )
         if first is not None:
-            exp = exp.replace(old_logprobs=first.old_logprobs)
+            exp = exp.replace(
+                old_logprobs=first.old_logprobs, old_full_logprobs=first.old_full_logprobs
+            )
         pi_old = exp.old_logprobs  # this rank's rows; None with bypass and no first pass
         if bypass:
             exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
 
         # 5. Per-token rewards R_t = −β·KL_t (+ r_ψ at the last token), GAE(γ, λ), whitened advantages.
         mask = exp.mask
+        # (the KL on the full softmax: rollout.replay_filter truncates π_old's ratio, never the KL)
         rewards, kl = shape_rewards(
             exp.scores,
-            exp.old_logprobs,
+            exp.old_unfiltered,
             exp.ref_logprobs,
             rollout.response_mask,
             kl_ctl.beta,
@@ -310,6 +321,8 @@ class FirstPass:
 
     scores: TokenScores | None
     old_logprobs: torch.Tensor
+    # log π_old on the full softmax where old_logprobs replay the filter (rollout.replay_filter)
+    old_full_logprobs: torch.Tensor | None = None
 
     def take(self) -> TokenScores:
         """The scores, handed over once: after the first epoch neither the update nor the training
@@ -335,20 +348,27 @@ def reuses_first_pass(
 
 
 def first_pass(
-    rollout, actor, temperature: float, *, entropy_coef: float, path: str = "fused"
+    rollout,
+    actor,
+    temperature: float,
+    *,
+    entropy_coef: float,
+    path: str = "fused",
+    filter: tuple[int, float] | None = None,
 ) -> FirstPass:
     """π_θ's response log-probabilities with gradients — and the entropies the first update reads,
     trained on when ``entropy_coef`` > 0 — and log π_old: the log-probabilities detached, computed
     exactly as :func:`proximal.rollout.experience.compute_experience` computes them (``path``:
-    ``train.logprobs``).
+    ``train.logprobs``; ``filter``: ``rollout.replay_filter``'s (top_k, top_p)).
 
     Only the actor's pass is shared: V_old needs a critic forward anyway, and sharing that one too would
     keep both models' activations alive together until the first backward (measured on the tiny
     benchmark work: 230 MB more peak memory for 0.04 s a step)."""
     scores = response_logprobs(
-        actor, rollout, temperature, entropy=_entropy_mode(entropy_coef), path=path
+        actor, rollout, temperature, entropy=_entropy_mode(entropy_coef), path=path, filter=filter
     )
-    return FirstPass(scores, scores.logprobs.detach())
+    full = None if scores.full_logprobs is None else scores.full_logprobs.detach()
+    return FirstPass(scores, scores.logprobs.detach(), full)
 
 
 def _entropy_mode(entropy_coef: float) -> str:
@@ -361,8 +381,9 @@ class PPOUpdate:
     """PPO's update settings, built once where the run is built (:meth:`of`): the ``ppo.*`` fields
     the update reads, the sampling ``temperature`` (``rollout.temperature``), ``max_length`` (the
     longest response: ``rollout.max_new_tokens``, or an agent run's budget), ``max_grad_norm``
-    (``optim.*``), ``logprobs_path`` (``train.logprobs``) and the rollout correction
-    (``rollout.correction``, ``correction_cap``, ``correction_band``)."""
+    (``optim.*``), ``logprobs_path`` (``train.logprobs``), the rollout correction
+    (``rollout.correction``, ``correction_cap``, ``correction_band``) and the filter π_θ is
+    computed under (``rollout.replay_filter``: (top_k, top_p), or None)."""
 
     epochs: int
     mini_batch_size: int
@@ -381,6 +402,7 @@ class PPOUpdate:
     correction: str = "none"
     correction_cap: float = 2.0
     correction_band: list[float] | None = None
+    filter: tuple[int, float] | None = None
 
     @classmethod
     def of(cls, cfg: PPOConfig, max_length: int) -> PPOUpdate:
@@ -403,6 +425,7 @@ class PPOUpdate:
             correction=r.correction_mode,
             correction_cap=r.correction_cap,
             correction_band=r.correction_band,
+            filter=r.replayed_filter,
         )
 
 
@@ -501,6 +524,7 @@ def ppo_update(
                 max_length=s.max_length,
                 given=given,
                 path=s.logprobs_path,
+                filter=s.filter,
                 correction=s.correction,
                 correction_cap=s.correction_cap,
                 correction_band=s.correction_band,
@@ -574,6 +598,7 @@ def actor_pass(
     max_length: int,
     given: list[TokenScores] | None = None,
     path: str = "fused",
+    filter: tuple[int, float] | None = None,
     correction: str = "none",
     correction_cap: float = 2.0,
     correction_band: list[float] | None = None,
@@ -582,7 +607,9 @@ def actor_pass(
     """Back-propagate the actor's loss −(L^CLIP + c2·S) over this rank's micro-batches of a
     mini-batch; its global stats (token means over the mini-batch's valid tokens; losses summed over
     ranks ÷ W; the largest ratio). ``given``: each micro-batch's log-probabilities and entropies,
-    already computed with gradients (:class:`FirstPass`); ``path``: ``train.logprobs``.
+    already computed with gradients (:class:`FirstPass`); ``path``: ``train.logprobs``;
+    ``filter``: ``rollout.replay_filter``'s (top_k, top_p), the truncated support log π_θ is
+    computed on (the entropy stays the full softmax's).
     ``correction``: the rollout correction's weights on each token's surrogate (:func:`ppo_update`).
     ``record``: a recorder and each micro-batch's rows of the batch, to keep the forward's
     log-probabilities (:class:`proximal.train.correction.FirstStepLogprobs`)."""
@@ -601,6 +628,7 @@ def actor_pass(
                 mask=mask,
                 entropy=_entropy_mode(entropy_coef),
                 path=path,
+                filter=filter,
             )
         logprobs = scores.logprobs
         if record is not None:

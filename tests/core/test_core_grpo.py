@@ -520,3 +520,23 @@ def test_loss_validation(kw, match):
     adv = kw.pop("adv", t([1.0, -1.0]))
     with pytest.raises(ValueError, match=match):
         grpo_policy_loss(x, x, ref, adv, b([[1, 1], [1, 0]]), **kw)
+
+
+def test_kl_logprobs_carry_the_reference_term_and_the_ratio_keeps_logprobs():
+    """Under a replayed top-k/top-p filter the ratio is on the truncated support (``logprobs``)
+    and the k3 term on the full softmax (``kl_logprobs``): each term reads only its own input."""
+    lp = t([[-0.5, -1.0]]).requires_grad_(True)  # log π_θ^f (filtered)
+    full = t([[-0.7, -1.3]]).requires_grad_(True)  # log π_θ (full softmax)
+    old, ref = t([[-0.5, -1.0]]), t([[-0.9, -1.0]])
+    mask = b([[True, True]])
+    loss, st = grpo_policy_loss(
+        lp, old, ref, t([1.0]), mask, beta=0.5, aggregation="token-mean", kl_logprobs=full
+    )
+    # on-policy ratio 1: the surrogate is −Â = −1 per token; k3(full, ref) = e^d − d − 1, d = ref − full
+    k3 = [math.exp(d) - d - 1 for d in (-0.9 + 0.7, -1.0 + 1.3)]
+    close(st["kl_ref"], sum(k3) / 2)
+    close(loss, -1.0 + 0.5 * sum(k3) / 2)
+    loss.backward()
+    close(lp.grad, [[-0.5, -0.5]])  # the surrogate's −Â·ρ/N, nothing of the KL
+    # β·(1 − π_ref/π_θ)/N on the full log-probabilities, nothing of the surrogate
+    close(full.grad, [[0.5 * (1 - math.exp(-0.2)) / 2, 0.5 * (1 - math.exp(0.3)) / 2]])

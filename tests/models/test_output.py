@@ -375,3 +375,60 @@ def test_token_kl_of_two_models_is_the_logits_paths():
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
     torch.testing.assert_close(from_kept, want, rtol=0, atol=TOL)
     torch.testing.assert_close(via_logits, want, rtol=0, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- a replayed filter
+
+
+@pytest.mark.parametrize("entropy", ["logged", "trained"])
+def test_a_replayed_filter_takes_the_logits_path_with_one_note(entropy, capsys):
+    """``filter`` (rollout.replay_filter): the log-probabilities are the filter's replay on the
+    model's logits (:func:`proximal.core.filtered_logprobs_from_logits`), the full ones and the
+    entropy the full softmax's; "fused" falls back to the logits, saying so once; gradients reach
+    the model through both."""
+    from proximal.core import filtered_logprobs_from_logits
+    from proximal.models.heads import lm_logits
+
+    model = _llama()
+    ids, att, tokens, mask = _batch()
+
+    def replay(path):
+        return token_logprobs(
+            model,
+            ids,
+            att,
+            START,
+            STOP,
+            tokens,
+            mask=mask,
+            temperature=0.7,
+            entropy=entropy,
+            path=path,
+            filter=(5, 0.8),
+        )
+
+    got, again, plain = replay("fused"), replay("logits"), _scores(model, "logits", entropy)
+    with torch.no_grad():
+        logits = lm_logits(model, ids, att, START, STOP)
+        want, full = filtered_logprobs_from_logits(
+            logits, tokens, 0.7, top_k=5, top_p=0.8, mask=mask
+        )
+    for s in (got, again):
+        torch.testing.assert_close(s.logprobs, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(s.full_logprobs, plain.logprobs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(s.entropy, plain.entropy, rtol=0, atol=1e-6)
+        assert s.unfiltered is s.full_logprobs
+    assert bool((got.logprobs - got.full_logprobs)[mask].min() > 0)  # truncation: mass dropped
+    assert plain.full_logprobs is None and plain.unfiltered is plain.logprobs
+    assert got.logprobs.requires_grad and got.full_logprobs.requires_grad
+    assert got.entropy.requires_grad == (entropy == "trained")
+    lines = [x for x in capsys.readouterr().out.splitlines() if "log-probabilities" in x]
+    assert lines == [
+        "proximal: log-probabilities of LlamaForCausalLM through the logits (train.logprobs: "
+        "fused cannot be used: rollout.replay_filter needs whole vocabulary rows for top-k/top-p)"
+    ]
+    # a filter that keeps everything is no filter: the fused path, no full_logprobs
+    same = token_logprobs(
+        model, ids, att, START, STOP, tokens, mask=mask, path="fused", filter=(0, 1.0)
+    )
+    assert same.full_logprobs is None

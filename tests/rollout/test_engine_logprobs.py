@@ -97,15 +97,68 @@ def test_the_restart_path_records_the_logits_it_sampled_from(model, monkeypatch,
     torch.testing.assert_close(_old(model, r)[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
 
 
-def test_top_p_and_top_k_record_the_unfiltered_tempered_logprob(model):
-    """The recorded value is log softmax(z/τ) — what π_old is — not the filtered distribution's,
-    which is higher by −log(kept mass) at every token whose step dropped any mass."""
+def _truncated_f64(logits: torch.Tensor, y: int, tau: float, top_k: int, top_p: float) -> float:
+    """log of y's probability under softmax(logits / τ) cut to the top k, then to the shortest
+    prefix of the renormalised rest whose mass reaches top_p, and renormalised: a float64 loop."""
+    p = torch.softmax(logits.double() / tau, -1).tolist()
+    order = sorted(range(len(p)), key=lambda v: -p[v])
+    kept = order[:top_k] if top_k else order
+    if top_p < 1:
+        mass, cum, nucleus = sum(p[v] for v in kept), 0.0, []
+        for v in kept:
+            if cum >= top_p:
+                break
+            nucleus.append(v)
+            cum += p[v] / mass
+        kept = nucleus
+    assert y in kept, "a filtered token was sampled"
+    return math.log(p[y] / sum(p[v] for v in kept))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (12, 1.0), (0, 0.8), (12, 0.7)])
+def test_mu_is_the_log_probability_of_the_distribution_the_token_was_drawn_from(top_k, top_p):
+    """μ = log softmax(filter(z / τ))[y]: the truncated, renormalised distribution (what vLLM's
+    processed_logprobs give), against a float64 loop; without a filter, to the bit the tempered
+    log softmax(z / τ)[y] the engine recorded before."""
+    from proximal.rollout.engine import categorical_sample
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 40, generator=g) * 2
+    gens = [torch.Generator().manual_seed(s) for s in range(64)]
+    params = SamplingParams(8, (1,), temperature=TAU, top_p=top_p, top_k=top_k)
+    token, mu = categorical_sample(logits, gens, params, logprobs=True)
+    assert mu.dtype == torch.float32
+    want = [_truncated_f64(logits[b], int(token[b]), TAU, top_k, top_p) for b in range(64)]
+    torch.testing.assert_close(
+        mu.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=2e-6
+    )
+    # the same tokens as the plain call (the same draws)
+    again = categorical_sample(
+        logits, [torch.Generator().manual_seed(s) for s in range(64)], params
+    )
+    assert torch.equal(again, token)
+    z = logits.float() / TAU
+    full = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    if top_k == 0 and top_p == 1.0:
+        assert torch.equal(mu, full)
+    else:  # higher by −log(kept mass) > 0 at every row (every row's filter drops some mass)
+        assert bool((mu - full > 1e-3).all())
+
+
+def test_top_p_and_top_k_mu_is_what_the_replayed_filter_recomputes(model):
+    """Through the engine: μ under top-p / top-k equals π_old computed with the filter replayed on
+    the trainer's logits (rollout.replay_filter), within the decode path's tolerance; the full
+    softmax's π_old falls short of it by the truncation, −log(kept mass)."""
     params = SamplingParams(
         max_new_tokens=12, stop_token_ids=(1,), temperature=TAU, top_p=0.8, top_k=20
     )
     r = _rollout(HFEngine(model, 0), params)
     m = r.response_mask
-    torch.testing.assert_close(_old(model, r)[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
+    with torch.no_grad():
+        scores = response_logprobs(model, r, TAU, path="logits", filter=(20, 0.8))
+    torch.testing.assert_close(scores.logprobs[m], r.behaviour_logprobs[m], rtol=0, atol=TOL)
+    torch.testing.assert_close(scores.full_logprobs[m], _old(model, r)[m], rtol=0, atol=TOL)
+    assert float((r.behaviour_logprobs - scores.full_logprobs)[m].min()) > 1e-3
 
 
 def _bf16_gap(model, precision: str) -> dict:

@@ -137,6 +137,90 @@ def test_ppo_runs_each_mode(name, assets, tmp_path, capsys, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# rollout.replay_filter: π_old and π_θ on the engine's truncated support
+# ----------------------------------------------------------------------------------------------
+
+REPLAY_RUNS = {
+    # (command, replay, more arguments): GRPO's one-step path (π_old = the update's forward) with
+    # and without the replay; the experience's π_old pass with the KL in the rewards; PPO's first
+    # pass and its experience pass
+    "grpo-replay": ("grpo", True, []),
+    "grpo-no_replay": ("grpo", False, []),
+    "grpo-replay-iterations-kl_reward": (
+        "grpo",
+        True,
+        ["--grpo.iterations", "2", "--grpo.kl", "reward"],
+    ),
+    "ppo-replay-first_pass": ("ppo", True, ["--ppo.micro_batch_size", "4"]),
+    "ppo-replay": ("ppo", True, []),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_RUNS))
+def test_replay_filter_measures_the_engine_alone(name, assets, tmp_path, capsys):
+    """top_p 0.8, float32, the same weights: μ is the truncated distribution's log-probability, so
+    with the filter replayed π_old = μ up to round-off (mismatch ~0), and without it π_old/μ
+    carries the truncation, −log(kept mass) at every token (clearly > 0)."""
+    command, replay, more = REPLAY_RUNS[name]
+    make, main = (grpo_config, grpo_main) if command == "grpo" else (ppo_config, ppo_main)
+    run_dir = tmp_path / "run"
+    cfg = make(assets.policy("llama"), assets.prompts, run_dir)
+    args = ["--rollout.top_p", "0.8", "--rollout.replay_filter", str(replay).lower(), *more]
+    assert main(cfg, *args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert ("rollout.replay_filter needs whole vocabulary rows" in out) == replay
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        if replay:
+            assert abs(r["rollout/mismatch_k1"]) < 1e-6, r["rollout/mismatch_k1"]
+            assert r["rollout/mismatch_k3"] < 1e-10
+            assert abs(math.log(r["rollout/ratio_min"])) < 1e-5
+        else:  # measured ~0.2 nats a token on this nearly flat policy
+            assert r["rollout/mismatch_k1"] > 0.05, r["rollout/mismatch_k1"]
+            assert r["rollout/ratio_max"] < 1.0  # π_old < μ at every token: mass was dropped
+    # The KL to the reference stays on the full softmax: at step 1 the policy is the reference, so
+    # it is 0 up to round-off (a filtered π_old or π_θ against the full π_ref would give ~0.2 nats
+    # a token: k3 ≈ 0.02, PPO's sequence KL ≈ 1.6).
+    if command == "ppo":
+        assert abs(rows[0]["kl/seq_mean"]) < 1e-5, rows[0]["kl/seq_mean"]
+    elif not more:  # one optimiser step: its π_θ is the reference
+        assert rows[0]["kl/ref_k3"] < 1e-10, rows[0]["kl/ref_k3"]
+
+
+def test_replay_keeps_pi_old_for_the_kl_on_the_full_softmax(assets):
+    """compute_experience with a filter: old_logprobs replay it, old_full_logprobs (what the KL
+    terms read, Experience.old_unfiltered) are the full softmax's — the unfiltered pass's values."""
+    from proximal.rollout.experience import compute_experience
+
+    model = AutoModelForCausalLM.from_pretrained(assets.policy("llama")).eval()
+    tok = assets.tokenizer
+    enc = tok(["aab", "ba"], return_tensors="pt", padding=True, padding_side="left")
+    r = sample(
+        HFEngine(model, tok.pad_token_id),
+        tok,
+        enc.input_ids,
+        enc.attention_mask.bool(),
+        seeds=[1, 2],
+        max_new_tokens=6,
+        temperature=0.9,
+        top_p=0.8,
+        logprobs=True,
+    )
+    args = dict(actor=model, temperature=0.9, micro_batch_size=1)
+    plain = compute_experience(r, torch.zeros(2), torch.ones(2, dtype=torch.bool), **args)
+    replay = compute_experience(
+        r, torch.zeros(2), torch.ones(2, dtype=torch.bool), filter=(0, 0.8), **args
+    )
+    m = r.response_mask
+    assert plain.old_full_logprobs is None and plain.old_unfiltered is plain.old_logprobs
+    torch.testing.assert_close(replay.old_full_logprobs, plain.old_logprobs, rtol=0, atol=1e-6)
+    assert replay.old_unfiltered is replay.old_full_logprobs
+    torch.testing.assert_close(replay.old_logprobs[m], r.behaviour_logprobs[m], rtol=0, atol=1e-5)
+    assert float((replay.old_logprobs - plain.old_logprobs)[m].min()) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
 # The weights on the update's loss, on a fixed batch
 # ----------------------------------------------------------------------------------------------
 
@@ -268,6 +352,12 @@ def test_each_mode_weights_the_loss_as_its_formula_says(fixed, given_old):
         ),
         (["--rollout.correction_band", "[0.5]"], "two numbers [lo, hi]"),
         (
+            ["--rollout.engine", "vllm", "--rollout.top_p", "0.9"],
+            "rollout.engine = vllm with rollout.top_p = 0.9, rollout.top_k = 0: vLLM's "
+            "log-probabilities μ are those of the truncated distribution; set "
+            "rollout.replay_filter: true, or rollout.top_p: 1 and rollout.top_k: 0",
+        ),
+        (
             ["--rollout.precision", "bf16-mixed", "--train.precision", "bf16-true"],
             "rollout.precision = bf16-mixed with train.precision = bf16-true: the weights are "
             "bfloat16 already",
@@ -283,6 +373,27 @@ def test_bad_correction_config_is_one_line_and_exit_2(
     assert main(cfg, *args) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+def test_vllm_with_a_filter_needs_the_replay():
+    """vLLM's μ is the truncated distribution's: with top-p/top-k its π_old must replay the
+    filter (or sample unfiltered); the hf engine may sample filtered without it (the gap then shows
+    in rollout/mismatch_*)."""
+    from proximal.trainers.grpo_config import GRPOConfig
+
+    def said(**rollout) -> list[str]:
+        cfg = GRPOConfig()
+        for k, v in rollout.items():
+            setattr(cfg.rollout, k, v)
+        return [p for p in cfg.validate() if "replay_filter" in p]
+
+    assert len(said(engine="vllm", top_k=5)) == 1
+    assert said(engine="vllm", top_k=5)[0].startswith(
+        "rollout.engine = vllm with rollout.top_p = 1.0, rollout.top_k = 5"
+    )
+    assert not said(engine="vllm", top_k=5, replay_filter=True)
+    assert not said(engine="vllm")
+    assert not said(engine="hf", top_p=0.9)
 
 
 def test_bf16_true_with_several_processes_is_refused(monkeypatch):
