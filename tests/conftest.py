@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
         reason="vllm is not installed: make test-vllm runs these in .venv-vllm (docs/engines.md)"
     )
     for item in items:
-        if "vllm" in item.keywords:
+        if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
 
 
