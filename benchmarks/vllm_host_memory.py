@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,9 @@ def measure(hidden: int, layers: int, vocab: int, tied: bool, dtype: str) -> dic
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     e = 2 if dtype == "bfloat16" else 4
-    return {"params": n, "runtime_bytes": _rss() - before - n * e - KV_BYTES}
+    grown = _rss() - before
+    shutil.rmtree(path, ignore_errors=True)
+    return {"params": n, "runtime_bytes": grown - n * e - KV_BYTES}
 
 
 def main() -> None:
