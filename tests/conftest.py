@@ -8,6 +8,7 @@ downloaded. Models are built lazily (a test that needs GPT-2 builds GPT-2).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch  # noqa: E402
 
     torch.set_num_threads(1)
+
+# The vLLM engine's tests (marked `vllm`) run in .venv-vllm (`make test-vllm`, in one process: an
+# engine takes over process-wide state). Anywhere vllm is not installed they are skipped, saying so.
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not VLLM_MISSING:
+        return
+    skip = pytest.mark.skip(
+        reason="vllm is not installed: make test-vllm runs these in .venv-vllm (docs/engines.md)"
+    )
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
 
 # A second tokenizer for a reward model: other special-token strings, the alphabet reversed (so every
 # id differs from the policy's) and a few characters the policy never writes.

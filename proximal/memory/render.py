@@ -71,6 +71,7 @@ def _sizes(st: Setup) -> str:
             f"sequences of {st.max_length} tokens"
         )
     text += f"; log-probabilities: {st.logprobs}" if st.method != "rm" else ""
+    text += "; rollout engine vllm" if st.online and st.engine == "vllm" else ""
     text += f"; LoRA rank {st.lora_rank}" if st.lora_rank else ""
     text += "; activation checkpointing" if st.activation_checkpointing else ""
     text += "; compiled blocks (train.compile)" if st.compiled else ""
@@ -101,7 +102,7 @@ def render(
     phase_txt = ", ".join(f"{k} {fmt(v, unit)}" for k, v in p.phases.items())
     at_least = "" if p.sized else "at least "
     lines += [
-        f"peak per GPU: {at_least}{fmt(p.peak, unit)} = weights + optimizer state "
+        f"peak per GPU: {at_least}{fmt(p.peak, unit)} = {_static_name(p)} "
         f"{fmt(p.static, unit)} + the largest phase, {p.peak_phase} ({phase_txt})"
     ]
     if p.cpu_optimizer:
@@ -150,6 +151,12 @@ def render(
         "communication buffers, temporaries inside kernels and AdamW's step (docs/memory.md)"
     )
     return "\n".join(lines)
+
+
+def _static_name(p: Plan) -> str:
+    """What ``p.static`` holds, as the peak's line names it."""
+    engine = " + the vllm engine's KV cache" if "vllm engine" in p.rows else ""
+    return f"weights + optimizer state{engine}"
 
 
 def _head(p: Plan) -> list[str]:
@@ -207,7 +214,7 @@ def _render_cpu(p: Plan, unit: str, largest_micro_batch: int | None, memory_from
     host_txt = "".join(f" + {name} {fmt(v, unit)}" for name, v in p.host.items())
     at_least = "" if p.sized else "at least "
     lines.append(
-        f"peak per process: {at_least}{fmt(p.peak, unit)} = weights + optimizer state "
+        f"peak per process: {at_least}{fmt(p.peak, unit)} = {_static_name(p)} "
         f"{fmt(p.static, unit)}{host_txt} + the largest phase, {p.peak_phase} ({phase_txt})"
     )
     processes = f" for {st.gpus} processes" if st.gpus > 1 else ""

@@ -14,6 +14,7 @@ out; ``--method`` then names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import yaml
 
 from proximal.commands import config_class
 from proximal.config import describe
-from proximal.memory.budget import LOGPROBS, METHODS, PRECISIONS
+from proximal.memory.budget import ENGINES, LOGPROBS, METHODS, PRECISIONS, GiB
 
 
 class RunReadError(ValueError):
@@ -189,6 +190,21 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
                 "rollout.replay_filter: the policy's log-probabilities through the logits "
                 "(planned so for every model)"
             )
+        # rollout.engine and rollout.kv_cache_gib are read where the command has them (its defaults)
+        # or the file sets them
+        if "rollout.engine" in values:
+            f["engine"] = get("rollout.engine", str, None)
+            if f["engine"] not in ENGINES:
+                raise RunReadError(
+                    f"{file}: rollout.engine = {f['engine']!r} is not one of {', '.join(ENGINES)}"
+                )
+        if "rollout.kv_cache_gib" in values:
+            gib = get("rollout.kv_cache_gib", (int, float), None)
+            if isinstance(gib, bool) or not (math.isfinite(gib) and gib > 0):
+                raise RunReadError(
+                    f"{file}: rollout.kv_cache_gib = {gib!r} must be a positive number of GiB"
+                )
+            f["engine_kv_cache"] = int(gib * GiB)
         plan.reward_path = get("model.reward_model", str, None, none=True)
     if method == "ppo":
         f["micro_batch"] = get("ppo.micro_batch_size")
@@ -225,4 +241,9 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
             )
     if method == "dpo":
         f["precompute_ref"] = get("train.precompute_ref_logprobs", bool, None)
+    if values.get("eval.engine") == "vllm" and f.get("engine") != "vllm":
+        plan.notes.append(
+            "eval.engine = vllm: the evaluation's own vLLM engine (its weights and KV cache) is not "
+            "counted"
+        )
     return plan

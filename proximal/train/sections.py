@@ -765,8 +765,8 @@ class RolloutSection:
             e.append(f"{name}.top_p = {self.top_p} must lie in (0, 1]")
         if self.top_k < 0:
             e.append(f"{name}.top_k = {self.top_k} must be ≥ 0")
-        if not self.kv_cache_gib > 0:
-            e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be > 0")
+        if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            e.append(f"{name}.kv_cache_gib = {self.kv_cache_gib} must be a positive number of GiB")
         e += engine_missing(self.engine, f"{name}.engine")
         if self.engine == "vllm" and (self.top_p < 1 or self.top_k > 0) and not self.replay_filter:
             e.append(
