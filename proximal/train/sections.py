@@ -817,6 +817,32 @@ class EvalSection:
         "each called as a reward function and logged as eval/<name>; the run's own reward "
         "functions and reward model are scored anyway. null = none more.",
     )
+    pass_k: list[int] | None = option(
+        None,
+        "pass@k to log, one eval/pass@k per k (e.g. [1, 8]): the chance that at least one of k "
+        "of a prompt's eval.samples_per_prompt = n responses passes, by the unbiased estimator of "
+        "Chen et al. 2021, averaged over prompts; each k ≤ n. eval/mean@n (the mean score) and "
+        "eval/maj@n (the majority answer passes) come with it. null = none of them.",
+    )
+    pass_threshold: float = option(
+        1.0,
+        "A response passes when its score (eval.pass_score) is at or above this. 1.0 suits exact "
+        "match (0 or 1); a fractional scorer needs its own: reasoning-gym's countdown gives 0.01 to a "
+        "wrong but well-formed answer.",
+    )
+    pass_score: str | None = option(
+        None,
+        "The score eval.pass_k, mean@n and maj@n read: null = the run's total score (eval/score: its "
+        "reward model and reward functions weighted as in training; dpo and simpo have none, so "
+        "name one), or one eval/* score by name — a reward function's 'module:function', a name "
+        "of eval.scores, or proxy.",
+    )
+    answer: str | None = option(
+        None,
+        "maj@n's answer of a response, 'module:function(completion: str) -> str | None' (None: no "
+        "answer, no vote); null = the completion's text, surrounding whitespace stripped. Ties go "
+        "to the answer sampled first.",
+    )
     split: str | None = option(None, SPLIT_HELP)
     columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
@@ -843,6 +869,28 @@ class EvalSection:
             if not isinstance(spec, str) or ":" not in spec:
                 e.append(f"{name}.scores.{key} = {spec!r}: expected 'module:function'")
         e += columns_problems(self.columns, f"{name}.columns")
+        return e + self.pass_problems(name)
+
+    def pass_problems(self, name: str = "eval") -> list[str]:
+        """``pass_k`` against ``samples_per_prompt``, the threshold, the answer's spec."""
+        e, n = [], self.samples_per_prompt
+        for k in self.pass_k or []:
+            if k < 1:
+                e.append(f"{name}.pass_k = {self.pass_k}: k = {k} must be ≥ 1")
+            elif k > n:
+                e.append(
+                    f"{name}.pass_k = {self.pass_k}: k = {k} is more than {name}.samples_per_prompt "
+                    f"= {n} (pass@k draws k of the n responses sampled per prompt); raise "
+                    f"{name}.samples_per_prompt to at least {k}"
+                )
+        if self.pass_k is not None and len(set(self.pass_k)) != len(self.pass_k):
+            e.append(f"{name}.pass_k = {self.pass_k} lists a k twice")
+        if self.pass_k == []:
+            e.append(f"{name}.pass_k = []: give at least one k, or null for no pass@k")
+        if not math.isfinite(self.pass_threshold):
+            e.append(f"{name}.pass_threshold = {self.pass_threshold} must be a finite number")
+        if self.answer is not None and ":" not in self.answer:
+            e.append(f"{name}.answer = {self.answer!r}: expected 'module:function'")
         return e
 
 
