@@ -73,6 +73,7 @@ from proximal.tasks import arithmetic, calculator
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
 from proximal.train.command import config_command
+from proximal.train.sections import pass_k_problems
 from proximal.trainers import reward, sft
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
@@ -139,6 +140,18 @@ class CompareSection:
     eval_samples_per_prompt: int = option(
         2, "Responses sampled per held-out prompt at each evaluation."
     )
+    eval_pass_k: list[int] | None = option(
+        None,
+        "pass@k columns of the held-out evaluation, one per k (each ≤ "
+        "compare.eval_samples_per_prompt), by the unbiased estimator of Chen et al. 2021, with "
+        "mean@n and maj@n; they read the main held-out score (gold, else the verifier, else the "
+        "reward model's proxy). null = none.",
+    )
+    eval_pass_threshold: float = option(
+        1.0,
+        "A held-out response passes when that score is at or above this (1.0: exact match; a "
+        "fractional scorer needs its own).",
+    )
     max_new_tokens: int | None = option(
         None,
         "Response length of the held-out evaluation (the methods' configs set their own "
@@ -203,6 +216,14 @@ class CompareSection:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
+        e += pass_k_problems(
+            self.eval_pass_k,
+            self.eval_samples_per_prompt,
+            self.eval_pass_threshold,
+            k="compare.eval_pass_k",
+            n="compare.eval_samples_per_prompt",
+            threshold="compare.eval_pass_threshold",
+        )
         if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
             e.append(
                 f"compare.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
@@ -331,6 +352,16 @@ class CompareConfig:
                         "preference pairs, no reward model); compare ppo@verifier, grpo, rloo, gspo, cispo, "
                         "reinforce_pp or reinforce_pp_baseline"
                     )
+        d = self.data
+        if (
+            self.compare.eval_pass_k
+            and d.sft_model
+            and not (d.gold or d.verifier or d.reward_model)
+        ):
+            e.append(
+                f"compare.eval_pass_k = {self.compare.eval_pass_k} needs a held-out score to pass: "
+                "set data.gold, data.verifier or data.reward_model"
+            )
         if self.data.sft_model is not None:
             for spec in self.compare.method_specs():
                 name, _, source = spec.partition("@")
@@ -764,6 +795,7 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection, variant: str =
         seed=0,
         timeout_s=c.reward_timeout_s,
         **_agent_kwargs(inputs),
+        **_pass_kwargs(inputs, c),
     )
     path.write_text(json.dumps(ev) + "\n")
     return ev
@@ -788,6 +820,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             seed=0,
             timeout_s=c.reward_timeout_s,
             **_agent_kwargs(inputs),
+            **_pass_kwargs(inputs, c),
         )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
         final = ev
@@ -803,6 +836,16 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _pass_kwargs(inputs: Inputs, c: CompareSection) -> dict:
+    """``evaluate_policy``'s pass@k arguments (none without ``compare.eval_pass_k``): the main
+    held-out score — gold, else the verifier, else the reward model's proxy, as the report's
+    stability column chooses."""
+    if not c.eval_pass_k:
+        return {}
+    score = next((k for k in ("gold", "verifier") if k in inputs.scores), "proxy")
+    return dict(pass_k=c.eval_pass_k, pass_threshold=c.eval_pass_threshold, pass_score=score)
 
 
 def _agent_kwargs(inputs: Inputs) -> dict:

@@ -131,7 +131,10 @@ def nbytes(checkpoint: Path) -> int:
 @pytest.fixture(scope="module")
 def comparison(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out"
-    config = compare_yaml(inputs, out, ["ppo", "dpo", "simpo"])
+    # pass@k of the gold score, len/10: a response of 6 characters (the longest here) passes
+    config = compare_yaml(
+        inputs, out, ["ppo", "dpo", "simpo"], eval_pass_k=[1, 2], eval_pass_threshold=0.6
+    )
     err, std = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         code = main(["compare", "--config", str(config)])
@@ -188,6 +191,16 @@ def test_every_number_of_the_table_is_recomputed_from_the_run_directories(compar
         assert row["gold"][0] == pytest.approx(gold, abs=1e-12)
         for key in ("proxy", "kl", "length"):
             assert row[key][0] == pytest.approx(statistics.fmean(r[key] for r in final), abs=1e-12)
+        # pass@k of gold over each prompt's 2 responses (rows 2p, 2p + 1): pass@1 the pass rate,
+        # pass@2 whether either passed; maj@n with n = 2 is the first response's pass (two
+        # different answers tie and the first wins; two equal ones are that answer)
+        passed = [len(r["response"]) / 10 >= 0.6 for r in final]
+        pairs = list(zip(passed[0::2], passed[1::2]))
+        assert 0 < sum(passed) < len(passed)  # some pass, some do not
+        assert row["pass@1"][0] == pytest.approx(sum(passed) / 12, abs=1e-12)
+        assert row["pass@2"][0] == pytest.approx(sum(a or b for a, b in pairs) / 6, abs=1e-12)
+        assert row["maj@n"][0] == pytest.approx(sum(a for a, _ in pairs) / 6, abs=1e-12)
+        assert row["mean@n"][0] == pytest.approx(gold, abs=1e-12)
         curve = [p["mean"]["gold"] for p in ev["curve"]]
         swing = abs(
             curve[2] - curve[1]
@@ -206,6 +219,8 @@ def test_every_number_of_the_table_is_recomputed_from_the_run_directories(compar
             and "/" not in ln.split("|")[2]
         )
         assert f"{row['gold'][0]:.3f}" in line and f"{row['kl'][0]:.3f}" in line, line
+        assert f"{row['pass@2'][0]:.3f} | {row['mean@n'][0]:.3f}" in line, line
+    assert "| pass@1 ↑ | pass@2 ↑ | mean@n ↑ | maj@n ↑ |" in comparison["md"]
     assert result["sft"]["kl"] == 0.0  # the SFT model against itself
 
 
@@ -251,6 +266,10 @@ def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comp
         ({"methods": ["dpo@verifier"]}, "DPO cannot use reward source 'verifier'"),
         ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
         ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
+        (
+            {"eval_pass_k": [1, 3]},
+            "compare.eval_pass_k = [1, 3]: k = 3 is more than compare.eval_samples_per_prompt = 2",
+        ),
         ({"reward_timeout_s": 0}, "compare.reward_timeout_s = 0.0 must be > 0 seconds, or null"),
         (
             {"responses": 2},

@@ -873,25 +873,40 @@ class EvalSection:
 
     def pass_problems(self, name: str = "eval") -> list[str]:
         """``pass_k`` against ``samples_per_prompt``, the threshold, the answer's spec."""
-        e, n = [], self.samples_per_prompt
-        for k in self.pass_k or []:
-            if k < 1:
-                e.append(f"{name}.pass_k = {self.pass_k}: k = {k} must be ≥ 1")
-            elif k > n:
-                e.append(
-                    f"{name}.pass_k = {self.pass_k}: k = {k} is more than {name}.samples_per_prompt "
-                    f"= {n} (pass@k draws k of the n responses sampled per prompt); raise "
-                    f"{name}.samples_per_prompt to at least {k}"
-                )
-        if self.pass_k is not None and len(set(self.pass_k)) != len(self.pass_k):
-            e.append(f"{name}.pass_k = {self.pass_k} lists a k twice")
-        if self.pass_k == []:
-            e.append(f"{name}.pass_k = []: give at least one k, or null for no pass@k")
-        if not math.isfinite(self.pass_threshold):
-            e.append(f"{name}.pass_threshold = {self.pass_threshold} must be a finite number")
+        e = pass_k_problems(
+            self.pass_k,
+            self.samples_per_prompt,
+            self.pass_threshold,
+            k=f"{name}.pass_k",
+            n=f"{name}.samples_per_prompt",
+            threshold=f"{name}.pass_threshold",
+        )
         if self.answer is not None and ":" not in self.answer:
             e.append(f"{name}.answer = {self.answer!r}: expected 'module:function'")
         return e
+
+
+def pass_k_problems(
+    pass_k: list[int] | None, samples: int, pass_threshold: float, *, k: str, n: str, threshold: str
+) -> list[str]:
+    """pass@k's fields, named ``k``, ``n`` and ``threshold`` in the messages: every k in [1, n]
+    (pass@k draws k of the n responses sampled per prompt), none twice, a finite threshold."""
+    e = []
+    for x in pass_k or []:
+        if x < 1:
+            e.append(f"{k} = {pass_k}: k = {x} must be ≥ 1")
+        elif x > samples:
+            e.append(
+                f"{k} = {pass_k}: k = {x} is more than {n} = {samples} (pass@k draws k of the n "
+                f"responses sampled per prompt); raise {n} to at least {x}"
+            )
+    if pass_k is not None and len(set(pass_k)) != len(pass_k):
+        e.append(f"{k} = {pass_k} lists a k twice")
+    if pass_k == []:
+        e.append(f"{k} = []: give at least one k, or null for no pass@k")
+    if not math.isfinite(pass_threshold):
+        e.append(f"{threshold} = {pass_threshold} must be a finite number")
+    return e
 
 
 # ----------------------------------------------------------------------------------------------
