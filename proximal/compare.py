@@ -69,7 +69,7 @@ from proximal.methods import (
     responses_per_step,
 )
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
-from proximal.tasks import arithmetic, calculator
+from proximal.tasks import arithmetic, calculator, digits
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
 from proximal.train.command import config_command
@@ -155,8 +155,9 @@ class CompareSection:
     max_new_tokens: int | None = option(
         None,
         "Response length of the held-out evaluation (the methods' configs set their own "
-        "for training); null: 12 (digits, or your data), 32 (arithmetic), 24 per turn "
-        "(calculator).",
+        "for training); null: the built-in task's, 12 (digits), 32 (arithmetic), 24 per turn "
+        "(calculator). Required with your own data (data.sft_model): no task's length is "
+        "taken for it.",
     )
     reward_timeout_s: float | None = option(
         DEFAULT_TIMEOUT_S,
@@ -173,12 +174,15 @@ class CompareSection:
     )
 
     def response_limit(self) -> int:
-        """``max_new_tokens`` of the held-out evaluation: the option, or the task's."""
+        """``max_new_tokens`` of the held-out evaluation: the option, or the built-in task's (your
+        own data has none: :meth:`CompareConfig.validate` requires the option)."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if self.task == CALCULATOR:
             return CALCULATOR_TURN_TOKENS
-        return arithmetic.MAX_RESPONSE_TOKENS if self.task == ARITHMETIC else 12
+        if self.task == ARITHMETIC:
+            return arithmetic.MAX_RESPONSE_TOKENS
+        return digits.MAX_RESPONSE_TOKENS
 
     def method_specs(self) -> list[str]:
         """The methods compared: ``methods``, or the task's when it is empty."""
@@ -353,6 +357,11 @@ class CompareConfig:
                         "reinforce_pp or reinforce_pp_baseline"
                     )
         d = self.data
+        if d.sft_model is not None and self.compare.max_new_tokens is None:
+            e.append(
+                "compare.max_new_tokens is required with your own data (data.sft_model): the "
+                "held-out responses' token limit (only the built-in tasks have one of their own)"
+            )
         if (
             self.compare.eval_pass_k
             and d.sft_model
@@ -442,6 +451,9 @@ class Inputs:
     scores: dict = field(default_factory=dict)  # held-out score functions by column name
     sft_notool: str | None = None  # the calculator task's no-tool SFT model
     agent: dict = field(default_factory=dict)  # a run's env/tools for evaluate_policy (run_inputs)
+    # held-out prompts longer than this keep their end: a built-in task's limit; your data: None,
+    # every prompt whole, as long as the data makes it
+    prompt_limit: int | None = None
 
 
 def run_inputs(inputs: Inputs, r: RunSpec, run_cfg=None) -> Inputs:
@@ -581,6 +593,7 @@ def _answer_task_inputs(base: Path, verifier: str, scores: dict, **extra) -> Inp
         verifier=verifier,
         gold=scores["exact_match"],
         scores={"gold": scores["exact_match"], "format_error": scores["format_error"]},
+        prompt_limit=EVAL_PROMPT_TOKENS,
         **extra,
     )
 
@@ -601,7 +614,8 @@ def prepare_inputs(
     if d.sft_model is None and cfg.compare.task == ARITHMETIC:
         base = train_builtin_arithmetic(out / "base", configs, echo=echo)
         return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
-    if d.sft_model is None:
+    builtin = d.sft_model is None
+    if builtin:
         base = train_builtin(out / "base", configs, echo=echo)
         task = base / "task"
         d = CompareData(
@@ -630,6 +644,7 @@ def prepare_inputs(
         split=d.split,
         columns=d.columns,
         scores=scores,
+        prompt_limit=EVAL_PROMPT_TOKENS if builtin else None,
     )
 
 
@@ -791,7 +806,7 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection, variant: str =
         scores=inputs.scores,
         samples_per_prompt=c.eval_samples_per_prompt,
         max_new_tokens=c.response_limit(),
-        max_prompt_length=EVAL_PROMPT_TOKENS,
+        max_prompt_length=inputs.prompt_limit,
         seed=0,
         timeout_s=c.reward_timeout_s,
         **_agent_kwargs(inputs),
@@ -816,7 +831,7 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             scores=inputs.scores,
             samples_per_prompt=c.eval_samples_per_prompt,
             max_new_tokens=c.response_limit(),
-            max_prompt_length=EVAL_PROMPT_TOKENS,
+            max_prompt_length=inputs.prompt_limit,
             seed=0,
             timeout_s=c.reward_timeout_s,
             **_agent_kwargs(inputs),

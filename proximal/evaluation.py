@@ -11,6 +11,7 @@ are compared on common random numbers.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ def evaluate_policy(
     prompts_file: str | Path,
     scores: dict[str, str | ScoreFn],
     max_new_tokens: int,
-    max_prompt_length: int,
+    max_prompt_length: int | None,
     reward_model: str | Path | None = None,
     weights: dict[str, float] | None = None,
     samples_per_prompt: int = 1,
@@ -76,7 +77,9 @@ def evaluate_policy(
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
     ``module:function`` spec), called as the trainers call reward functions (a task's own: the digit
     task's gold score is :data:`proximal.tasks.digits.EVAL_SCORES`); each response has at most
-    ``max_new_tokens`` tokens, and prompts longer than ``max_prompt_length`` keep their end. Per
+    ``max_new_tokens`` tokens, and prompts longer than ``max_prompt_length`` keep their end (None:
+    every prompt whole, as long as the data makes it). No task's scorer or lengths are assumed:
+    the caller names them. Per
     response the result holds each of those (None where the function returned None: it does not
     apply to the row; its mean is over the rest), and
 
@@ -129,7 +132,7 @@ def evaluate_policy(
         prompts = load_prompts(  # each row rendered with the tools its trajectory is offered
             str(prompts_file),
             tokenizer,
-            max_length=max_prompt_length,
+            max_length=max_prompt_length if max_prompt_length is not None else sys.maxsize,
             split=split,
             columns=columns,
             tools=responder.row_tools,

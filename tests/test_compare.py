@@ -29,6 +29,7 @@ from proximal.compare import (
     CompareSection,
     Inputs,
     RunSpec,
+    prepare_inputs,
     run_config,
 )
 from proximal.compare_report import collect_run, mean_std
@@ -267,6 +268,11 @@ def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comp
         ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
         ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
         (
+            {"max_new_tokens": None},
+            "compare.max_new_tokens is required with your own data (data.sft_model): the held-out "
+            "responses' token limit",
+        ),
+        (
             {"eval_pass_k": [1, 3]},
             "compare.eval_pass_k = [1, 3]: k = 3 is more than compare.eval_samples_per_prompt = 2",
         ),
@@ -485,3 +491,28 @@ def test_every_method_has_its_stated_row():
     assert sorted(METHODS) == sorted(CLAIMS)
     for name, claim in CLAIMS.items():
         assert claim["models_n"] in (1, 2, 4) and all(claim[k] for k in ("critic", "type")), name
+
+
+def test_your_own_data_is_evaluated_with_no_tasks_scorer_or_lengths(inputs, tmp_path):
+    """With data.sft_model the held-out evaluation takes its scores from the config (here data.gold
+    only: no digit-task verifier), its response length from compare.max_new_tokens (required, above)
+    and keeps every held-out prompt whole: no task's 64-token prompt limit cuts it."""
+    from proximal.config import load_config
+    from proximal.evaluation import evaluate_policy
+
+    out = tmp_path / "out"
+    cfg = load_config(CompareConfig, compare_yaml(inputs, out, ["ppo"]))
+    got = prepare_inputs(cfg, out, inputs["configs"], echo=lambda _: None)
+    assert got.scores == {"gold": "ppo_support:length"} and got.prompt_limit is None
+    long = "ab " * 30 + "c"  # 91 characters, a token each for the char-level tokenizer
+    prompts = write_jsonl(tmp_path / "long.jsonl", [{"prompt": long}])
+    ev = evaluate_policy(
+        got.sft,
+        reference=got.sft,
+        prompts_file=prompts,
+        scores=got.scores,
+        max_new_tokens=cfg.compare.response_limit(),
+        max_prompt_length=got.prompt_limit,
+    )
+    assert ev["rows"][0]["prompt"] == long
+    assert ev["rows"][0]["length"] <= 6  # compare_yaml's compare.max_new_tokens
