@@ -69,10 +69,11 @@ from proximal.methods import (
     responses_per_step,
 )
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
-from proximal.tasks import arithmetic, calculator
+from proximal.tasks import arithmetic, calculator, digits
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
 from proximal.train.command import config_command
+from proximal.train.sections import pass_k_problems
 from proximal.trainers import reward, sft
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
@@ -139,11 +140,24 @@ class CompareSection:
     eval_samples_per_prompt: int = option(
         2, "Responses sampled per held-out prompt at each evaluation."
     )
+    eval_pass_k: list[int] | None = option(
+        None,
+        "pass@k columns of the held-out evaluation, one per k (each ≤ "
+        "compare.eval_samples_per_prompt), by the unbiased estimator of Chen et al. 2021, with "
+        "mean@n and maj@n; they read the main held-out score (gold, else the verifier, else the "
+        "reward model's proxy). null = none.",
+    )
+    eval_pass_threshold: float = option(
+        1.0,
+        "A held-out response passes when that score is at or above this (1.0: exact match; a "
+        "fractional scorer needs its own).",
+    )
     max_new_tokens: int | None = option(
         None,
         "Response length of the held-out evaluation (the methods' configs set their own "
-        "for training); null: 12 (digits, or your data), 32 (arithmetic), 24 per turn "
-        "(calculator).",
+        "for training); null: the built-in task's, 12 (digits), 32 (arithmetic), 24 per turn "
+        "(calculator). Required with your own data (data.sft_model): no task's length is "
+        "taken for it.",
     )
     reward_timeout_s: float | None = option(
         DEFAULT_TIMEOUT_S,
@@ -160,12 +174,15 @@ class CompareSection:
     )
 
     def response_limit(self) -> int:
-        """``max_new_tokens`` of the held-out evaluation: the option, or the task's."""
+        """``max_new_tokens`` of the held-out evaluation: the option, or the built-in task's (your
+        own data has none: :meth:`CompareConfig.validate` requires the option)."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if self.task == CALCULATOR:
             return CALCULATOR_TURN_TOKENS
-        return arithmetic.MAX_RESPONSE_TOKENS if self.task == ARITHMETIC else 12
+        if self.task == ARITHMETIC:
+            return arithmetic.MAX_RESPONSE_TOKENS
+        return digits.MAX_RESPONSE_TOKENS
 
     def method_specs(self) -> list[str]:
         """The methods compared: ``methods``, or the task's when it is empty."""
@@ -203,6 +220,14 @@ class CompareSection:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 e.append(f"compare.{name} = {getattr(self, name)} must be ≥ 1")
+        e += pass_k_problems(
+            self.eval_pass_k,
+            self.eval_samples_per_prompt,
+            self.eval_pass_threshold,
+            k="compare.eval_pass_k",
+            n="compare.eval_samples_per_prompt",
+            threshold="compare.eval_pass_threshold",
+        )
         if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
             e.append(
                 f"compare.reward_timeout_s = {self.reward_timeout_s} must be > 0 seconds, or null "
@@ -331,6 +356,21 @@ class CompareConfig:
                         "preference pairs, no reward model); compare ppo@verifier, grpo, rloo, gspo, cispo, "
                         "reinforce_pp or reinforce_pp_baseline"
                     )
+        d = self.data
+        if d.sft_model is not None and self.compare.max_new_tokens is None:
+            e.append(
+                "compare.max_new_tokens is required with your own data (data.sft_model): the "
+                "held-out responses' token limit (only the built-in tasks have one of their own)"
+            )
+        if (
+            self.compare.eval_pass_k
+            and d.sft_model
+            and not (d.gold or d.verifier or d.reward_model)
+        ):
+            e.append(
+                f"compare.eval_pass_k = {self.compare.eval_pass_k} needs a held-out score to pass: "
+                "set data.gold, data.verifier or data.reward_model"
+            )
         if self.data.sft_model is not None:
             for spec in self.compare.method_specs():
                 name, _, source = spec.partition("@")
@@ -411,6 +451,9 @@ class Inputs:
     scores: dict = field(default_factory=dict)  # held-out score functions by column name
     sft_notool: str | None = None  # the calculator task's no-tool SFT model
     agent: dict = field(default_factory=dict)  # a run's env/tools for evaluate_policy (run_inputs)
+    # held-out prompts longer than this keep their end: a built-in task's limit; your data: None,
+    # every prompt whole, as long as the data makes it
+    prompt_limit: int | None = None
 
 
 def run_inputs(inputs: Inputs, r: RunSpec, run_cfg=None) -> Inputs:
@@ -550,6 +593,7 @@ def _answer_task_inputs(base: Path, verifier: str, scores: dict, **extra) -> Inp
         verifier=verifier,
         gold=scores["exact_match"],
         scores={"gold": scores["exact_match"], "format_error": scores["format_error"]},
+        prompt_limit=EVAL_PROMPT_TOKENS,
         **extra,
     )
 
@@ -570,7 +614,8 @@ def prepare_inputs(
     if d.sft_model is None and cfg.compare.task == ARITHMETIC:
         base = train_builtin_arithmetic(out / "base", configs, echo=echo)
         return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
-    if d.sft_model is None:
+    builtin = d.sft_model is None
+    if builtin:
         base = train_builtin(out / "base", configs, echo=echo)
         task = base / "task"
         d = CompareData(
@@ -599,6 +644,7 @@ def prepare_inputs(
         split=d.split,
         columns=d.columns,
         scores=scores,
+        prompt_limit=EVAL_PROMPT_TOKENS if builtin else None,
     )
 
 
@@ -760,10 +806,11 @@ def _sft_evaluation(out: Path, inputs: Inputs, c: CompareSection, variant: str =
         scores=inputs.scores,
         samples_per_prompt=c.eval_samples_per_prompt,
         max_new_tokens=c.response_limit(),
-        max_prompt_length=EVAL_PROMPT_TOKENS,
+        max_prompt_length=inputs.prompt_limit,
         seed=0,
         timeout_s=c.reward_timeout_s,
         **_agent_kwargs(inputs),
+        **_pass_kwargs(inputs, c),
     )
     path.write_text(json.dumps(ev) + "\n")
     return ev
@@ -784,10 +831,11 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
             scores=inputs.scores,
             samples_per_prompt=c.eval_samples_per_prompt,
             max_new_tokens=c.response_limit(),
-            max_prompt_length=EVAL_PROMPT_TOKENS,
+            max_prompt_length=inputs.prompt_limit,
             seed=0,
             timeout_s=c.reward_timeout_s,
             **_agent_kwargs(inputs),
+            **_pass_kwargs(inputs, c),
         )
         curve.append({"step": step, "policy": str(policy), "mean": ev["mean"]})
         final = ev
@@ -803,6 +851,16 @@ def evaluate_run(run_dir: Path, inputs: Inputs, c: CompareSection, *, sft_eval: 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _pass_kwargs(inputs: Inputs, c: CompareSection) -> dict:
+    """``evaluate_policy``'s pass@k arguments (none without ``compare.eval_pass_k``): the main
+    held-out score — gold, else the verifier, else the reward model's proxy, as the report's
+    stability column chooses."""
+    if not c.eval_pass_k:
+        return {}
+    score = next((k for k in ("gold", "verifier") if k in inputs.scores), "proxy")
+    return dict(pass_k=c.eval_pass_k, pass_threshold=c.eval_pass_threshold, pass_score=score)
 
 
 def _agent_kwargs(inputs: Inputs) -> dict:

@@ -21,7 +21,8 @@ What each column measures (also in ``docs/compare.md``):
   mini-batches); DPO/SimPO: one per step;
 * **held-out** — the final policy's means over the held-out prompts (``eval.json``); for a run
   with tools (the calculator task) each held-out response is a trajectory, with its tool calls and
-  tool errors per trajectory beside exact match;
+  tool errors per trajectory beside exact match; with ``compare.eval_pass_k``, pass@k for each k,
+  mean@n and maj@n of the main held-out score (:func:`proximal.evaluation.pass_metrics`);
 * **stability** — over seeds: the spread (sample std) of the final held-out score; the fraction of
   runs that collapsed (final more than ``collapse_margin`` below the best of its evaluated
   checkpoints, the SFT model counting as the first); the largest change between consecutive
@@ -49,6 +50,19 @@ HELD_OUT = (
     ("tool_calls", "tool calls / trajectory"),
     ("tool_errors", "tool errors / trajectory"),
 )
+
+#: The pass@k family's mean keys after the columns above (``compare.eval_pass_k``): pass@k by k.
+PASS_MEANS = ("mean@n", "maj@n")
+
+
+def pass_columns(means: list[dict]) -> list[tuple[str, str]]:
+    """The pass@k, mean@n and maj@n columns any of ``means`` (held-out means) holds, pass@k by k."""
+    keys = {k for m in means for k in m}
+    ks = sorted(int(k.removeprefix("pass@")) for k in keys if k.startswith("pass@"))
+    return [(f"pass@{k}", f"pass@{k} ↑") for k in ks] + [
+        (k, f"{k} ↑") for k in PASS_MEANS if k in keys
+    ]
+
 
 #: The comparison as it is commonly stated (Rafailov et al. 2023, Meng et al. 2024, Shao et al. 2024
 #: and the surveys that summarise them), printed beside the measured cells.
@@ -160,7 +174,9 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
         r["optimizer_steps"] = int(sum(m.get("policy/optimizer_steps", 1) for m in rows))
     ev = _json(run_dir / "eval.json")
     if ev is not None:
-        r["held_out"] = {k: ev["final"]["mean"][k] for k, _ in HELD_OUT if k in ev["final"]["mean"]}
+        final = ev["final"]["mean"]
+        columns = [*HELD_OUT, *pass_columns([final])]
+        r["held_out"] = {k: final[k] for k, _ in columns if k in final}
         curve = [(p["step"], p["mean"].get(stability_score)) for p in ev["curve"]]
         r["curve"] = [[s, v] for s, v in curve]
         values = [v for _, v in curve if v is not None]
@@ -213,7 +229,7 @@ def summarise(runs: list[dict]) -> list[dict]:
             "optimizer_steps",
         ):
             row[key] = mean_std([r.get(key) for r in ok])
-        for key, _ in HELD_OUT:
+        for key, _ in held_out_columns(runs):
             row[key] = mean_std([r.get("held_out", {}).get(key) for r in ok])
         row["models"] = ok[0]["models"] if ok else []
         row["collapse_frac"] = (
@@ -223,6 +239,11 @@ def summarise(runs: list[dict]) -> list[dict]:
         row["max_swing"] = max(swings) if swings else None
         table.append(row)
     return table
+
+
+def held_out_columns(runs: list[dict]) -> list[tuple[str, str]]:
+    """:data:`HELD_OUT`, then the pass@k columns any run's held-out means hold."""
+    return [*HELD_OUT, *pass_columns([r.get("held_out", {}) for r in runs])]
 
 
 def stated_models(method: str, source: str) -> int:
@@ -326,7 +347,11 @@ def _markdown(rows: list[list[str]], numeric: bool = True) -> str:
 def tables(result: dict) -> dict[str, list[list[str]]]:
     """The report's tables, as rows of strings (the first row the header)."""
     table, score = result["table"], result["stability_score"]
-    held = [(k, h) for k, h in HELD_OUT if any(row[k][0] is not None for row in table)]
+    held = [
+        (k, h)
+        for k, h in held_out_columns(result["runs"])
+        if any(row.get(k, (None,))[0] is not None for row in table)
+    ]
     cost = [
         [
             "method",

@@ -11,6 +11,7 @@ are compared on common random numbers.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from proximal.agents.collect import run_responder
 from proximal.config import ConfigError
+from proximal.core.passk import group_metrics
 from proximal.data.preferences import collate_pairs, load_preference_pairs
 from proximal.data.prompts import PromptSet, load_prompts
 from proximal.data.sources import read_rows
@@ -41,6 +43,7 @@ from proximal.specs import import_spec
 from proximal.train.sections import EnvSection, ToolsSection, agent_max_tokens
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
+AnswerFn = Callable[[str], "str | None"]
 
 
 @torch.no_grad()
@@ -51,7 +54,7 @@ def evaluate_policy(
     prompts_file: str | Path,
     scores: dict[str, str | ScoreFn],
     max_new_tokens: int,
-    max_prompt_length: int,
+    max_prompt_length: int | None,
     reward_model: str | Path | None = None,
     weights: dict[str, float] | None = None,
     samples_per_prompt: int = 1,
@@ -64,13 +67,19 @@ def evaluate_policy(
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     env: dict | None = None,
     tools: dict | None = None,
+    pass_k: list[int] | None = None,
+    pass_threshold: float = 1.0,
+    pass_score: str | None = None,
+    answer: AnswerFn | None = None,
 ) -> dict:
     """Sample ``policy`` on the prompts of ``prompts_file`` and measure each response.
 
     ``scores`` maps a name to a score function ``f(prompts, completions) -> list[float]`` (or its
     ``module:function`` spec), called as the trainers call reward functions (a task's own: the digit
     task's gold score is :data:`proximal.tasks.digits.EVAL_SCORES`); each response has at most
-    ``max_new_tokens`` tokens, and prompts longer than ``max_prompt_length`` keep their end. Per
+    ``max_new_tokens`` tokens, and prompts longer than ``max_prompt_length`` keep their end (None:
+    every prompt whole, as long as the data makes it). No task's scorer or lengths are assumed:
+    the caller names them. Per
     response the result holds each of those (None where the function returned None: it does not
     apply to the row; its mean is over the rest), and
 
@@ -98,6 +107,11 @@ def evaluate_policy(
     is one turn's limit). The functions then score the whole trajectory, ``kl`` and ``length``
     count the policy's own tokens, and each row has :data:`~proximal.agents.collect.AGENT_COLUMNS`
     (and ``env``, the environment's ``get_reward()``).
+
+    ``pass_k`` (a list of k ≤ ``samples_per_prompt``) adds to the means ``pass@k`` for each k,
+    ``mean@n`` and ``maj@n`` over the score named ``pass_score`` (None: ``score``, the weighted
+    total), a response passing when that score ≥ ``pass_threshold``; ``answer`` gives maj@n's
+    answer of a completion (None: the completion stripped). See :func:`pass_metrics`.
     """
     functions = {
         name: load_reward_function(f) if isinstance(f, str) else f for name, f in scores.items()
@@ -118,7 +132,7 @@ def evaluate_policy(
         prompts = load_prompts(  # each row rendered with the tools its trajectory is offered
             str(prompts_file),
             tokenizer,
-            max_length=max_prompt_length,
+            max_length=max_prompt_length if max_prompt_length is not None else sys.maxsize,
             split=split,
             columns=columns,
             tools=responder.row_tools,
@@ -140,6 +154,10 @@ def evaluate_policy(
             greedy=greedy,
             timeout_s=timeout_s,
             responder=responder,
+            pass_k=pass_k,
+            pass_threshold=pass_threshold,
+            pass_score=pass_score,
+            answer=answer,
         )
     finally:
         responder.close()
@@ -189,6 +207,10 @@ def evaluate_loaded(
     step: int | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     responder: Responder | None = None,
+    pass_k: list[int] | None = None,
+    pass_threshold: float = 1.0,
+    pass_score: str | None = None,
+    answer: AnswerFn | None = None,
 ) -> dict:
     """:func:`evaluate_policy` on models already loaded: ``actor`` (sampled through ``engine``, or
     an :class:`~proximal.rollout.engine.HFEngine` over it), ``reference`` (a module, a
@@ -200,7 +222,8 @@ def evaluate_loaded(
     each response is made (:class:`~proximal.rollout.collect.Responder`; default one ``generate``):
     a run's multi-turn one draws turn 0 from that seed and turn k from ``row_seed`` of it and k, as
     its rollouts draw them, and leaves the environments' counts as they were (a run's ``agent/*``
-    metrics never see the evaluation's calls).
+    metrics never see the evaluation's calls). ``pass_k`` … ``answer``: :func:`pass_metrics`'s, its
+    numbers added to the means.
     Returns ``{"n", "samples_per_prompt", "seed", "mean", "rows"}``."""
     scorer = Scorer(  # the reward model's scores as the trainers compute them
         tokenizer,
@@ -268,6 +291,17 @@ def evaluate_loaded(
     keys = [*scored, *(["kl"] if reference is not None else []), "length", "eos"]
     keys += responder.eval_keys
     mean = {k: _mean([row[k] for row in rows]) for k in keys}
+    if pass_k:
+        mean.update(
+            pass_metrics(
+                rows,
+                samples_per_prompt,
+                ks=pass_k,
+                threshold=pass_threshold,
+                score=pass_score,
+                answer=answer,
+            )
+        )
     return {
         "n": len(rows),
         "samples_per_prompt": samples_per_prompt,
@@ -275,6 +309,43 @@ def evaluate_loaded(
         "mean": mean,
         "rows": rows,
     }
+
+
+def pass_metrics(
+    rows: list[dict],
+    samples_per_prompt: int,
+    *,
+    ks: list[int],
+    threshold: float,
+    score: str | None = None,
+    answer: AnswerFn | None = None,
+) -> dict[str, float]:
+    """``pass@k`` for each k of ``ks``, ``mean@n`` and ``maj@n`` (:func:`proximal.core.passk.
+    group_metrics`) of :func:`evaluate_loaded`'s ``rows``: rows ``p·n … p·n + n − 1`` are prompt p's
+    n = ``samples_per_prompt`` responses (as they are sampled, whatever the batches). Every number
+    reads the rows' ``score`` (None: ``"score"``, the run's weighted total); a response passes when
+    it is ≥ ``threshold`` (a None score, the function not applying, is no pass); maj@n's answer of a
+    response is ``answer(response)`` (None: the response text stripped of surrounding whitespace).
+    ConfigError when the rows have no such score."""
+    name = score if score is not None else "score"
+    if rows and name not in rows[0]:
+        scores = [
+            k for k, v in rows[0].items() if (v is None or isinstance(v, float)) and k != "kl"
+        ]
+        have = ", ".join(scores) or "none"
+        said = "null (the run's total score, eval/score)" if score is None else repr(score)
+        raise ConfigError(
+            f"eval.pass_score = {said}: the held-out evaluation has no such score; it has: {have}"
+        )
+    n = samples_per_prompt
+    groups = [rows[p : p + n] for p in range(0, len(rows), n)]
+    extract = answer if answer is not None else str.strip
+    return group_metrics(
+        [[row[name] for row in g] for g in groups],
+        [[extract(row["response"]) for row in g] for g in groups],
+        ks=ks,
+        threshold=threshold,
+    )
 
 
 def _weighted(scored: dict[str, list], weights: dict[str, float], j: int) -> float | None:
@@ -320,7 +391,8 @@ class TrainingEval:
     EvalSection`), ready to run on the live models: :meth:`due` says when, :meth:`__call__` returns
     the ``eval/*`` metrics — exactly :func:`evaluate_policy`'s means on the same weights with the
     same seed, renamed by :data:`METRIC_NAMES` (each score under ``eval/<name>``, the reward model's
-    as ``eval/proxy``, the run's weighted total as ``eval/score``).
+    as ``eval/proxy``, the run's weighted total as ``eval/score``; with ``eval.pass_k``, ``eval/pass@k``
+    for each k, ``eval/mean@n`` and ``eval/maj@n``: :func:`pass_metrics`).
 
     With several processes every rank evaluates every prompt (the same work and the same numbers on
     each; a sharded model's forward passes are collective), so keep held-out sets small."""
@@ -337,6 +409,10 @@ class TrainingEval:
     greedy: bool
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     responder: Responder | None = None  # env/tools: a multi-turn trajectory per response
+    pass_k: list[int] | None = None  # eval.pass_k …: eval/pass@k, eval/mean@n, eval/maj@n
+    pass_threshold: float = 1.0
+    pass_score: str | None = None
+    answer: AnswerFn | None = None
 
     def due(self, step: int, total: int) -> bool:
         """Before the first step (step 0), every ``every`` steps, after the last."""
@@ -372,6 +448,10 @@ class TrainingEval:
             step=step,
             timeout_s=self.timeout_s,
             responder=self.responder,
+            pass_k=self.pass_k,
+            pass_threshold=self.pass_threshold,
+            pass_score=self.pass_score,
+            answer=self.answer,
         )
         return {METRIC_NAMES.get(k, f"eval/{k}"): v for k, v in out["mean"].items()}
 
@@ -484,6 +564,10 @@ def training_eval(
         greedy=section.greedy,
         timeout_s=timeout_s,
         responder=responder,
+        pass_k=section.pass_k,
+        pass_threshold=section.pass_threshold,
+        pass_score=section.pass_score,
+        answer=import_spec(section.answer, "eval.answer") if section.answer else None,
     )
 
 

@@ -29,6 +29,7 @@ from proximal.compare import (
     CompareSection,
     Inputs,
     RunSpec,
+    prepare_inputs,
     run_config,
 )
 from proximal.compare_report import collect_run, mean_std
@@ -131,7 +132,10 @@ def nbytes(checkpoint: Path) -> int:
 @pytest.fixture(scope="module")
 def comparison(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out"
-    config = compare_yaml(inputs, out, ["ppo", "dpo", "simpo"])
+    # pass@k of the gold score, len/10: a response of 6 characters (the longest here) passes
+    config = compare_yaml(
+        inputs, out, ["ppo", "dpo", "simpo"], eval_pass_k=[1, 2], eval_pass_threshold=0.6
+    )
     err, std = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         code = main(["compare", "--config", str(config)])
@@ -188,6 +192,16 @@ def test_every_number_of_the_table_is_recomputed_from_the_run_directories(compar
         assert row["gold"][0] == pytest.approx(gold, abs=1e-12)
         for key in ("proxy", "kl", "length"):
             assert row[key][0] == pytest.approx(statistics.fmean(r[key] for r in final), abs=1e-12)
+        # pass@k of gold over each prompt's 2 responses (rows 2p, 2p + 1): pass@1 the pass rate,
+        # pass@2 whether either passed; maj@n with n = 2 is the first response's pass (two
+        # different answers tie and the first wins; two equal ones are that answer)
+        passed = [len(r["response"]) / 10 >= 0.6 for r in final]
+        pairs = list(zip(passed[0::2], passed[1::2]))
+        assert 0 < sum(passed) < len(passed)  # some pass, some do not
+        assert row["pass@1"][0] == pytest.approx(sum(passed) / 12, abs=1e-12)
+        assert row["pass@2"][0] == pytest.approx(sum(a or b for a, b in pairs) / 6, abs=1e-12)
+        assert row["maj@n"][0] == pytest.approx(sum(a for a, _ in pairs) / 6, abs=1e-12)
+        assert row["mean@n"][0] == pytest.approx(gold, abs=1e-12)
         curve = [p["mean"]["gold"] for p in ev["curve"]]
         swing = abs(
             curve[2] - curve[1]
@@ -206,6 +220,8 @@ def test_every_number_of_the_table_is_recomputed_from_the_run_directories(compar
             and "/" not in ln.split("|")[2]
         )
         assert f"{row['gold'][0]:.3f}" in line and f"{row['kl'][0]:.3f}" in line, line
+        assert f"{row['pass@2'][0]:.3f} | {row['mean@n'][0]:.3f}" in line, line
+    assert "| pass@1 ↑ | pass@2 ↑ | mean@n ↑ | maj@n ↑ |" in comparison["md"]
     assert result["sft"]["kl"] == 0.0  # the SFT model against itself
 
 
@@ -251,6 +267,15 @@ def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comp
         ({"methods": ["dpo@verifier"]}, "DPO cannot use reward source 'verifier'"),
         ({"methods": ["grpo@verifier"]}, "learns from the verifier: set data.verifier"),
         ({"seeds": 0}, "compare.seeds = 0 must be ≥ 1"),
+        (
+            {"max_new_tokens": None},
+            "compare.max_new_tokens is required with your own data (data.sft_model): the held-out "
+            "responses' token limit",
+        ),
+        (
+            {"eval_pass_k": [1, 3]},
+            "compare.eval_pass_k = [1, 3]: k = 3 is more than compare.eval_samples_per_prompt = 2",
+        ),
         ({"reward_timeout_s": 0}, "compare.reward_timeout_s = 0.0 must be > 0 seconds, or null"),
         (
             {"responses": 2},
@@ -466,3 +491,28 @@ def test_every_method_has_its_stated_row():
     assert sorted(METHODS) == sorted(CLAIMS)
     for name, claim in CLAIMS.items():
         assert claim["models_n"] in (1, 2, 4) and all(claim[k] for k in ("critic", "type")), name
+
+
+def test_your_own_data_is_evaluated_with_no_tasks_scorer_or_lengths(inputs, tmp_path):
+    """With data.sft_model the held-out evaluation takes its scores from the config (here data.gold
+    only: no digit-task verifier), its response length from compare.max_new_tokens (required, above)
+    and keeps every held-out prompt whole: no task's 64-token prompt limit cuts it."""
+    from proximal.config import load_config
+    from proximal.evaluation import evaluate_policy
+
+    out = tmp_path / "out"
+    cfg = load_config(CompareConfig, compare_yaml(inputs, out, ["ppo"]))
+    got = prepare_inputs(cfg, out, inputs["configs"], echo=lambda _: None)
+    assert got.scores == {"gold": "ppo_support:length"} and got.prompt_limit is None
+    long = "ab " * 30 + "c"  # 91 characters, a token each for the char-level tokenizer
+    prompts = write_jsonl(tmp_path / "long.jsonl", [{"prompt": long}])
+    ev = evaluate_policy(
+        got.sft,
+        reference=got.sft,
+        prompts_file=prompts,
+        scores=got.scores,
+        max_new_tokens=cfg.compare.response_limit(),
+        max_prompt_length=got.prompt_limit,
+    )
+    assert ev["rows"][0]["prompt"] == long
+    assert ev["rows"][0]["length"] <= 6  # compare_yaml's compare.max_new_tokens

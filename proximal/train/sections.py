@@ -856,6 +856,32 @@ class EvalSection:
         "each called as a reward function and logged as eval/<name>; the run's own reward "
         "functions and reward model are scored anyway. null = none more.",
     )
+    pass_k: list[int] | None = option(
+        None,
+        "pass@k to log, one eval/pass@k per k (e.g. [1, 8]): the chance that at least one of k "
+        "of a prompt's eval.samples_per_prompt = n responses passes, by the unbiased estimator of "
+        "Chen et al. 2021, averaged over prompts; each k ≤ n. eval/mean@n (the mean score) and "
+        "eval/maj@n (the majority answer passes) come with it. null = none of them.",
+    )
+    pass_threshold: float = option(
+        1.0,
+        "A response passes when its score (eval.pass_score) is at or above this. 1.0 suits exact "
+        "match (0 or 1); a fractional scorer needs its own: reasoning-gym's countdown gives 0.01 to a "
+        "wrong but well-formed answer.",
+    )
+    pass_score: str | None = option(
+        None,
+        "The score eval.pass_k, mean@n and maj@n read: null = the run's total score (eval/score: its "
+        "reward model and reward functions weighted as in training; dpo and simpo have none, so "
+        "name one), or one eval/* score by name — a reward function's 'module:function', a name "
+        "of eval.scores, or proxy.",
+    )
+    answer: str | None = option(
+        None,
+        "maj@n's answer of a response, 'module:function(completion: str) -> str | None' (None: no "
+        "answer, no vote); null = the completion's text, surrounding whitespace stripped. Ties go "
+        "to the answer sampled first.",
+    )
     split: str | None = option(None, SPLIT_HELP)
     columns: dict[str, str] | None = option(None, COLUMNS_HELP)
 
@@ -882,7 +908,44 @@ class EvalSection:
             if not isinstance(spec, str) or ":" not in spec:
                 e.append(f"{name}.scores.{key} = {spec!r}: expected 'module:function'")
         e += columns_problems(self.columns, f"{name}.columns")
+        return e + self.pass_problems(name)
+
+    def pass_problems(self, name: str = "eval") -> list[str]:
+        """``pass_k`` against ``samples_per_prompt``, the threshold, the answer's spec."""
+        e = pass_k_problems(
+            self.pass_k,
+            self.samples_per_prompt,
+            self.pass_threshold,
+            k=f"{name}.pass_k",
+            n=f"{name}.samples_per_prompt",
+            threshold=f"{name}.pass_threshold",
+        )
+        if self.answer is not None and ":" not in self.answer:
+            e.append(f"{name}.answer = {self.answer!r}: expected 'module:function'")
         return e
+
+
+def pass_k_problems(
+    pass_k: list[int] | None, samples: int, pass_threshold: float, *, k: str, n: str, threshold: str
+) -> list[str]:
+    """pass@k's fields, named ``k``, ``n`` and ``threshold`` in the messages: every k in [1, n]
+    (pass@k draws k of the n responses sampled per prompt), none twice, a finite threshold."""
+    e = []
+    for x in pass_k or []:
+        if x < 1:
+            e.append(f"{k} = {pass_k}: k = {x} must be ≥ 1")
+        elif x > samples:
+            e.append(
+                f"{k} = {pass_k}: k = {x} is more than {n} = {samples} (pass@k draws k of the n "
+                f"responses sampled per prompt); raise {n} to at least {x}"
+            )
+    if pass_k is not None and len(set(pass_k)) != len(pass_k):
+        e.append(f"{k} = {pass_k} lists a k twice")
+    if pass_k == []:
+        e.append(f"{k} = []: give at least one k, or null for no pass@k")
+    if not math.isfinite(pass_threshold):
+        e.append(f"{threshold} = {pass_threshold} must be a finite number")
+    return e
 
 
 # ----------------------------------------------------------------------------------------------

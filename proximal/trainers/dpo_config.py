@@ -157,6 +157,16 @@ class PreferenceEvalSection(EvalSection):
         "logged as eval/proxy; null = none.",
     )
 
+    def problems(self, name: str = "eval") -> list[str]:
+        e = super().problems(name)
+        if self.pass_k is not None and self.pass_score is None:  # no total score to default to
+            e.append(
+                f"{name}.pass_k = {self.pass_k} needs {name}.pass_score: dpo and simpo train on "
+                f"no score, so name the one pass@k reads (a name of {name}.scores, or proxy with "
+                f"{name}.reward_model)"
+            )
+        return e
+
 
 @dataclass
 class DPOConfig:

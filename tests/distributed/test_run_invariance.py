@@ -207,3 +207,36 @@ def test_dpo_and_simpo_1_vs_2_processes(assets, tmp_path, command, train):
     one = run_ranks(1, _train, command, cfg("w1"), "")[0]
     _compare(one, run_ranks(2, _train, command, cfg("w2"), "")[0], skip)
     assert one[0][-1]["eval/kl"] > 0 and one[0][-1]["eval/accuracy"] > 0  # the run moved
+
+
+def test_pass_at_k_1_vs_2_processes(assets, tmp_path):
+    """eval.pass_k on 2 processes logs the numbers 1 process logs: every prompt's n responses are
+    counted together before the estimator (each rank evaluates every prompt, its samples drawn from
+    the same per-response seeds; eval.batch_size 5 cuts across a prompt's 4 samples)."""
+
+    def cfg(name):
+        return tiny_config(
+            assets.policy("llama"),
+            assets.prompts,
+            tmp_path / name,
+            rollout={"batch_size": 8, "max_new_tokens": 6},
+            eval={
+                "prompts": str(assets.prompts),
+                "every": 1,
+                "samples_per_prompt": 4,
+                "batch_size": 5,
+                "pass_k": [1, 2, 4],
+                "pass_threshold": 0.1,  # of the run's total score, frac_a
+            },
+            train={"steps": 1, "save_every": 0},
+        )
+
+    one = run_ranks(1, _train, "ppo", cfg("w1"), "checkpoints/step_000001/policy")[0]
+    two = run_ranks(2, _train, "ppo", cfg("w2"), "checkpoints/step_000001/policy")[0]
+    _compare(one, two, lr=1e-3)
+    evals = [r for r in one[0] if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    assert all(0 < r["eval/pass@1"] < r["eval/pass@4"] for r in evals)  # not a trivial 0 or 1
+    for a, b in zip(evals, [r for r in two[0] if "eval/pass@1" in r]):
+        for k in ("eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/mean@n", "eval/maj@n"):
+            assert a[k] == b[k], (a["step"], k)  # counts of passes: exactly the same

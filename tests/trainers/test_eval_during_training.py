@@ -292,3 +292,141 @@ def test_keep_best_of_a_metric_the_run_does_not_log_names_the_ones_it_does(
     err = capsys.readouterr().err
     assert "output.keep_best = 'eval/gold': this run logs no such metric" in err
     assert "eval/a" in err and "Traceback" not in err
+
+
+def _pass_by_hand(rows: list[dict], n: int, ks, threshold: float) -> dict:
+    """pass@k (the closed form 1 − C(n−c, k)/C(n, k) in exact fractions), mean@n and maj@n (a vote
+    over the stripped responses, a tie to the answer sampled first) of evaluate_policy's rows."""
+    from collections import Counter
+    from fractions import Fraction
+
+    groups = [rows[i : i + n] for i in range(0, len(rows), n)]
+    out = {}
+    for k in ks:
+        per = [
+            1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+            for c in (sum(r["a"] >= threshold for r in g) for g in groups)
+        ]
+        out[f"eval/pass@{k}"] = float(sum(per) / len(per))
+    out["eval/mean@n"] = sum(sum(r["a"] for r in g) / n for g in groups) / len(groups)
+    maj = 0
+    for g in groups:
+        answers = [r["response"].strip() for r in g]
+        most = max(Counter(answers).values())
+        winner = next(a for a in answers if answers.count(a) == most)  # the first of the tied
+        maj += g[answers.index(winner)]["a"] >= threshold
+    out["eval/maj@n"] = maj / len(groups)
+    return out
+
+
+def test_grpo_logs_pass_at_k_and_keeps_the_best_checkpoint_by_it(assets, tmp_path):
+    """eval.pass_k: eval/pass@k per k, eval/mean@n and eval/maj@n in metrics.jsonl, each equal to
+    the estimator computed by hand from a separate evaluate_policy's responses on that step's
+    checkpoint; output.keep_best eval/pass@1 (auto: larger is better) keeps the step that had most."""
+    run = tmp_path / "grpo"
+    policy = assets.policy("llama")
+    n, ks, threshold = 4, [1, 2, 4], 0.1
+    cfg = _grpo(
+        assets,
+        run,
+        eval=_eval_section(
+            assets,
+            every=1,
+            samples_per_prompt=n,
+            pass_k=ks,
+            pass_score="a",  # eval.scores' frac_a: fractional, so the threshold matters
+            pass_threshold=threshold,
+        ),
+        train={"steps": 3, "save_every": 1, "keep_checkpoints": 5},
+        output={"keep_best": "eval/pass@1"},
+        optim={"lr": 3e-3},
+    )
+    assert grpo_main(cfg) == 0
+    rows = _eval_rows(run)
+    assert sorted(rows) == [0, 1, 2, 3]
+    for step, got in rows.items():
+        ckpt = policy if step == 0 else run / "checkpoints" / f"step_{step:06d}" / "policy"
+        ev = evaluate_policy(
+            ckpt,
+            reference=policy,
+            prompts_file=assets.prompts,
+            scores=GRPO_SCORES,
+            samples_per_prompt=n,
+            max_new_tokens=8,
+            seed=11,
+            max_prompt_length=16,
+        )
+        want = _pass_by_hand(ev["rows"], n, ks, threshold)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (step, key)
+    values = [rows[s]["eval/pass@1"] for s in range(4)]
+    assert 0 < min(values) and max(values) < 1  # some responses pass, some do not
+    assert rows[0]["eval/pass@4"] > rows[0]["eval/pass@1"]
+    best = max((s for s in (1, 2, 3)), key=lambda s: (values[s], -s))  # the first of equal values
+    root = run / "checkpoints"
+    assert (root / "best").resolve().parent.name == step_name(best)
+
+
+@pytest.mark.parametrize(
+    "more, message",
+    [
+        (
+            {"pass_k": [1, 8]},
+            "eval.pass_k = [1, 8]: k = 8 is more than eval.samples_per_prompt = 2 (pass@k draws k "
+            "of the n responses sampled per prompt); raise eval.samples_per_prompt to at least 8",
+        ),
+        ({"pass_k": [0, 1]}, "eval.pass_k = [0, 1]: k = 0 must be ≥ 1"),
+        ({"pass_k": [1, 1]}, "eval.pass_k = [1, 1] lists a k twice"),
+        ({"pass_k": [1], "pass_threshold": "nan"}, "eval.pass_threshold = nan must be a finite"),
+        ({"pass_k": [1], "answer": "strip"}, "eval.answer = 'strip': expected 'module:function'"),
+        # found at the first evaluation (step 0), before any training
+        (
+            {"pass_k": [1], "pass_score": "gold"},
+            "eval.pass_score = 'gold': the held-out evaluation has no such score; it has: "
+            "ppo_support:length, a, score",
+        ),
+    ],
+)
+def test_pass_k_config_errors_are_one_line(assets, tmp_path, capsys, more, message):
+    cfg = _grpo(assets, tmp_path / "r", eval=_eval_section(assets, **more))
+    assert grpo_main(cfg) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_dpo_pass_k_needs_a_named_score():
+    """dpo and simpo train on no score: eval.pass_k with eval.pass_score null is refused by name."""
+    from proximal.trainers.dpo_config import PreferenceEvalSection
+
+    got = PreferenceEvalSection(prompts=None, samples_per_prompt=4, pass_k=[1, 4]).problems()
+    assert got == [
+        "eval.pass_k = [1, 4] needs eval.pass_score: dpo and simpo train on no score, so name the "
+        "one pass@k reads (a name of eval.scores, or proxy with eval.reward_model)"
+    ]
+    assert (
+        PreferenceEvalSection(samples_per_prompt=4, pass_k=[1], pass_score="gold").problems() == []
+    )
+
+
+def test_pass_metrics_groups_rows_by_prompt_and_reads_the_answer_function():
+    """Rows p·n … p·n + n − 1 are prompt p's; eval.answer's function gives maj@n's answers."""
+    from proximal.evaluation import pass_metrics
+
+    def row(response, score):
+        return {"prompt": "q", "response": response, "score": score, "length": 3}
+
+    rows = [row(" 12=3", 1.0), row("4=3 ", 0.0), row("9=5", 0.0)]  # prompt 0
+    rows += [row("1=2", 0.0), row("1=2", 0.0), row("0=7", 1.0)]  # prompt 1
+    # the stripped texts all differ for prompt 0 (the first wins: a pass); prompt 1's "1=2" fails
+    plain = pass_metrics(rows, 3, ks=[1, 3], threshold=1.0)
+    want = {"pass@1": 1 / 3, "pass@3": 1.0, "mean@n": 1 / 3, "maj@n": 0.5}
+    assert plain == pytest.approx(want, rel=0, abs=1e-15)
+    # answers after "=": prompt 0 votes "3" twice (its first, a pass); prompt 1 "2" (fails)
+    after = pass_metrics(rows, 3, ks=[1], threshold=1.0, answer=lambda t: t.split("=")[-1].strip())
+    assert after["maj@n"] == 0.5
+    rows[0]["score"] = 0.0
+    rows[1]["score"] = 1.0  # now "3"'s first response fails: maj@n counts the first that gave it
+    assert (
+        pass_metrics(rows, 3, ks=[1], threshold=1.0, answer=lambda t: t[-2:].strip())["maj@n"]
+        == 0.0
+    )
