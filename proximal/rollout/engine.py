@@ -404,6 +404,7 @@ def build_engine(
     kv_cache_bytes: int = 1 << 30,
     max_model_len: int = 2048,
     seed: int = 0,
+    kv_field: str = "rollout.kv_cache_gib",
 ) -> RolloutEngine:
     """The ``rollout.engine`` named ``kind`` over the policy ``model``: :class:`HFEngine` ("hf"), or
     :class:`~proximal.rollout.vllm.VLLMEngine` ("vllm"), whose dtype is bfloat16 under a bf16
@@ -432,6 +433,7 @@ def build_engine(
         max_model_len=max_model_len,
         seed=seed,
         gather_weights=gather_weights,
+        kv_field=kv_field,
     )
 
 

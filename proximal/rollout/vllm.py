@@ -129,6 +129,44 @@ def config_problems(config, *, device: str, field: str = "rollout.engine") -> li
     return out
 
 
+def engine_bytes(model, dtype: str, kv_cache_bytes: int) -> int:
+    """What the engine holds beside the trainer: its copy of the policy's weights in ``dtype``
+    (the base model's parameter count: a LoRA policy's adapters are merged) and its KV cache."""
+    per = 2 if dtype in ("bfloat16", "float16") else 4
+    plain = _plain(model)
+    # a sharded parameter (DTensor) reports its whole shape
+    count = sum(p.numel() for n, p in plain.named_parameters() if "lora_" not in n)
+    return count * per + int(kv_cache_bytes)
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for a new allocation: MemAvailable of /proc/meminfo on the CPU (Linux), the free
+    memory of the current GPU; None where it cannot be read."""
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_problem(
+    need: int, free: int | None, *, field: str = "rollout.kv_cache_gib"
+) -> str | None:
+    """One line when the engine's ``need`` bytes (:func:`engine_bytes`) exceed what is ``free``."""
+    if free is None or need <= free:
+        return None
+    return (
+        f"{field}: the vllm engine needs {need / 2**30:.2f} GiB (its copy of the weights and its KV "
+        f"cache) and {free / 2**30:.2f} GiB is free here; lower {field} (proximal memory --run "
+        "plans the whole run)"
+    )
+
+
 def _head_dim(config) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     dim = getattr(text, "head_dim", None)
@@ -304,6 +342,8 @@ class VLLMEngine:
         gather_weights: a sharded policy's weights gathered whole once around each push (True), or
             one tensor at a time (False).
         device: "cpu" or "cuda": where vLLM runs (the policy's device).
+        kv_field: the config field of ``kv_cache_bytes``, named when the engine would not fit in the
+            memory free at its start (:func:`memory_problem`: checked before vLLM starts).
     """
 
     def __init__(
@@ -317,11 +357,16 @@ class VLLMEngine:
         seed: int = 0,
         gather_weights: bool = True,
         device: str | None = None,
+        kv_field: str = "rollout.kv_cache_gib",
     ):
         device = device or next(model.parameters()).device.type
         problems = engine_problems(model, device=device)
         if problems:
             raise ConfigError(problems[0])
+        if problem := memory_problem(
+            engine_bytes(model, dtype, kv_cache_bytes), free_memory(device)
+        ):
+            raise ConfigError(problem)
         self.model = model
         self.pad_token_id = pad_token_id
         self.dtype = dtype

@@ -285,6 +285,7 @@ def train(cfg: DPOConfig | SimPOConfig, resume_dir: str | Path | None = None) ->
             kv_cache_bytes=int(cfg.eval.kv_cache_gib * 2**30),
             max_model_len=d.max_length + (cfg.eval.max_new_tokens or 64),
             seed=t.seed + run.rank,
+            kv_field="eval.kv_cache_gib",
         )
 
     def sampled(step: int) -> dict:

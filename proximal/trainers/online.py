@@ -162,6 +162,7 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
             kv_cache_bytes=int(cfg.eval.kv_cache_gib * 2**30),
             max_model_len=longest_sequence(cfg),
             seed=t.seed + run.rank,
+            kv_field="eval.kv_cache_gib",
         )
     return Online(
         run,

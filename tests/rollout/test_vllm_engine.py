@@ -289,3 +289,12 @@ def test_a_grpo_run_on_a_policy_vllm_cannot_run_is_one_line_before_any_model_loa
     err = capsys.readouterr().err
     assert "rollout.engine = vllm: the policy's attention heads have dimension 16" in err
     assert "Traceback" not in err
+
+
+def test_an_engine_that_would_not_fit_is_one_line_before_vllm_starts(assets, engines):
+    from proximal.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"rollout.kv_cache_gib: the vllm engine needs 1048576\.00 GiB"
+    ):
+        VLLMEngine(_model(assets, "qwen2"), 0, kv_cache_bytes=1 << 50, max_model_len=64)

@@ -77,3 +77,25 @@ def test_build_engine_gives_the_hf_engine_with_its_options(assets):
     assert isinstance(engine, HFEngine) and engine.lean_reason() == "rollout.lean_decode is false"
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         build_engine("sglang", model, 0)
+
+
+def test_the_engine_counts_its_weight_copy_and_kv_cache_against_free_memory(assets):
+    """Checked before vLLM starts (no vLLM needed): the engine's bytes are the policy's parameters
+    in the engine's dtype (a LoRA policy's base only: it pushes merged weights) plus the KV budget."""
+    from proximal.models.loading import load_causal_lm
+    from proximal.models.policy import with_lora
+    from proximal.rollout.vllm import engine_bytes, memory_problem
+
+    model = load_causal_lm(str(assets.policy("llama")))
+    n = sum(p.numel() for p in model.parameters())
+    assert engine_bytes(model, "float32", 1000) == 4 * n + 1000
+    assert engine_bytes(model, "bfloat16", 0) == 2 * n
+    lora = with_lora(model, "CAUSAL_LM", {"r": 4, "alpha": 8, "target_modules": ["all-linear"]})
+    assert engine_bytes(lora, "float32", 0) == 4 * n
+    assert memory_problem(10, 10) is None and memory_problem(10, None) is None
+    line = memory_problem(3 * 2**30, 2**30, field="eval.kv_cache_gib")
+    assert line == (
+        "eval.kv_cache_gib: the vllm engine needs 3.00 GiB (its copy of the weights and its KV "
+        "cache) and 1.00 GiB is free here; lower eval.kv_cache_gib (proximal memory --run plans "
+        "the whole run)"
+    )
