@@ -129,7 +129,13 @@ def _shared(command: str) -> dict[str, str]:
             "reward_pretrain": "it is model.reward_model",
             "reward_funcs": "it is model.reward_functions ('module:function' each)",
             "reward_weights": "it is model.reward_function_weights",
-            "use_vllm": "generation runs in this process (see rollout.lean_decode): nothing to set",
+            "use_vllm": "it is rollout.engine: vllm (colocated in this process, as TRL's "
+            "vllm_mode colocate)",
+            "vllm_mode": "rollout.engine: vllm runs colocated in this process (TRL's 'colocate'); "
+            "there is no server mode",
+            "vllm_gpu_memory_utilization": "it is rollout.kv_cache_gib (the engine's KV budget, GiB)",
+            "vllm_importance_sampling_correction": "it is rollout.correction (tis, token_mask, "
+            "seq_mask or bypass)",
         }
     return names
 
