@@ -342,6 +342,26 @@ def test_compare_model_shapes_each_builtin_tasks_model(tmp_path, monkeypatch):
         assert saved["hidden_size"] // saved["num_attention_heads"] == 32
 
 
+@pytest.mark.vllm
+def test_with_vllm_the_builtin_tasks_default_heads_are_one_line_and_heads_2_pass():
+    """The built-in task's default model has heads of dimension 16, which vLLM's CPU attention does
+    not run: compare.engine vllm is refused from the config alone (nothing built, nothing trained),
+    with the compare.model that fixes it; {heads: 2} passes."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm builds .venv-vllm)")
+    from proximal.compare import engine_problems
+
+    if torch.cuda.is_available():
+        pytest.skip("the head-dimension limit is the CPU kernel's")
+    assert engine_problems(CompareConfig(compare=CompareSection(engine="vllm"))) == [
+        "compare.engine = vllm: the policy's attention heads have dimension 16, which vLLM's CPU "
+        "attention does not run (it runs 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; use "
+        "compare.engine: hf); or give the task's model heads it runs: --compare.model '{heads: 2}'"
+    ]
+    for task in ("digits", "arithmetic", "calculator"):
+        shaped = CompareSection(task=task, engine="vllm", model={"heads": 2})
+        assert engine_problems(CompareConfig(compare=shaped)) == [], task
+
+
 def test_a_directory_that_is_not_a_comparison_is_not_written_into(inputs, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")
