@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 import yaml
 
 from proximal import compare_report, dist
@@ -68,12 +69,14 @@ from proximal.methods import (
     input_overrides,
     responses_per_step,
 )
+from proximal.models.tiny import SHAPE_KEYS, shape_problems, tiny_causal_lm_config
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
+from proximal.rollout.vllm import config_problems, preflight_problems
 from proximal.tasks import arithmetic, calculator, digits
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
 from proximal.train.command import config_command
-from proximal.train.sections import pass_k_problems
+from proximal.train.sections import ENGINES, pass_k_problems
 from proximal.trainers import reward, sft
 
 DEFAULT_METHODS = ["ppo", "dpo", "simpo", "grpo", "rloo"]
@@ -87,6 +90,12 @@ TASKS = {
     "digits": DEFAULT_METHODS,
     ARITHMETIC: ["ppo@verifier", "grpo", "rloo"],
     CALCULATOR: ["ppo@verifier", "grpo", "rloo"],
+}
+#: Each built-in task's base model (``compare.model`` is merged over it).
+TASK_MODELS = {
+    "digits": digits.DEFAULT_MODEL,
+    ARITHMETIC: arithmetic.DEFAULT_MODEL,
+    CALCULATOR: calculator.DEFAULT_MODEL,
 }
 #: The calculator task's no-tool baseline: GRPO from the SFT model that learned the teacher's
 #: answers without the tool, trained without it (``<configs>/grpo_notool.yaml``), once per seed.
@@ -166,6 +175,23 @@ class CompareSection:
         "that runs past it ends the comparison with one line naming the function and the "
         "limit. null = no limit.",
     )
+    model: dict | None = option(
+        None,
+        "The built-in task's base model: these keys merged over the task's default (llama, "
+        "hidden 64, 2 layers, 4 heads; keys: " + ", ".join(SHAPE_KEYS) + "), e.g. {heads: 2}: "
+        "hidden 64 as 2 heads of dimension 32, which vLLM's CPU attention runs (the default's "
+        "16 it does not). Only with data.sft_model unset. null = the default.",
+    )
+    engine: str | None = option(
+        None,
+        "What samples every run's responses: hf or vllm, set as rollout.engine of the online "
+        "methods (ppo, grpo, rloo, …) and as eval.engine of dpo and simpo (their sampled "
+        "evaluations during training, where their config has eval.prompts). null = each "
+        "method's config decides (hf in the packaged ones). The held-out evaluation of every "
+        "checkpoint samples with hf whatever this says: one sampler for every run. vllm is "
+        "checked (installed, the model's architecture and heads) before anything trains.",
+        choices=(None, *ENGINES),
+    )
     configs: str | None = option(
         None,
         "Directory holding <method>.yaml for each method (default: the packaged demo "
@@ -183,6 +209,10 @@ class CompareSection:
         if self.task == ARITHMETIC:
             return arithmetic.MAX_RESPONSE_TOKENS
         return digits.MAX_RESPONSE_TOKENS
+
+    def base_model(self) -> dict:
+        """The built-in task's base model: ``model`` merged over the task's default."""
+        return {**TASK_MODELS.get(self.task, digits.DEFAULT_MODEL), **(self.model or {})}
 
     def method_specs(self) -> list[str]:
         """The methods compared: ``methods``, or the task's when it is empty."""
@@ -237,6 +267,8 @@ class CompareSection:
             e.append(f"compare.collapse_margin = {self.collapse_margin} must be ≥ 0")
         if self.configs is not None and not Path(self.configs).is_dir():
             e.append(f"compare.configs: {self.configs!r} is not a directory")
+        if self.model is not None:
+            e += shape_problems(self.base_model(), "compare.model")
         return e
 
 
@@ -338,6 +370,11 @@ class CompareConfig:
 
     def validate(self) -> list[str]:
         e = self.compare.problems() + self.data.problems()
+        if self.data.sft_model is not None and self.compare.model is not None:
+            e.append(
+                f"compare.model = {self.compare.model} shapes the built-in task's model, which "
+                "data.sft_model replaces; leave compare.model unset with your own model"
+            )
         if self.data.sft_model is not None and self.compare.task != "digits":
             e.append(
                 f"compare.task = {self.compare.task} runs a built-in task, which needs "
@@ -491,6 +528,9 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     """Prepare the inputs, train and evaluate every run, write the report; return ``compare.json``'s contents."""
     out = Path(cfg.output.dir)
     main = dist.launched_rank() == 0
+    problems = engine_problems(cfg)  # before the output directory is touched, and any training
+    if problems:
+        raise ConfigError(problems[0])
     _take_output_dir(out, cfg, main)
     configs = Path(cfg.compare.configs) if cfg.compare.configs else DEFAULT_CONFIGS
     builtin = cfg.data.sft_model is None and cfg.compare.task in (ARITHMETIC, CALCULATOR)
@@ -604,7 +644,9 @@ def prepare_inputs(
     """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
     d = cfg.data
     if d.sft_model is None and cfg.compare.task == CALCULATOR:
-        base = train_builtin_calculator(out / "base", configs, echo=echo)
+        base = train_builtin_calculator(
+            out / "base", configs, echo=echo, model=cfg.compare.base_model()
+        )
         # With the tool, each trajectory's tool calls and tool errors too: the tool runs are
         # evaluated as trajectories with their own tool settings (run_inputs); the no-tool
         # baseline against its own SFT model.
@@ -612,11 +654,13 @@ def prepare_inputs(
             base, CALCULATOR_VERIFIER, CALCULATOR_SCORES, sft_notool=str(base / "sft_notool")
         )
     if d.sft_model is None and cfg.compare.task == ARITHMETIC:
-        base = train_builtin_arithmetic(out / "base", configs, echo=echo)
+        base = train_builtin_arithmetic(
+            out / "base", configs, echo=echo, model=cfg.compare.base_model()
+        )
         return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
     builtin = d.sft_model is None
     if builtin:
-        base = train_builtin(out / "base", configs, echo=echo)
+        base = train_builtin(out / "base", configs, echo=echo, model=cfg.compare.base_model())
         task = base / "task"
         d = CompareData(
             sft_model=str(base / "sft"),
@@ -648,9 +692,12 @@ def prepare_inputs(
     )
 
 
-def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
-    """The built-in task's data, SFT model and reward model, as ``proximal demo`` makes them (seed 0);
-    kept from an earlier comparison when complete."""
+def train_builtin(
+    base: Path, configs: Path, *, echo: Callable[[str], None], model: dict | None = None
+) -> Path:
+    """The built-in task's data, SFT model and reward model, as ``proximal demo`` makes them (seed 0;
+    ``model``: the base model's shape, ``compare.model`` merged over the task's default); kept from
+    an earlier comparison when complete."""
     done = base / "base.json"
     if done.is_file():
         echo(f"inputs: the built-in task, SFT and reward model from {base} (trained earlier)")
@@ -658,7 +705,7 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
     echo(f"inputs: the built-in digit-sorting task; training its SFT and reward models into {base}")
     t0 = time.perf_counter()
     if dist.launched_rank() == 0:
-        make_task_data(base / "task", 0)
+        make_task_data(base / "task", 0, model=model)
     dist.barrier()
     demo_configs = (
         configs
@@ -675,9 +722,12 @@ def train_builtin(base: Path, configs: Path, *, echo: Callable[[str], None]) -> 
     return base
 
 
-def train_builtin_calculator(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
+def train_builtin_calculator(
+    base: Path, configs: Path, *, echo: Callable[[str], None], model: dict | None = None
+) -> Path:
     """The calculator task's data and its two SFT models (with the tool; the no-tool baseline's), as
-    ``proximal demo`` makes them (seed 0); kept from an earlier comparison when complete.
+    ``proximal demo`` makes them (seed 0; ``model``: the base model's shape); kept from an earlier
+    comparison when complete.
     ``configs`` holds sft.yaml and sft_notool.yaml (else the packaged ones)."""
     done = base / "base.json"
     if done.is_file():
@@ -686,7 +736,7 @@ def train_builtin_calculator(base: Path, configs: Path, *, echo: Callable[[str],
     echo(f"inputs: the built-in calculator task; training its two SFT models into {base}")
     t0 = time.perf_counter()
     if dist.launched_rank() == 0:
-        calculator.make_task_data(base / "task", 0)
+        calculator.make_task_data(base / "task", 0, model=model)
     dist.barrier()
     names = ("sft", "sft_notool", "ppo", "grpo", "rloo", "grpo_notool")
     demo_configs = (
@@ -704,9 +754,12 @@ def train_builtin_calculator(base: Path, configs: Path, *, echo: Callable[[str],
     return base
 
 
-def train_builtin_arithmetic(base: Path, configs: Path, *, echo: Callable[[str], None]) -> Path:
-    """The arithmetic task's data and SFT model, as ``proximal demo`` makes them (seed 0); kept from
-    an earlier comparison when complete. ``configs`` holds its sft.yaml (else the packaged one's)."""
+def train_builtin_arithmetic(
+    base: Path, configs: Path, *, echo: Callable[[str], None], model: dict | None = None
+) -> Path:
+    """The arithmetic task's data and SFT model, as ``proximal demo`` makes them (seed 0; ``model``:
+    the base model's shape); kept from an earlier comparison when complete. ``configs`` holds its
+    sft.yaml (else the packaged one's)."""
     done = base / "base.json"
     if done.is_file():
         echo(f"inputs: the arithmetic task and its SFT model from {base} (trained earlier)")
@@ -714,7 +767,7 @@ def train_builtin_arithmetic(base: Path, configs: Path, *, echo: Callable[[str],
     echo(f"inputs: the built-in arithmetic task; training its SFT model into {base}")
     t0 = time.perf_counter()
     if dist.launched_rank() == 0:
-        arithmetic.make_task_data(base / "task", 0)
+        arithmetic.make_task_data(base / "task", 0, model=model)
     dist.barrier()
     demo_configs = (
         configs
@@ -727,6 +780,40 @@ def train_builtin_arithmetic(base: Path, configs: Path, *, echo: Callable[[str],
     if dist.launched_rank() == 0:
         done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
     return base
+
+
+def engine_overrides(method: Method, engine: str | None) -> dict[str, str]:
+    """``compare.engine`` in a run's config: an online method's ``rollout.engine`` (its rollouts and,
+    through eval.engine null, its sampled evaluations), an offline method's ``eval.engine`` (it
+    samples only there); none where it is null."""
+    if engine is None:
+        return {}
+    return {"rollout.engine" if method.online else "eval.engine": engine}
+
+
+def engine_problems(cfg: CompareConfig) -> list[str]:
+    """With ``compare.engine: vllm``, why vLLM cannot run the runs' policy (one line each: not
+    installed, an architecture it lacks, heads its CPU attention does not run), read from the
+    configs alone, before anything trains: the SFT checkpoint given, or the built-in task's base
+    model as ``compare.model`` shapes it. On the CPU unless a GPU is here (the packaged configs'
+    train.device is cpu; a run on a GPU is checked again when it starts)."""
+    if cfg.compare.engine != "vllm":
+        return []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.data.sft_model is not None:
+        return preflight_problems(cfg.data.sft_model, device=device, field="compare.engine")
+    shape = cfg.compare.base_model()
+    # the vocabulary plays no part in the check: the architecture and the heads do
+    config = tiny_causal_lm_config(
+        shape["arch"], 16, **{k: v for k, v in shape.items() if k != "arch"}
+    )
+    wider = shape["hidden"] // 32  # heads of dimension 32, where the hidden size allows
+    return [
+        f"{p}; or give the task's model heads it runs: --compare.model '{{heads: {wider}}}'"
+        if "attention heads" in p and wider >= 1 and shape["hidden"] % 32 == 0
+        else p
+        for p in config_problems(config, device=device, field="compare.engine")
+    ]
 
 
 def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, run_dir: Path):
@@ -754,6 +841,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
             columns=inputs.columns,
         ),
         **({"model.reward_timeout_s": cfg.compare.reward_timeout_s} if r.method.online else {}),
+        **engine_overrides(r.method, cfg.compare.engine),
         "train.seed": r.seed,
         "output.dir": str(run_dir),
         "output.overwrite": True,

@@ -281,6 +281,17 @@ def test_the_same_command_again_keeps_finished_runs_and_retries_failed_ones(comp
             {"responses": 2},
             "compare.responses = 2 is less than one step of PPO (rollout.batch_size = 4)",
         ),
+        (
+            {"model": {"heads": 2, "head_dim": 8}},
+            "compare.model: unknown key(s) 'head_dim' (known: arch, hidden, layers, heads, "
+            "kv_heads, max_positions)",
+        ),
+        ({"model": {"heads": 3}}, "compare.model: hidden = 64 is not a multiple of heads = 3"),
+        ({"model": {"layers": 0}}, "compare.model.layers = 0 must be an integer ≥ 1"),
+        ({"model": {"heads": 2}}, "compare.model = {'heads': 2} shapes the built-in task's model"),
+        # vLLM is missing (the main suite's environment) or cannot run the policy's 16-wide heads:
+        # either way one line, before anything trains
+        ({"engine": "vllm"}, "proximal compare: compare.engine = vllm: "),
     ],
 )
 def test_config_mistakes_are_one_line_and_exit_status_2(inputs, tmp_path, capsys, change, message):
@@ -290,6 +301,90 @@ def test_config_mistakes_are_one_line_and_exit_status_2(inputs, tmp_path, capsys
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.startswith("proximal compare: "), err
     assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf", None])
+def test_compare_engine_is_each_runs_rollout_engine_or_eval_engine(inputs, tmp_path, engine):
+    """compare.engine reaches an online method as rollout.engine (its rollouts, and its sampled
+    evaluations through eval.engine null), an offline one as eval.engine; null leaves each config's."""
+    cfg = CompareConfig(
+        compare=CompareSection(
+            methods=["ppo", "grpo", "dpo"],
+            seeds=1,
+            responses=8,
+            pairs=8,
+            evaluations=1,
+            configs=str(inputs["configs"]),
+            engine=engine,
+        ),
+        data=CompareData(
+            sft_model=str(inputs["policy"]),
+            reward_model=str(inputs["rm"]),
+            prompts=str(inputs["prompts"]),
+            pairs=str(inputs["pairs"]),
+            eval_prompts=str(inputs["eval_prompts"]),
+        ),
+        output=CompareOutput(progress=False),
+    )
+    shared = Inputs(
+        sft=str(inputs["policy"]),
+        reward_model=str(inputs["rm"]),
+        prompts=str(inputs["prompts"]),
+        pairs=str(inputs["pairs"]),
+        eval_pairs=None,
+        eval_prompts=str(inputs["eval_prompts"]),
+        verifier="ppo_support:frac_a",
+        gold=None,
+    )
+
+    def built(method: str, source: str):
+        spec = RunSpec(METHODS[method], source, 0)
+        return run_config(spec, cfg, shared, inputs["configs"], tmp_path / method)[0]
+
+    ppo, grpo = built("ppo", "reward_model"), built("grpo", "verifier")
+    dpo = built("dpo", "pairs")
+    assert (ppo.rollout.engine, grpo.rollout.engine) == (engine or "hf", engine or "hf")
+    assert (ppo.eval.engine, grpo.eval.engine) == (None, None)  # null: the run's rollout.engine
+    assert dpo.eval.engine == engine
+
+
+def test_compare_model_shapes_each_builtin_tasks_model(tmp_path, monkeypatch):
+    """compare.model is merged over the task's default model: {heads: 2} gives hidden 64 as 2
+    heads of 32 (vLLM's CPU attention runs 32, not the default's 16), for every built-in task."""
+    from proximal import compare
+    from proximal.compare import TASKS, prepare_inputs
+
+    monkeypatch.setattr(compare.sft, "train", lambda cfg: None)  # the shape is the question here
+    monkeypatch.setattr(compare.reward, "train", lambda cfg: None)
+    for task in TASKS:
+        cfg = CompareConfig(compare=CompareSection(task=task, model={"heads": 2}))
+        assert cfg.validate() == []
+        configs = compare.DEFAULT_CONFIGS / ("" if task == "digits" else task)
+        prepare_inputs(cfg, tmp_path / task, configs, echo=lambda line: None)
+        saved = json.loads((tmp_path / task / "base/task/base_model/config.json").read_text())
+        shape = (saved["hidden_size"], saved["num_attention_heads"], saved["num_key_value_heads"])
+        assert (saved["architectures"], shape) == (["LlamaForCausalLM"], (64, 2, 2)), task
+        assert saved["hidden_size"] // saved["num_attention_heads"] == 32
+
+
+@pytest.mark.vllm
+def test_with_vllm_the_builtin_tasks_default_heads_are_one_line_and_heads_2_pass():
+    """The built-in task's default model has heads of dimension 16, which vLLM's CPU attention does
+    not run: compare.engine vllm is refused from the config alone (nothing built, nothing trained),
+    with the compare.model that fixes it; {heads: 2} passes."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm builds .venv-vllm)")
+    from proximal.compare import engine_problems
+
+    if torch.cuda.is_available():
+        pytest.skip("the head-dimension limit is the CPU kernel's")
+    assert engine_problems(CompareConfig(compare=CompareSection(engine="vllm"))) == [
+        "compare.engine = vllm: the policy's attention heads have dimension 16, which vLLM's CPU "
+        "attention does not run (it runs 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; use "
+        "compare.engine: hf); or give the task's model heads it runs: --compare.model '{heads: 2}'"
+    ]
+    for task in ("digits", "arithmetic", "calculator"):
+        shaped = CompareSection(task=task, engine="vllm", model={"heads": 2})
+        assert engine_problems(CompareConfig(compare=shaped)) == [], task
 
 
 def test_a_directory_that_is_not_a_comparison_is_not_written_into(inputs, tmp_path, capsys):

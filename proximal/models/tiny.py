@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     PreTrainedTokenizerFast,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -135,6 +136,46 @@ def tiny_config(
     raise ValueError(
         f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}"
     )
+
+
+def tiny_causal_lm_config(arch: str, vocab_size: int, **config_kwargs):
+    """:func:`tiny_config` naming its causal-LM class in ``architectures``, as the checkpoint
+    :func:`build_tiny_causal_lm` saves does: what a check that reads a checkpoint's config (vLLM's
+    architecture and heads) reads, without building the model."""
+    cfg = tiny_config(arch, vocab_size, **config_kwargs)
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
+    return cfg
+
+
+#: The shape arguments of :func:`tiny_config` a task's model option may set (``compare.model``).
+SHAPE_KEYS = ("arch", "hidden", "layers", "heads", "kv_heads", "max_positions")
+
+
+def shape_problems(shape: dict, field: str) -> list[str]:
+    """Why ``shape`` (a task's :data:`SHAPE_KEYS` overrides merged over its default model, e.g.
+    ``{"arch": "llama", "hidden": 64, "heads": 2, ...}``) is not a tiny model :func:`tiny_config`
+    builds: an unknown key or architecture, a size below 1, heads that do not divide the hidden
+    size, key-value heads that do not divide the heads. Each one line naming ``field``."""
+    e = []
+    unknown = [k for k in shape if k not in SHAPE_KEYS]
+    if unknown:
+        e.append(
+            f"{field}: unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(SHAPE_KEYS)})"
+        )
+    if shape.get("arch") not in ARCHITECTURES:
+        e.append(f"{field}.arch = {shape.get('arch')!r}: choose one of {', '.join(ARCHITECTURES)}")
+    sizes = [k for k in SHAPE_KEYS[1:] if k in shape and shape[k] is not None]
+    bad = [k for k in sizes if isinstance(shape[k], bool) or not isinstance(shape[k], int)]
+    bad += [k for k in sizes if k not in bad and shape[k] < 1]
+    e += [f"{field}.{k} = {shape[k]!r} must be an integer ≥ 1" for k in bad]
+    if bad:
+        return e
+    hidden, heads, kv = shape.get("hidden"), shape.get("heads"), shape.get("kv_heads")
+    if hidden and heads and hidden % heads:
+        e.append(f"{field}: hidden = {hidden} is not a multiple of heads = {heads}")
+    if heads and kv and heads % kv:
+        e.append(f"{field}: heads = {heads} is not a multiple of kv_heads = {kv}")
+    return e
 
 
 def _ids(tokenizer) -> dict:
