@@ -30,7 +30,7 @@ from proximal import dist
 from proximal.config import ConfigError, help_text, load_config, missing_path, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
-from proximal.rollout.reward_functions import RewardFunctionError
+from proximal.rollout.reward_functions import RewardFunctionError, RewardServerLost
 from proximal.train import signals
 from proximal.train.checkpoint import DISK_FULL, CheckpointError, SaveError, completed
 from proximal.train.run import AUTO, RunFinished
@@ -47,8 +47,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ImportError,
 )
 #: Exceptions that mean training itself failed (e.g. a non-finite loss, a checkpoint that could not
-#: be written): exit status 1.
-TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError)
+#: be written, a reward server lost for good): exit status 1.
+TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError, RewardServerLost)
 
 #: Exit statuses. EXIT_PREEMPTED: stopped by SIGTERM or SIGUSR1 — after the step in progress and its
 #: checkpoint, or at once on a second signal with the previous checkpoint intact — so a scheduler
