@@ -137,7 +137,9 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
 
 def check_same_models(saved_config: Path, cfg) -> None:
     """Refuse a resume whose ``model`` section differs from the run's own (another checkpoint, LoRA on
-    or off, another reward model): the checkpoint's weights and optimiser states belong to those models."""
+    or off, another reward model): the checkpoint's weights and optimiser states belong to those models.
+    The section's ``changeable_on_resume`` fields may differ (a reward's time limit, how a reward
+    server is called: what its stopping line tells the user to raise before resuming)."""
     saved = (yaml.safe_load(saved_config.read_text()) or {}).get("model") or {}
     now = (
         dataclasses.asdict(cfg.model)
@@ -147,7 +149,9 @@ def check_same_models(saved_config: Path, cfg) -> None:
     changed = [
         f"model.{k} = {now[k]!r} (the run has {saved[k]!r})"
         for k in now
-        if k in saved and saved[k] != now[k]
+        if k in saved
+        and saved[k] != now[k]
+        and k not in getattr(cfg.model, "changeable_on_resume", ())
     ]
     if changed:
         raise ConfigError(

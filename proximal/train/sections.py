@@ -474,6 +474,17 @@ ON_LONG_PROMPT = ("truncate_left", "skip")
 class OnlineModelSection(PolicyModelSection):
     """The policy and where its rewards come from: a frozen reward model and/or reward functions."""
 
+    #: Fields a resumed run may change (``--resume``): how a reward is fetched and waited for, not
+    #: which models or rewards the run trains with (:func:`proximal.train.command.check_same_models`).
+    changeable_on_resume = (
+        "reward_timeout_s",
+        "reward_http_batch_size",
+        "reward_http_concurrency",
+        "reward_http_timeout_s",
+        "reward_http_retries",
+        "reward_http_backoff_s",
+    )
+
     reward_model: str | None = option(
         None,
         "Frozen reward model r_ψ: an AutoModelForSequenceClassification with one "

@@ -59,7 +59,7 @@ class Server:
     """A loopback HTTP server in a thread; ``answer(handler, body)`` returns ``(status, bytes)`` or
     None to drop the connection unanswered. ``requests`` holds each (path, headers, body) received."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, port: int = 0):
         self.answer, self.requests, self.release = answer, [], threading.Event()
         outer = self
 
@@ -81,7 +81,7 @@ class Server:
             def log_message(self, *args):
                 pass
 
-        self.httpd = _Quiet(("127.0.0.1", 0), Handler)
+        self.httpd = _Quiet(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_port}/score"
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
@@ -101,8 +101,8 @@ class Server:
 def serve():
     started = []
 
-    def start(answer):
-        started.append(Server(answer))
+    def start(answer, port: int = 0):
+        started.append(Server(answer, port))
         return started[-1]
 
     yield start
@@ -309,7 +309,7 @@ def test_render_rubric_fills_only_the_names_it_is_given():
 # ----------------------------------------------------------------------------------------------
 
 
-def grpo_run(policy, prompts, run_dir, model: dict, steps: int = 2) -> int:
+def grpo_run(policy, prompts, run_dir, model: dict, steps: int = 2, save_every: int = 50) -> int:
     """``proximal grpo`` for ``steps`` cheap steps (two prompts, four responses each, at most 8
     tokens) with ``model`` over the reward settings; the exit code."""
     cfg = {
@@ -318,7 +318,7 @@ def grpo_run(policy, prompts, run_dir, model: dict, steps: int = 2) -> int:
         "rollout": {"batch_size": 2, "group_size": 4, "max_new_tokens": 8},
         "grpo": {"micro_batch_size": 4, "beta": 0.04},
         "optim": {"lr": 1e-3},
-        "train": {"steps": steps, "seed": 0, "device": "cpu"},
+        "train": {"steps": steps, "seed": 0, "device": "cpu", "save_every": save_every},
         "output": {"dir": str(run_dir), "progress": False, "samples_per_step": 8},
     }
     return command_main("grpo", cfg)
@@ -358,7 +358,9 @@ def test_grpo_with_a_server_that_dies_mid_run_ends_with_exit_1(
     serve, assets, tmp_path, target_prompts, capsys
 ):
     """The server answers step 1, then drops the connection and stops listening: the retries meet
-    a refused connection, and the run ends with one line and exit status 1 (not 75, the requeue)."""
+    a refused connection, and the run ends with one line and exit status 1 (not 75, the requeue).
+    Brought back on its port, the run resumes from step 1's checkpoint with more retries and a
+    longer reward_timeout_s (how a reward is fetched may change on --resume; the models may not)."""
 
     def answer(s, body):
         if body["step"] == 1:
@@ -369,7 +371,8 @@ def test_grpo_with_a_server_that_dies_mid_run_ends_with_exit_1(
     server = serve(answer)
     model = {"reward_urls": [server.url], "reward_http_retries": 2}
     model |= {"reward_http_timeout_s": 0.5, "reward_http_backoff_s": 0.05}
-    rc = grpo_run(assets.policy("llama"), target_prompts, tmp_path / "run", model, steps=3)
+    run = tmp_path / "run"
+    rc = grpo_run(assets.policy("llama"), target_prompts, run, model, steps=3, save_every=1)
     err = capsys.readouterr().err
     assert rc == 1, err
     lines = [line for line in err.splitlines() if line.startswith("proximal grpo:")]
@@ -381,7 +384,13 @@ def test_grpo_with_a_server_that_dies_mid_run_ends_with_exit_1(
         "from the last checkpoint"
     ], err
     assert "Traceback" not in err
-    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+
+    back = serve(lambda s, body: scores_of(body), port=server.httpd.server_port)
+    more = ["--model.reward_http_retries", "5", "--model.reward_timeout_s", "300"]
+    assert command_main("grpo", None, "--resume", str(run), *more) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(b["step"] for _, _, b in back.requests) == [2, 3]
 
 
 @pytest.mark.parametrize(
