@@ -95,7 +95,10 @@ def url_name(url: str) -> str:
     """A reward server's name in metrics (``score/<name>``) and weights: the URL's fragment when it
     has one (``http://host:8000/score#math`` is ``math``; a fragment is never sent), else its host,
     port and path (``host:8000/score``)."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL (url_problems says so): named as written
+        return url
     return parts.fragment or (parts.netloc + parts.path)
 
 

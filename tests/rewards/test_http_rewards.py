@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ppo_support import command_main, read_jsonl, without_timing
+from ppo_support import command_main, frac_a, ppo_main, read_jsonl, tiny_config, without_timing
 
 from proximal.config import ConfigError
 from proximal.data.jsonl import write_jsonl
@@ -237,6 +237,18 @@ def test_a_broken_answer_is_one_line_and_not_retried(answer, message, serve):
     assert "\n" not in str(e.value) and len(server.requests) == 1
 
 
+def test_a_column_that_is_not_json_is_one_line(serve):
+    server = serve(lambda s, body: scores_of(body))
+    with pytest.raises(RewardFunctionError) as e:
+        RewardServer("tally", server.url, FAST)(["p"], ["a"], step=1, target=[{1, 2}])
+    assert str(e.value) == (
+        "reward server 'tally' at step 1: the request cannot be sent as JSON (Object of type set "
+        "is not JSON serializable); a column's values must be JSON (strings, numbers, lists, "
+        "mappings)"
+    )
+    assert server.requests == []
+
+
 # ----------------------------------------------------------------------------------------------
 # A judge on an OpenAI-compatible chat endpoint
 # ----------------------------------------------------------------------------------------------
@@ -391,6 +403,39 @@ def test_grpo_with_a_server_that_dies_mid_run_ends_with_exit_1(
     assert command_main("grpo", None, "--resume", str(run), *more) == 0, capsys.readouterr().err
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(b["step"] for _, _, b in back.requests) == [2, 3]
+
+
+def test_ppo_weighs_a_server_after_the_functions(serve, assets, tmp_path, capsys):
+    """One PPO step with frac_a in-process at weight 0 and a server answering 2 × frac_a at weight 1
+    (functions first, then URLs, in model.reward_function_weights): each sample's score is the
+    server's, twice the function's, and both are logged under their names."""
+
+    def answer(s, body):
+        return 200, json.dumps(
+            {
+                "scores": [
+                    2 * v
+                    for v in frac_a(
+                        **body["columns"], prompts=body["prompts"], completions=body["completions"]
+                    )
+                ]
+            }
+        ).encode()
+
+    server = serve(answer)
+    cfg = tiny_config(assets.policy("llama"), assets.prompts, tmp_path / "run")
+    cfg["model"] |= {"reward_urls": [server.url + "#double"], "reward_function_weights": [0.0, 1.0]}
+    cfg["train"]["steps"] = 1
+    assert ppo_main(cfg) == 0, capsys.readouterr().err
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert samples and all(
+        r["score"] == r["score/double"] == 2 * r["score/ppo_support:frac_a"] for r in samples
+    )
+    (metrics,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert metrics["score/double"] == pytest.approx(
+        2 * metrics["score/ppo_support:frac_a"], rel=1e-6
+    )
+    assert metrics["score/double_count"] == 4
 
 
 @pytest.mark.parametrize(
