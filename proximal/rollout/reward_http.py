@@ -294,6 +294,7 @@ class _Client:
                 return response.read()
         except urllib.error.HTTPError as e:
             if e.code >= 500 or e.code == 429:
+                e.close()  # its body is not read: free the connection
                 raise _Retryable(f"HTTP {e.code} {e.reason}") from None
             raise
         except TimeoutError:
@@ -326,6 +327,8 @@ def _body_of(error: urllib.error.HTTPError) -> str:
         return error.read().decode(errors="replace").strip()
     except Exception:  # noqa: BLE001 - the body is only shown; none is fine
         return ""
+    finally:
+        error.close()
 
 
 def _loopback(host: str | None) -> bool:
