@@ -15,6 +15,7 @@ trainers take a responder and never ask which one it is.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -242,6 +243,7 @@ def load_inputs(
     columns: dict[str, str] | None = None,
     tools=None,
     reward_function_kwargs: dict[str, dict] | None = None,
+    served: Mapping[str, Callable] | None = None,
 ):
     """``(functions, prompt_set)`` of an online run, loaded before any model so that a mistake in
     either is reported first: each ``module:function`` reward function imported, a callable taken as
@@ -250,8 +252,12 @@ def load_inputs(
     prompts rendered and tokenised with the policy's tokenizer
     (:func:`~proximal.data.prompts.load_prompts`; ``tools``, an agent run's, gives each row's tool
     schemas), and every argument a function requires found among the prompts' columns
-    (ConfigError naming the function, the argument and the file)."""
-    functions = load_reward_functions(reward_functions, reward_function_kwargs)
+    (ConfigError naming the function, the argument and the file). ``served``: the rewards served
+    over HTTP (:func:`~proximal.rollout.reward_http.load_served_rewards`), after the functions."""
+    functions = {
+        **load_reward_functions(reward_functions, reward_function_kwargs),
+        **(served or {}),
+    }
     tokenizer = load_tokenizer(policy_path, role="policy tokenizer (model.path)")
     set_chat_template(tokenizer, chat_template)  # the policy tokenizer gets it too (build_models)
     prompt_set = load_prompts(

@@ -67,6 +67,12 @@ class RewardFunctionError(ValueError):
     message names the function (and the step)."""
 
 
+class RewardServerLost(RuntimeError):
+    """A reward served over HTTP (:mod:`proximal.rollout.reward_http`) whose server failed every try
+    of a request: a training failure, exit status 1 (:data:`EXIT_TIMEOUT`), as a reward timeout is;
+    the message names the source, the step, the tries and the last error."""
+
+
 @dataclass(frozen=True)
 class TrainerState:
     """What a TRL reward function reads from its ``trainer_state`` argument: ``global_step``, the step
@@ -324,6 +330,8 @@ def call_reward_functions(
             try:
                 out = fn(*args, **kwargs)
             except Exception as e:  # the user's code: report it as theirs, in one line
+                if isinstance(e, RewardServerLost) or getattr(fn, "served", False):
+                    raise  # a reward served over HTTP says its own line (reward_http)
                 raise RewardFunctionError(_raised(name, at, e)) from e
         if inspect.isawaitable(out):
             pending.append((name, out))

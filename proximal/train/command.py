@@ -30,7 +30,7 @@ from proximal import dist
 from proximal.config import ConfigError, help_text, load_config, missing_path, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
-from proximal.rollout.reward_functions import RewardFunctionError
+from proximal.rollout.reward_functions import RewardFunctionError, RewardServerLost
 from proximal.train import signals
 from proximal.train.checkpoint import DISK_FULL, CheckpointError, SaveError, completed
 from proximal.train.run import AUTO, RunFinished
@@ -47,8 +47,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ImportError,
 )
 #: Exceptions that mean training itself failed (e.g. a non-finite loss, a checkpoint that could not
-#: be written): exit status 1.
-TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError)
+#: be written, a reward server lost for good): exit status 1.
+TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError, RewardServerLost)
 
 #: Exit statuses. EXIT_PREEMPTED: stopped by SIGTERM or SIGUSR1 — after the step in progress and its
 #: checkpoint, or at once on a second signal with the previous checkpoint intact — so a scheduler
@@ -137,7 +137,9 @@ def run_reporting(prog: str, fn: Callable[[], object]) -> tuple[int, object]:
 
 def check_same_models(saved_config: Path, cfg) -> None:
     """Refuse a resume whose ``model`` section differs from the run's own (another checkpoint, LoRA on
-    or off, another reward model): the checkpoint's weights and optimiser states belong to those models."""
+    or off, another reward model): the checkpoint's weights and optimiser states belong to those models.
+    The section's ``changeable_on_resume`` fields may differ (a reward's time limit, how a reward
+    server is called: what its stopping line tells the user to raise before resuming)."""
     saved = (yaml.safe_load(saved_config.read_text()) or {}).get("model") or {}
     now = (
         dataclasses.asdict(cfg.model)
@@ -147,7 +149,9 @@ def check_same_models(saved_config: Path, cfg) -> None:
     changed = [
         f"model.{k} = {now[k]!r} (the run has {saved[k]!r})"
         for k in now
-        if k in saved and saved[k] != now[k]
+        if k in saved
+        and saved[k] != now[k]
+        and k not in getattr(cfg.model, "changeable_on_resume", ())
     ]
     if changed:
         raise ConfigError(

@@ -25,6 +25,12 @@ from proximal.models.compiled import EAGER_ALIASES
 from proximal.models.compiled import normalize as normalize_compile
 from proximal.models.kernels import CHOICES as CPU_MATMUL
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S, reward_function_names
+from proximal.rollout.reward_http import (
+    HttpSettings,
+    judge_problems,
+    source_names,
+    url_problems,
+)
 
 #: ``train.logprobs`` (proximal.models.output.LOGPROBS_PATHS; spelled here so that reading a config
 #: does not import transformers).
@@ -468,6 +474,17 @@ ON_LONG_PROMPT = ("truncate_left", "skip")
 class OnlineModelSection(PolicyModelSection):
     """The policy and where its rewards come from: a frozen reward model and/or reward functions."""
 
+    #: Fields a resumed run may change (``--resume``): how a reward is fetched and waited for, not
+    #: which models or rewards the run trains with (:func:`proximal.train.command.check_same_models`).
+    changeable_on_resume = (
+        "reward_timeout_s",
+        "reward_http_batch_size",
+        "reward_http_concurrency",
+        "reward_http_timeout_s",
+        "reward_http_retries",
+        "reward_http_backoff_s",
+    )
+
     reward_model: str | None = option(
         None,
         "Frozen reward model r_ψ: an AutoModelForSequenceClassification with one "
@@ -487,8 +504,9 @@ class OnlineModelSection(PolicyModelSection):
         default_factory=list,
     )
     reward_function_weights: list[float] = option(
-        help="One weight per reward function (empty: 1.0 each). Weight 0 "
-        "logs a score without training on it.",
+        help="One weight per reward source, in this order: the reward_functions, then the "
+        "reward_urls, then the reward_judges (empty: 1.0 each). Weight 0 logs a score without "
+        "training on it.",
         default_factory=list,
     )
     reward_function_kwargs: dict[str, dict] = option(
@@ -498,6 +516,41 @@ class OnlineModelSection(PolicyModelSection):
         "loads, and returns the reward function (TRL's get_* rewards); a spec named twice in "
         "reward_functions is spec#2 the second time. See docs/rewards.md.",
         default_factory=dict,
+    )
+    reward_urls: list[str] = option(
+        help="Reward servers, each a reward source like a function: the completions POSTed as JSON "
+        "{prompts, completions, columns, step} in batches, answered {scores: [number or null, "
+        "...]}; logged as score/<name>, the URL's #fragment or else host:port/path "
+        "(http://127.0.0.1:8000/score#math is 'math'). See docs/rewards.md#rewards-served-over-http.",
+        default_factory=list,
+    )
+    reward_judges: list[dict] = option(
+        help="LLM judges on an OpenAI-compatible chat endpoint (vLLM's server), one request per "
+        "completion: {endpoint: http://host:8000/v1, model: NAME, rubric: FILE ({prompt}, "
+        "{completion}, {<column>} filled in), api_key_env: VARIABLE (optional; sent as "
+        "Authorization: Bearer), score_pattern: regex with one group (default 'Score: "
+        "(\\d+(?:\\.\\d+)?)', the last match), scale: divisor (default 10), name (default "
+        "judge), max_tokens (default 512)}. See docs/rewards.md#an-llm-judge.",
+        default_factory=list,
+    )
+    reward_http_batch_size: int = option(
+        64, "Completions per request to a reward server (reward_urls; a judge gets one each)."
+    )
+    reward_http_concurrency: int = option(
+        4, "Requests at once to one reward server or judge (in one process)."
+    )
+    reward_http_timeout_s: float = option(
+        60.0,
+        "Seconds one request to a reward server or judge may take before it is tried again.",
+    )
+    reward_http_retries: int = option(
+        3,
+        "Tries after the first for a request refused, dropped, timed out or answered HTTP 5xx/429, "
+        "after reward_http_backoff_s × 2^k s (at most 30 s each); when all fail the run ends, "
+        "exit status 1 (resume from the last checkpoint).",
+    )
+    reward_http_backoff_s: float = option(
+        1.0, "Seconds before the first retry of a request; each later wait doubles."
     )
     reward_timeout_s: float | None = option(
         DEFAULT_TIMEOUT_S,
@@ -511,15 +564,40 @@ class OnlineModelSection(PolicyModelSection):
 
     def problems(self, name: str = "model") -> list[str]:
         e = super().problems(name)
-        if self.reward_model is None and not self.reward_functions:
+        served = len(self.reward_urls) + len(self.reward_judges)
+        if self.reward_model is None and not self.reward_functions and not served:
             e.append(f"{name}.reward_model / {name}.reward_functions: {NO_REWARD}")
-        if self.reward_function_weights and len(self.reward_function_weights) != len(
-            self.reward_functions
-        ):
+        sources = len(self.reward_functions) + served
+        if self.reward_function_weights and len(self.reward_function_weights) != sources:
             e.append(
                 f"{name}.reward_function_weights has {len(self.reward_function_weights)} values for "
                 f"{len(self.reward_functions)} {name}.reward_functions"
+                + (
+                    f" + {len(self.reward_urls)} {name}.reward_urls + {len(self.reward_judges)} "
+                    f"{name}.reward_judges (in that order)"
+                    if served
+                    else ""
+                )
             )
+        e += url_problems(self.reward_urls, f"{name}.reward_urls")
+        e += judge_problems(self.reward_judges, f"{name}.reward_judges")
+        all_names = self.source_names()
+        twice = [n for i, n in enumerate(all_names) if n in all_names[:i]]
+        if served and twice:
+            e.append(
+                f"{name}.reward_urls / {name}.reward_judges: two reward sources are named "
+                f"{twice[0]!r}; name them apart (a URL's #name, a judge's name)"
+            )
+        for field in ("batch_size", "concurrency"):
+            value = getattr(self, f"reward_http_{field}")
+            if value < 1:
+                e.append(f"{name}.reward_http_{field} = {value} must be ≥ 1")
+        if not self.reward_http_timeout_s > 0:
+            e.append(f"{name}.reward_http_timeout_s = {self.reward_http_timeout_s} must be > 0 s")
+        if self.reward_http_retries < 0:
+            e.append(f"{name}.reward_http_retries = {self.reward_http_retries} must be ≥ 0")
+        if not self.reward_http_backoff_s >= 0:
+            e.append(f"{name}.reward_http_backoff_s = {self.reward_http_backoff_s} must be ≥ 0 s")
         for i, spec in enumerate(self.reward_functions):
             if not callable(getattr(spec, "value", spec)) and not (
                 isinstance(spec, str) and ":" in spec
@@ -542,13 +620,27 @@ class OnlineModelSection(PolicyModelSection):
             )
         return e
 
+    def source_names(self) -> list[str]:
+        """Every reward source's name but the reward model's, in the order of the weights: the
+        functions (their specs), the URLs, the judges (:func:`~proximal.rollout.reward_http.source_names`)."""
+        return reward_function_names(self.reward_functions) + source_names(
+            self.reward_urls, [j for j in self.reward_judges if isinstance(j, dict)]
+        )
+
     def function_weights(self) -> dict[str, float]:
-        """Each reward function's weight under its name (its spec; a callable's ``module:name``)."""
-        return dict(
-            zip(
-                reward_function_names(self.reward_functions),
-                self.reward_function_weights or [1.0] * len(self.reward_functions),
-            )
+        """Each reward source's weight under its name (a function's spec, a callable's
+        ``module:name``, a URL's or a judge's name), in the order of :meth:`source_names`."""
+        names = self.source_names()
+        return dict(zip(names, self.reward_function_weights or [1.0] * len(names)))
+
+    def http_settings(self) -> HttpSettings:
+        """The ``reward_http_*`` fields, for :func:`~proximal.rollout.reward_http.load_served_rewards`."""
+        return HttpSettings(
+            batch_size=self.reward_http_batch_size,
+            concurrency=self.reward_http_concurrency,
+            timeout_s=self.reward_http_timeout_s,
+            retries=self.reward_http_retries,
+            backoff_s=self.reward_http_backoff_s,
         )
 
 

@@ -30,6 +30,7 @@ from proximal.evaluation import (
 from proximal.logging import write_samples
 from proximal.rollout.collect import Collected, Responder, load_inputs
 from proximal.rollout.engine import RolloutEngine, build_engine
+from proximal.rollout.reward_http import load_served_rewards
 from proximal.rollout.vllm import preflight_problems
 from proximal.train.run import Run, due, open_run
 from proximal.train.sections import agent_max_tokens
@@ -103,13 +104,14 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         columns=d.columns,
         tools=run_tools(cfg.env, cfg.tools),  # each row rendered with the tools it is offered
         reward_function_kwargs=mc.reward_function_kwargs,
+        served=load_served_rewards(mc.reward_urls, mc.reward_judges, mc.http_settings()),
     )
     responder = run_responder(
         cfg.env,
         cfg.tools,
         max_new_tokens=r.max_new_tokens,
         max_tokens=agent_max_tokens(cfg.env, r.max_new_tokens),
-        has_reward_source=mc.reward_model is not None or bool(mc.reward_functions),
+        has_reward_source=mc.reward_model is not None or bool(functions),
         columns=prompts.columns,
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
