@@ -126,14 +126,6 @@ MISMATCH_WORK = replace(
 KV_GIB = 0.25  # every vllm engine's KV budget: far more than the longest batch here needs
 
 
-def params_of(shape: Shape) -> int:
-    """Parameters of the tied Qwen2 model (q/k/v biases included), counted from the shape."""
-    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
-    attn = h * h + h + 2 * (h * kv + kv) + h * h
-    mlp = 3 * h * shape.intermediate
-    return shape.vocab * h + shape.layers * (attn + mlp + 2 * h) + h
-
-
 # ------------------------------------------------------------------------------------------------
 # Generation: one child process per size
 # ------------------------------------------------------------------------------------------------
@@ -251,6 +243,9 @@ def summarize_gen(res: dict) -> list[dict]:
                 "vllm_tokens_per_s": statistics.median(per["vllm"].values()),
                 "ratio": statistics.median(ratios),
                 "ratios": ratios,
+                "loadavg": statistics.median(
+                    r["loadavg_before"] for r in res["runs"] if r["batch"] == b
+                ),
             }
         )
     return table
@@ -411,6 +406,7 @@ def steps_part(
             **{f"{e}_gen_share": statistics.median(r["gen_share"] for r in ok[e]) for e in ENGINES},
             "ratio": statistics.median(ratios),
             "ratios": ratios,
+            "loadavg": statistics.median(r["loadavg_before"] for e in ENGINES for r in ok[e]),
         }
     return {
         "work": asdict(work),
@@ -511,15 +507,15 @@ def markdown(data: dict) -> str:
             "per-round ratios (listed). Engine start and the first (warm-up) `generate` are not in "
             "the medians: they are in the second table.",
             "",
-            "| size | params | batch | hf tokens/s | vllm tokens/s | vllm / hf | per round |",
-            "| :--- | ---: | ---: | ---: | ---: | ---: | :--- |",
+            "| size | params | batch | hf tokens/s | vllm tokens/s | vllm / hf | per round | load |",
+            "| :--- | ---: | ---: | ---: | ---: | ---: | :--- | ---: |",
         ]
         for res in gen:
             for row in summarize_gen(res):
                 lines.append(
                     f"| {row['size']} | {res['params'] / 1e6:.1f}M | {row['batch']} | "
                     f"{_n(row['hf_tokens_per_s'])} | {_n(row['vllm_tokens_per_s'])} | "
-                    f"{row['ratio']:.2f} | {' '.join(f'{x:.2f}' for x in row['ratios'])} |"
+                    f"{row['ratio']:.2f} | {' '.join(f'{x:.2f}' for x in row['ratios'])} | {row['loadavg']:.1f} |"
                 )
         lines += [
             "",
@@ -561,14 +557,15 @@ def markdown(data: dict) -> str:
             "s/step: median of steps 2..N of `time/step_s`, then over rounds; generation: the "
             "collector's `generate` seconds (vllm's weight push included) and their share of the step.",
             "",
-            "| method | hf s/step | vllm s/step | vllm / hf | hf generation s (share) | vllm generation s (share) |",
-            "| :--- | ---: | ---: | ---: | ---: | ---: |",
+            "| method | hf s/step | vllm s/step | vllm / hf | hf generation s (share) | "
+            "vllm generation s (share) | load |",
+            "| :--- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for method, s in st["summary"].items():
             lines.append(
                 f"| {method} | {s['hf_step_s']:.2f} | {s['vllm_step_s']:.2f} | {s['ratio']:.2f} | "
                 f"{s['hf_generate_s']:.2f} ({s['hf_gen_share']:.0%}) | "
-                f"{s['vllm_generate_s']:.2f} ({s['vllm_gen_share']:.0%}) |"
+                f"{s['vllm_generate_s']:.2f} ({s['vllm_gen_share']:.0%}) | {s['loadavg']:.1f} |"
             )
         lines.append("")
     mm = data.get("mismatch")

@@ -16,7 +16,7 @@ def _res(size: str, rounds: dict[tuple[int, str, int], float]) -> dict:
     return {
         "shape": {"name": size},
         "runs": [
-            {"round": k, "engine": e, "batch": b, "tokens_per_s": v}
+            {"round": k, "engine": e, "batch": b, "tokens_per_s": v, "loadavg_before": 1.0}
             for (k, e, b), v in rounds.items()
         ],
     }
