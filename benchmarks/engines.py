@@ -464,6 +464,22 @@ def mismatch_part(workdir: Path, steps: int, threads: int, log, work: Work = MIS
 # ------------------------------------------------------------------------------------------------
 
 
+def cpu_detail() -> str:
+    """lscpu's CPU family and model, and the widest vector and bfloat16 flags."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "?"
+    fields = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
+    flags = set(fields.get("Flags", "").split())
+    vector = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "no AVX")
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return (
+        f"family {fields.get('CPU family', '?').strip()} model {fields.get('Model', '?').strip()}, "
+        f"{vector}{', ' + ', '.join(bf16) if bf16 else ''}"
+    )
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -483,16 +499,19 @@ def _n(x: float) -> str:
 def markdown(data: dict) -> str:
     meta = data["meta"]
     m, v = meta["machine"], meta["versions"]
-    lines = [
-        "# Rollout engines on this CPU: hf against vllm (issue 41)",
-        "",
-        f"Measured {meta['date']} with `{meta['command']}` ({meta['wall_s'] / 60:.1f} min).",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; load average "
-        f"{meta['loadavg_start'][0]:.2f} at the start. {meta['note']}",
+    lines = ["# Rollout engines on this CPU: hf against vllm (issue 41)", ""]
+    for run in meta.get("merged") or [meta]:
+        parts = f" ({', '.join(run['parts'])})" if meta.get("merged") else ""
+        lines.append(
+            f"- Measured{parts} {run['date']} with `{run['command'].split(' --note ')[0]}` "
+            f"({run['wall_s'] / 60:.1f} min; load average {run['loadavg_start'][0]:.2f} at the "
+            f"start, {run['loadavg_end'][0]:.2f} at the end). {run['note']}"
+        )
+    lines += [
+        f"- machine: {m['cpu']} ({meta.get('cpu_detail', '?')}), {m['cores']} cores, {m['memory']}",
         "- versions: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f"; {meta['threads']} torch threads in every process",
+        + f"; {meta['threads']} torch thread(s) in every process",
         "",
     ]
     gen = data.get("gen")
@@ -596,6 +615,36 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS = {"gen": ("gen", "gen_table", "crossover"), "steps": ("steps",), "mismatch": ("mismatch",)}
+
+
+def merge(results: list[dict]) -> dict:
+    """One results dict from several invocations': each part from the last that measured it, the
+    machine and versions of the first (they must agree), every invocation's meta in
+    ``meta.merged``."""
+    first = results[0]["meta"]
+    for r in results[1:]:
+        for key in ("machine", "versions", "threads"):
+            if r["meta"][key] != first[key]:
+                raise SystemExit(f"--merge: {key} differs between the results files")
+    out: dict = {"meta": {**first, "merged": []}}
+    # results written before cpu_detail was recorded: this machine's (merge where you measured)
+    out["meta"].setdefault("cpu_detail", cpu_detail())
+    for r in results:
+        meta = r["meta"]
+        have = [p for p, keys in PARTS.items() if keys[0] in r]
+        out["meta"]["merged"].append({**meta, "parts": have})
+        for p in have:
+            out.update({k: r[k] for k in PARTS[p] if k in r})
+    return out
+
+
+def write_results(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    path.write_text(markdown(data))
+
+
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
@@ -660,6 +709,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a smoke run (tiny only, batch 2, 8 tokens, 1 round; mini step and mismatch runs of "
         "2 steps): checks the harness end to end, not a measurement",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="write --out from these results files instead of measuring: each part (gen, steps, "
+        "mismatch) from the last file that has it, every file's invocation listed",
+    )
     ap.add_argument("--child-gen", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -674,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
             args.threads,
         )
         args.child_out.write_text(json.dumps(res, indent=1))
+        return 0
+
+    if args.merge:
+        write_results(args.out, merge([json.loads(p.read_text()) for p in args.merge]))
         return 0
 
     step_work, mismatch_work = STEP_WORK, MISMATCH_WORK
@@ -700,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python benchmarks/engines.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": machine(),
+            "cpu_detail": cpu_detail(),
             "versions": versions(),
             "threads": args.threads,
             "loadavg_start": loadavg(),
@@ -736,9 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     data["meta"]["wall_s"] = time.time() - t0
     data["meta"]["loadavg_end"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    args.out.write_text(markdown(data))
+    data["meta"]["parts"] = sorted(parts)
+    write_results(args.out, data)
     log(f"wrote {args.out} and {args.out.with_suffix('.json')}")
     failed = any(r["rc"] != 0 for r in (data.get("steps") or {}).get("runs", [])) or any(
         r["rc"] != 0 for r in (data.get("mismatch") or {}).get("runs", [])
