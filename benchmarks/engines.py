@@ -30,7 +30,8 @@ collector spent in ``generate``, vLLM's weight push included) over the step.
 **Mismatch** (``--parts mismatch``): ``proximal grpo`` on a tiny Qwen2 (head dimension 32) with
 ``rollout.engine`` vllm at ``rollout.precision`` null (engine float32) and bf16-true (engine
 bfloat16) against the float32 trainer, and the hf engine at the same two for reference;
-``rollout/mismatch_k1`` (the mean over tokens of log π_old − log μ) is the median over steps.
+``rollout/mismatch_k1`` (the mean over tokens of log μ − log π_old, the k1 estimate of
+KL(μ ‖ π_old)) and ``rollout/mismatch_k3`` (k3, ≥ 0 token by token) are the medians over steps.
 
 Run with the vLLM environment (``.venv-vllm``, docs/engines.md) from the repository root::
 
@@ -496,6 +497,24 @@ def _n(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
+#: How to read the results (the same for every invocation; the conclusions drawn from one
+#: measurement are in docs/performance.md).
+READING = """## Reading the tables
+
+- On a shared machine a single call's time moves with the other work: the per-round ratios show how
+  far, and the medians of per-round ratios (each round's two engines ran back to back, in alternating
+  order) are what to compare, not the absolute tokens/s. The load column is the machine's load
+  average (2 cores: above 2, other processes waited for a core).
+- The engine start and the first `generate` are a run's one-off costs; a vllm push is paid again
+  before every rollout that follows an update (in a training step it is inside the generation time).
+- `mismatch_k1` averages signed per-token differences and can be of either sign; `mismatch_k3` is
+  ≥ 0 token by token and is the steadier measure of how far μ is from π_old (≈ half the mean squared
+  log-ratio). 0 up to float32 round-off means the engine samples from the trained policy exactly.
+- Where vllm overtakes hf, and why `rollout.engine` has no `auto`: docs/performance.md, "Rollout
+  engines on a CPU".
+"""
+
+
 def markdown(data: dict) -> str:
     meta = data["meta"]
     m, v = meta["machine"], meta["versions"]
@@ -523,8 +542,11 @@ def markdown(data: dict) -> str:
             f"Random-weight Qwen2 models, float32, {g0['prompt_len']}-token prompts, exactly "
             f"{g0['new_tokens']} new tokens a row (no stop). tokens/s = rows × new tokens / the "
             "`generate` call (prefill included); medians over rounds, vllm/hf the median of the "
-            "per-round ratios (listed). Engine start and the first (warm-up) `generate` are not in "
-            "the medians: they are in the second table.",
+            "per-round ratios (listed); load: the machine's load average before the batch's "
+            "calls (median over rounds). Engine start and the first (warm-up) `generate` are not "
+            "in the medians: they are in the second table. hf decodes with its lean step "
+            "(`decode_path` lean) and torch's `F.linear` (the BLAS: what `train.cpu_matmul: auto` "
+            "takes on a busy machine); vllm with its own CPU kernels.",
             "",
             "| size | params | batch | hf tokens/s | vllm tokens/s | vllm / hf | per round | load |",
             "| :--- | ---: | ---: | ---: | ---: | ---: | :--- | ---: |",
@@ -532,7 +554,7 @@ def markdown(data: dict) -> str:
         for res in gen:
             for row in summarize_gen(res):
                 lines.append(
-                    f"| {row['size']} | {res['params'] / 1e6:.1f}M | {row['batch']} | "
+                    f"| {row['size']} | {res['params'] / 1e6:.3g}M | {row['batch']} | "
                     f"{_n(row['hf_tokens_per_s'])} | {_n(row['vllm_tokens_per_s'])} | "
                     f"{row['ratio']:.2f} | {' '.join(f'{x:.2f}' for x in row['ratios'])} | {row['loadavg']:.1f} |"
                 )
@@ -576,13 +598,14 @@ def markdown(data: dict) -> str:
             "s/step: median of steps 2..N of `time/step_s`, then over rounds; generation: the "
             "collector's `generate` seconds (vllm's weight push included) and their share of the step.",
             "",
-            "| method | hf s/step | vllm s/step | vllm / hf | hf generation s (share) | "
+            "| method | hf s/step | vllm s/step | vllm / hf | per round | hf generation s (share) | "
             "vllm generation s (share) | load |",
-            "| :--- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| :--- | ---: | ---: | ---: | :--- | ---: | ---: | ---: |",
         ]
         for method, s in st["summary"].items():
             lines.append(
                 f"| {method} | {s['hf_step_s']:.2f} | {s['vllm_step_s']:.2f} | {s['ratio']:.2f} | "
+                f"{' '.join(f'{x:.2f}' for x in s['ratios'])} | "
                 f"{s['hf_generate_s']:.2f} ({s['hf_gen_share']:.0%}) | "
                 f"{s['vllm_generate_s']:.2f} ({s['vllm_gen_share']:.0%}) | {s['loadavg']:.1f} |"
             )
@@ -596,7 +619,9 @@ def markdown(data: dict) -> str:
             f"`proximal grpo` on a tiny Qwen2 (h{w['hidden']}, {w['heads']} heads of "
             f"{w['hidden'] // w['heads']}, {mm['params_policy'] / 1e3:.0f}k parameters), "
             f"train.precision 32-true, {mm['steps']} steps; `rollout/mismatch_k1` = mean over "
-            "tokens of log π_old − log μ, median over steps (per step listed).",
+            "tokens of log μ − log π_old (the k1 estimate of KL(μ ‖ π_old), either sign), "
+            "`rollout/mismatch_k3` its k3 estimate (≥ 0 token by token); medians over steps (k1 "
+            "per step listed).",
             "",
             "| engine | rollout.precision (engine dtype) | mismatch_k1 | mismatch_k3 | per step k1 |",
             "| :--- | :--- | ---: | ---: | :--- |",
@@ -612,6 +637,7 @@ def markdown(data: dict) -> str:
                 f"{' '.join(f'{x:.1e}' for x in r['mismatch_k1'])} |"
             )
         lines.append("")
+    lines.append(READING)
     return "\n".join(lines)
 
 

@@ -51,4 +51,4 @@ def test_engines_quick_generation_writes_both_engines_figures(tmp_path):
     assert gen["vllm_decode"]["path"] == "vllm" and gen["vllm_decode"]["dtype"] == "float32"
     assert gen["start_s"]["vllm"] > 0 and gen["push_s"] > 0
     assert set(data["crossover"]) == {"tiny"}
-    assert "| tiny | 0.3M | 2 |" in out.read_text()
+    assert "| tiny | 0.255M | 2 |" in out.read_text()
