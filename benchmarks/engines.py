@@ -544,14 +544,17 @@ def markdown(data: dict) -> str:
     for run in meta.get("merged") or [meta]:
         parts = f" ({', '.join(run['parts'])})" if meta.get("merged") else ""
         lines.append(
-            f"- Measured{parts} {run['date']} with `{run['command'].split(' --note ')[0]}` "
+            f"- Measured{parts} {run['date']} at {run['versions']['proximal']} with "
+            f"`{run['command'].split(' --note ')[0]}` "
             f"({run['wall_s'] / 60:.1f} min; load average {run['loadavg_start'][0]:.2f} at the "
             f"start, {run['loadavg_end'][0]:.2f} at the end). {run['note']}"
         )
     lines += [
         f"- machine: {m['cpu']} ({meta.get('cpu_detail', '?')}), {m['cores']} cores, {m['memory']}",
         "- versions: "
-        + ", ".join(f"{k} {val}" for k, val in v.items())
+        + ", ".join(
+            f"{k} {val}" for k, val in v.items() if k != "proximal" or not meta.get("merged")
+        )
         + f"; {meta['threads']} torch thread(s) in every process",
         "",
     ]
@@ -671,9 +674,14 @@ def merge(results: list[dict]) -> dict:
     machine and versions of the first (they must agree), every invocation's meta in
     ``meta.merged``."""
     first = results[0]["meta"]
+
+    def compared(meta: dict) -> dict:  # proximal's commit is each invocation's own (listed)
+        versions = {k: v for k, v in meta["versions"].items() if k != "proximal"}
+        return {"machine": meta["machine"], "threads": meta["threads"], "versions": versions}
+
     for r in results[1:]:
-        for key in ("machine", "versions", "threads"):
-            if r["meta"][key] != first[key]:
+        for key, value in compared(r["meta"]).items():
+            if value != compared(first)[key]:
                 raise SystemExit(f"--merge: {key} differs between the results files")
     out: dict = {"meta": {**first, "merged": []}}
     # results written before cpu_detail was recorded: this machine's (merge where you measured)

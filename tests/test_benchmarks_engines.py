@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -52,3 +54,34 @@ def test_crossover_is_the_smallest_batch_from_which_vllm_wins_at_every_larger_on
         {"size": "c", "batch": 4, "ratio": 0.2},
     ]
     assert engines.crossover(table, ["a", "b", "c"]) == {"a": 16, "b": 64, "c": None}
+
+
+def _meta(commit: str, threads: int = 1, torch: str = "2.13.0") -> dict:
+    return {
+        "machine": {"cpu": "x"},
+        "threads": threads,
+        "versions": {"proximal": commit, "torch": torch},
+        "cpu_detail": "family 1 model 2, avx2",
+    }
+
+
+def test_merge_takes_each_part_from_the_last_invocation_that_measured_it():
+    first = {"meta": _meta("aaa"), "gen": "g1", "gen_table": "t1", "crossover": "c1", "steps": "s1"}
+    rerun = {"meta": _meta("bbb"), "steps": "s2"}
+    out = engines.merge([first, rerun])
+    assert (out["gen"], out["gen_table"], out["crossover"], out["steps"]) == (
+        "g1",
+        "t1",
+        "c1",
+        "s2",
+    )
+    assert [(m["versions"]["proximal"], m["parts"]) for m in out["meta"]["merged"]] == [
+        ("aaa", ["gen", "steps"]),
+        ("bbb", ["steps"]),
+    ]
+
+
+def test_merge_refuses_results_of_other_packages_or_threads():
+    for other in (_meta("aaa", threads=2), _meta("aaa", torch="2.12.0")):
+        with pytest.raises(SystemExit, match="differs"):
+            engines.merge([{"meta": _meta("aaa")}, {"meta": other}])
