@@ -304,9 +304,20 @@ def test_config_mistakes_are_one_line_and_exit_status_2(inputs, tmp_path, capsys
 
 
 @pytest.mark.parametrize("engine", ["vllm", "hf", None])
-def test_compare_engine_is_each_runs_rollout_engine_or_eval_engine(inputs, tmp_path, engine):
+def test_compare_engine_is_each_runs_rollout_engine_or_eval_engine(
+    inputs, tmp_path, engine, monkeypatch
+):
     """compare.engine reaches an online method as rollout.engine (its rollouts, and its sampled
-    evaluations through eval.engine null), an offline one as eval.engine; null leaves each config's."""
+    evaluations through eval.engine null), an offline one as eval.engine; null leaves each config's.
+    (The translation only: vLLM counts as installed here, whether it is or not.)"""
+    import importlib.util
+
+    from proximal.train import sections
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        sections, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
     cfg = CompareConfig(
         compare=CompareSection(
             methods=["ppo", "grpo", "dpo"],
