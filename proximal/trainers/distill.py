@@ -1,0 +1,275 @@
+"""On-policy distillation: the student samples, a frozen teacher grades every token (reverse KL).
+
+Agarwal et al. 2024 (GKD); Thinking Machines, "On-policy distillation" (2025): the student π_θ samples its own responses, exactly as in GRPO, a frozen teacher π_t with the
+same tokenizer grades every sampled token, and the student is trained to lower the reverse KL
+KL(π_θ ‖ π_t) on its own distribution — optionally plus a verifier's reward, "distill plus verify"
+in one run.
+
+One step reads top to bottom in :func:`train`: (1) a global batch of prompts, (2) G responses to
+each sampled from π_θ (G = 1 by default), (3) scored when a reward source is given, (4) the
+experience: log π_old (the student that sampled) and log π_t (the teacher, in micro-batches, as
+GRPO's reference), gathered so every rank holds the whole batch, (5) per-token advantages
+A_t = −(log π_old − log π_t) (discounted with ``distill.discount``; :func:`proximal.core.reverse_kl_advantages`)
+plus ``distill.reward_weight``·(r − the group's mean score), (6) ``distill.iterations`` passes of
+the clipped surrogate over mini-batches, a mean over every token (GRPO's update,
+:func:`proximal.trainers.grpo.grpo_update`, with no KL term: the teacher is the signal), (7) logs and
+checkpoints. The shared pieces are the online layer's (:mod:`proximal.trainers.online`).
+
+Tensor notation: B responses in the generation batch (rollout.batch_size prompts × G), T padded
+response length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from proximal import dist
+from proximal.config import check_valid
+from proximal.core import group_advantages, masked_sum, reverse_kl_advantages
+from proximal.data.chat import set_chat_template
+from proximal.models.policy import build_policy, load_teacher
+from proximal.rollout.collect import collect
+from proximal.rollout.engine import row_seed
+from proximal.rollout.experience import compute_experience, gather
+from proximal.rollout.scoring import build_scorer, score_metrics
+from proximal.train.checkpoint import export_final
+from proximal.train.command import config_command
+from proximal.train.correction import mismatch_metrics
+from proximal.train.optim import Trained, at_step, optimizer_and_scheduler
+from proximal.train.perf import online_step_flops
+from proximal.trainers.distill_config import AGGREGATION, DistillConfig
+from proximal.trainers.grpo import GRPOUpdate, grpo_update
+from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
+
+__all__ = ["DistillConfig", "train", "cli"]
+
+
+def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
+    """Run on-policy distillation as configured; return the run directory. ``resume_dir``
+    continues a saved run exactly."""
+    check_valid(cfg)
+    t, r, d = cfg.train, cfg.rollout, cfg.distill
+    # Inputs, models (the teacher's tokenizer checked before its weights load), held-out
+    # evaluation, sampler, engine: as every online method (trainers/online.py)
+    o = set_up("distill", cfg, resume_dir, build_models)
+    run, models = o.run, o.models
+    tokenizer, actor, teacher = models.tokenizer, models.actor, models.teacher
+    settings = update_settings(cfg, o.responder.max_tokens)
+    G, mini = r.group_size, cfg.mini_batch_size
+    bypass = r.correction_mode == "bypass"  # π_old := μ, the engine's log-probabilities
+    reward = cfg.has_reward and d.reward_weight > 0
+    opt, sched = optimizer_and_scheduler(
+        actor, cfg.optim, total_steps=t.steps * d.iterations * (cfg.responses_per_step // mini)
+    )
+    trained = {"actor": (actor, opt)}
+    stateful = {"actor_scheduler": sched, "sampler": o.sampler}
+    resident = dict(actor=actor, teacher=teacher.model, reward_model=models.scorer.reward_model)
+    counters = {"skipped_nonfinite": 0}
+    start, counters = begin(o, cfg, trained, stateful, counters, resident)
+    engine = o.engine
+
+    for step in range(start + 1, t.steps + 1):
+        t0 = time.perf_counter()
+        # 1–3. A global batch of prompts; G responses ~ π_θ to each, each row from its own seeded
+        # generator; scored when a reward source is given (otherwise every score is 0).
+        got = collect(step, **o.collect_args(cfg, group_size=G))
+        counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
+
+        # 4. Experience: log π_old (the student that sampled; the advantage needs it before the
+        # update) and the teacher's log π_t of the same tokens, micro-batch by micro-batch (in the
+        # reference's place). Gathered: every rank holds the whole batch from here on.
+        exp = gather(
+            compute_experience(
+                got.rollout,
+                got.scores,
+                got.valid,
+                actor=actor,
+                reference=teacher,
+                temperature=r.temperature,
+                micro_batch_size=d.micro_batch_size,
+                old_pass=True,
+                logprobs_path=t.logprobs,
+                filter=r.replayed_filter,
+            )
+        )
+        if bypass:
+            exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
+        mask = exp.mask  # (B, T) the valid rows' response tokens
+
+        # 5. The per-token reward −(log π_old − log π_t) (on the full softmax: a replayed filter
+        # truncates the ratio's π_old, never the teacher's comparison) and its discounted return;
+        # with a reward, w·(r_i − its group's mean) on every token of response i.
+        student = exp.old_unfiltered
+        advantages = reverse_kl_advantages(student, exp.ref_logprobs, mask, d.discount)
+        if reward:
+            by_group = group_advantages(exp.scores, G, scale="none", valid=exp.valid)
+            advantages = advantages + torch.where(
+                mask, d.reward_weight * by_group[:, None].to(advantages.dtype), 0.0
+            )
+        n_tokens = mask.sum()
+        reverse_kl = float(masked_sum((student - exp.ref_logprobs).double(), mask)) / max(
+            int(n_tokens), 1
+        )
+        # the teacher's log-probabilities are in the advantages; the update has no KL term
+        exp = exp.replace(advantages=advantages, ref_logprobs=None)
+
+        # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) over mini-batches, a mean over
+        # every token of each.
+        t1 = time.perf_counter()
+        with at_step(step):
+            update = grpo_update(
+                exp,
+                settings,
+                actor=Trained(actor, opt, sched),
+                shuffle_seed=row_seed(t.seed, step, -1),
+            )
+        engine.after_update()
+        t_train = time.perf_counter() - t1
+        mismatch = mismatch_metrics(
+            exp.old_logprobs,
+            exp.behaviour_logprobs,
+            mask,
+            mode=r.correction_mode,
+            cap=r.correction_cap,
+            band=r.correction_band,
+        )
+
+        # 7. Log, sample rows, checkpoint. The step's model FLOPs: the student's decode; π_old,
+        # the teacher and r_ψ forward; the student's training.
+        step_s = time.perf_counter() - t0
+        flops = online_step_flops(
+            run.shapes,
+            prompt_mask=got.rollout.prompt_mask,
+            response_mask=got.rollout.real_mask,
+            policy="actor",
+            forward=("actor", "teacher", "reward_model"),
+            trained={"actor": update["trained"]},
+            device=run.device,
+        )
+        metrics = {
+            "distill/reverse_kl": reverse_kl,
+            **(
+                {
+                    "score/mean": dist.global_mean(got.scores, got.valid.float()),
+                    **score_metrics(got.components, got.valid, list(models.scorer.functions)),
+                }
+                if cfg.has_reward
+                else {}
+            ),
+            "data/trained_frac": float(exp.valid.float().mean()),
+            **update.pop("stats"),
+            **mismatch,
+            **common_metrics(
+                o,
+                got,
+                {"data/skipped_nonfinite": counters["skipped_nonfinite"]},
+                step_s=step_s,
+                t_train=t_train,
+                tokens=update["tokens"],
+                flops=flops,
+            ),
+        }
+        postfix = {"reverse_kl": reverse_kl}
+        if cfg.has_reward:
+            postfix["score"] = metrics["score/mean"]
+        log_step(o, cfg, step, got, metrics, postfix)
+        end_step(
+            o,
+            cfg,
+            step,
+            trained=trained,
+            stateful=stateful,
+            counters=counters,
+            exports={"policy": (actor, tokenizer)},
+            export=lambda: export_final(run.dir, actor, tokenizer),
+        )
+    return finish(o, cfg, start, lambda: export_final(run.dir, actor, tokenizer))
+
+
+def update_settings(cfg: DistillConfig, max_length: int) -> GRPOUpdate:
+    """What GRPO's update (:func:`~proximal.trainers.grpo.grpo_update`) reads, from the
+    ``distill`` section: the clipped token surrogate, a mean over every token, no KL term."""
+    d, r = cfg.distill, cfg.rollout
+    return GRPOUpdate(
+        aggregation=AGGREGATION,
+        iterations=d.iterations,
+        mini_batch_size=cfg.mini_batch_size,
+        micro_batch_size=d.micro_batch_size,
+        clip_eps=d.clip_eps,
+        clip_eps_high=d.clip_eps_high,
+        beta=0.0,
+        temperature=r.temperature,
+        max_length=max_length,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        logprobs_path=cfg.train.logprobs,
+        correction=r.correction_mode,
+        correction_cap=r.correction_cap,
+        correction_band=r.correction_band,
+        filter=r.replayed_filter,
+    )
+
+
+@dataclass
+class DistillModels:
+    tokenizer: object
+    actor: torch.nn.Module
+    teacher: object  # proximal.models.policy.Reference (its .active() yields the frozen teacher)
+    scorer: object  # proximal.rollout.scoring.Scorer
+    reference: None = None  # no reference: the held-out evaluation's KL has nothing to read
+
+
+def build_models(
+    cfg: DistillConfig, device: torch.device, world_size: int, functions: dict
+) -> DistillModels:
+    """The student (with LoRA: its adapters), the teacher (its tokenizer checked against the
+    student's, then loaded frozen, under ``model.frozen_sharding``) and the scorer, in
+    train.precision's dtypes, placed and sharded across processes."""
+    mc, t = cfg.model, cfg.train
+    tokenizer, actor, _ = build_policy(
+        mc.path,
+        lora=mc.lora(),
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        activation_checkpointing=t.activation_checkpointing,
+        reference=False,
+        frozen_sharding=mc.frozen_sharding,
+        merge_lora=cfg.output.merge_lora,
+    )
+    teacher = load_teacher(
+        mc.teacher,
+        tokenizer,
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        frozen_sharding=mc.frozen_sharding,
+    )
+    set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the student
+    scorer = build_scorer(
+        tokenizer,
+        reward_model=mc.reward_model,
+        reward_model_weight=mc.reward_model_weight,
+        functions=functions,
+        function_weights=mc.function_weights(),
+        precision=t.precision,
+        device=device,
+        world_size=world_size,
+        frozen_sharding=mc.frozen_sharding,
+        micro_batch_size=cfg.distill.micro_batch_size,
+        timeout_s=mc.reward_timeout_s,
+    )
+    return DistillModels(tokenizer, actor, teacher, scorer)
+
+
+def cli(argv: list[str]) -> int:
+    return config_command(
+        argv,
+        prog="distill",
+        description=__doc__.splitlines()[0],
+        config_cls=DistillConfig,
+        train=train,
+    )

@@ -1,0 +1,219 @@
+"""The real ``proximal distill`` command end to end on tiny models: a healthy run; the teacher equal
+to the student gives exactly zero advantages, loss and gradient; a verifier's reward in the
+advantage; a teacher with another tokenizer in one line, exit 2, before training; resume equals the
+uninterrupted run bitwise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ppo_support import (
+    checkpoint_dirs,
+    command_main,
+    load_safetensors_dir,
+    prompt_texts,
+    read_jsonl,
+    without_timing,
+)
+
+from proximal.data.jsonl import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def teacher(assets, tmp_path_factory):
+    """A tiny Llama with the student's tokenizer and other weights."""
+    from proximal.models.tiny import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(
+        tmp_path_factory.mktemp("teacher") / "t", assets.tokenizer, arch="llama", seed=7
+    )
+
+
+def distill_config(student, teacher, prompts, run_dir, **sections) -> dict:
+    cfg = {
+        "model": {"path": str(student), "teacher": str(teacher)},
+        "data": {"prompts": str(prompts), "max_prompt_length": 16},
+        "rollout": {"batch_size": 2, "group_size": 2, "max_new_tokens": 8},
+        "distill": {"micro_batch_size": 2},
+        "optim": {"lr": 1e-3},
+        "train": {"steps": 2, "seed": 0, "device": "cpu"},
+        "output": {"dir": str(run_dir), "progress": False, "samples_per_step": 2},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def distill_main(config: dict | None, *args: str) -> int:
+    return command_main("distill", config, *args)
+
+
+HEALTHY = (
+    "distill/reverse_kl",
+    "response/length_mean",
+    "response/eos_frac",
+    "policy/entropy",
+    "policy/clipfrac",
+    "loss/policy",
+    "advantage/token_mean",
+    "grad_norm/actor",
+    "speed/gen_tokens_per_s",
+    "time/wall_s",
+)
+
+
+def test_a_two_step_run_is_healthy(assets, teacher, tmp_path, capsys):
+    cfg = distill_config(assets.policy("llama"), teacher, assets.prompts, tmp_path / "run")
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        bad = {k: r.get(k) for k in HEALTHY if r.get(k) is None or not math.isfinite(r[k])}
+        assert not bad, f"step {r['step']}: missing or non-finite {bad}"
+        assert r["grad_norm/actor"] > 0 and r["policy/optimizer_steps"] == 1
+        assert "kl/ref_k3" not in r and r["loss/kl"] == 0.0  # no KL term: the teacher is the signal
+        assert "score/mean" not in r  # no reward source
+        # one optimiser step on the batch: the ratio is 1, the loss is −mean(Â) over the tokens,
+        # and the mean advantage is minus the sampled reverse KL
+        assert r["loss/policy"] == pytest.approx(-r["advantage/token_mean"], abs=1e-6)
+        assert r["advantage/token_mean"] == pytest.approx(-r["distill/reverse_kl"], abs=1e-5)
+    assert (tmp_path / "run" / "model.safetensors").is_file() or any(
+        (tmp_path / "run").glob("*.safetensors")
+    )
+
+
+def test_teacher_equal_to_the_student_gives_zero_advantages_loss_and_gradient(
+    assets, tmp_path, monkeypatch, capsys
+):
+    from proximal.trainers import grpo
+
+    grads = []
+    step = grpo.clip_and_step
+
+    def record_then_step(model, opt, sched, max_norm, **kw):
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return step(model, opt, sched, max_norm, **kw)
+
+    monkeypatch.setattr(grpo, "clip_and_step", record_then_step)
+    policy = assets.policy("llama")
+    cfg = distill_config(policy, policy, assets.prompts, tmp_path / "same")
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    for r in read_jsonl(tmp_path / "same" / "metrics.jsonl"):
+        assert r["distill/reverse_kl"] == 0.0
+        assert r["advantage/token_mean"] == 0.0
+        assert r["advantage/max"] == 0.0 and r["advantage/min"] == 0.0
+        assert r["loss/policy"] == 0.0 and r["grad_norm/actor"] == 0.0
+    assert len(grads) == 2 and all(torch.count_nonzero(g) == 0 for gs in grads for g in gs)
+
+
+def test_a_verifier_reward_is_added_with_its_weight(assets, tmp_path, monkeypatch, capsys):
+    from proximal.trainers import distill
+
+    seen = []
+    update = distill.grpo_update
+
+    def spy(exp, *args, **kw):
+        seen.append(exp)
+        return update(exp, *args, **kw)
+
+    monkeypatch.setattr(distill, "grpo_update", spy)
+    policy = assets.policy("llama")
+    cfg = distill_config(
+        policy,
+        policy,  # the teacher is the student: the advantage is the reward's alone
+        assets.prompts,
+        tmp_path / "verify",
+        model={"reward_functions": ["ppo_support:frac_a"]},
+        rollout={"group_size": 4},
+        distill={"reward_weight": 2.0},
+        train={"steps": 1},
+    )
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    (r,) = read_jsonl(tmp_path / "verify" / "metrics.jsonl")
+    assert "score/mean" in r and "score/ppo_support:frac_a" in r
+    assert r["distill/reverse_kl"] == 0.0
+    (exp,) = seen
+    s = exp.scores.double().view(2, 4)  # two prompts, four responses each
+    want = (2.0 * (s - s.mean(1, keepdim=True))).view(8, 1).expand(8, exp.mask.shape[1])
+    want = torch.where(exp.mask, want, 0.0)
+    assert s.std() > 0  # the responses score differently: the reward is not a constant
+    torch.testing.assert_close(exp.advantages.double(), want, rtol=0, atol=1e-6)
+
+
+def test_a_teacher_with_another_tokenizer_is_one_line_before_training(assets, tmp_path, capsys):
+    from proximal.models.tiny import build_tiny_causal_lm
+
+    other = build_tiny_causal_lm(tmp_path / "other", assets.other_tokenizer, arch="gpt2", seed=3)
+    cfg = distill_config(assets.policy("llama"), other, assets.prompts, tmp_path / "bad")
+    assert distill_main(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "model.teacher" in err[0] and "share the student's tokenizer" in err[0], err[0]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_a_reward_needs_a_group_to_be_its_baseline(assets, teacher, tmp_path, capsys):
+    cfg = distill_config(
+        assets.policy("llama"),
+        teacher,
+        assets.prompts,
+        tmp_path / "g1",
+        model={"reward_functions": ["ppo_support:frac_a"]},
+        rollout={"group_size": 1},
+        distill={"micro_batch_size": 1},
+    )
+    assert distill_main(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rollout.group_size = 1 must be ≥ 2" in err and "distill.reward_weight" in err
+
+
+def test_a_missing_teacher_is_one_line(assets, tmp_path, capsys):
+    cfg = distill_config(assets.policy("llama"), "", assets.prompts, tmp_path / "none")
+    assert distill_main(cfg) == 2
+    assert "model.teacher is required" in capsys.readouterr().err
+
+
+def test_resume_reproduces_the_uninterrupted_run(assets, teacher, tmp_path, monkeypatch, capsys):
+    from proximal.train import run
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, [{"prompt": p} for p in prompt_texts(6)])
+
+    def config(name):
+        return distill_config(
+            assets.policy("llama"),
+            teacher,
+            prompts,
+            tmp_path / name,
+            distill={"iterations": 2, "mini_batch_size": 2, "micro_batch_size": 1},
+            optim={"warmup_steps": 6, "lr": 1e-2},
+            train={"steps": 4, "save_every": 2, "keep_checkpoints": 3},
+        )
+
+    assert distill_main(config("full")) == 0, capsys.readouterr().err
+    save = run.save_checkpoint
+
+    def save_then_die(root, step, **kwargs):
+        out = save(root, step, **kwargs)
+        if step == 2:
+            raise SystemExit("killed after step 2")
+        return out
+
+    with monkeypatch.context() as mp:
+        mp.setattr(run, "save_checkpoint", save_then_die)
+        with pytest.raises(SystemExit, match="killed after step 2"):
+            distill_main(config("crashed"))
+    crashed = tmp_path / "crashed"
+    assert distill_main(None, "--resume", str(crashed)) == 0, capsys.readouterr().err
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_jsonl(crashed / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed, strict=True):
+        a, b = without_timing(a), without_timing(b)
+        diff = {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert not diff, f"step {a['step']}: resumed metrics differ: {diff}"
+    a = load_safetensors_dir(checkpoint_dirs(tmp_path / "full")[-1] / "policy")
+    b = load_safetensors_dir(checkpoint_dirs(crashed)[-1] / "policy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
