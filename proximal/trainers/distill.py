@@ -1,19 +1,20 @@
 """On-policy distillation: the student samples, a frozen teacher grades every token (reverse KL).
 
-Agarwal et al. 2024 (GKD); Thinking Machines, "On-policy distillation" (2025): the student π_θ samples its own responses, exactly as in GRPO, a frozen teacher π_t with the
-same tokenizer grades every sampled token, and the student is trained to lower the reverse KL
-KL(π_θ ‖ π_t) on its own distribution — optionally plus a verifier's reward, "distill plus verify"
-in one run.
+Agarwal et al. 2024 (GKD); Thinking Machines, "On-policy distillation" (2025). The student π_θ
+samples its own responses, exactly as in GRPO; a frozen teacher π_t with the same tokenizer grades
+every sampled token; the student is trained to lower the reverse KL KL(π_θ ‖ π_t) on its own
+distribution — optionally plus a verifier's reward, "distill plus verify" in one run.
 
 One step reads top to bottom in :func:`train`: (1) a global batch of prompts, (2) G responses to
 each sampled from π_θ (G = 1 by default), (3) scored when a reward source is given, (4) the
 experience: log π_old (the student that sampled) and log π_t (the teacher, in micro-batches, as
 GRPO's reference), gathered so every rank holds the whole batch, (5) per-token advantages
-A_t = −(log π_old − log π_t) (discounted with ``distill.discount``; :func:`proximal.core.reverse_kl_advantages`)
-plus ``distill.reward_weight``·(r − the group's mean score), (6) ``distill.iterations`` passes of
-the clipped surrogate over mini-batches, a mean over every token (GRPO's update,
-:func:`proximal.trainers.grpo.grpo_update`, with no KL term: the teacher is the signal), (7) logs and
-checkpoints. The shared pieces are the online layer's (:mod:`proximal.trainers.online`).
+A_t = −(log π_old − log π_t), discounted with ``distill.discount``
+(:func:`proximal.core.reverse_kl_advantages`), plus ``distill.reward_weight``·(r − the group's
+mean score), (6) ``distill.iterations`` passes of the clipped surrogate over mini-batches, a mean
+over every token (GRPO's update, :func:`proximal.trainers.grpo.grpo_update`, with no KL term: the
+teacher is the signal), (7) logs and checkpoints. The shared pieces are the online layer's
+(:mod:`proximal.trainers.online`).
 
 Tensor notation: B responses in the generation batch (rollout.batch_size prompts × G), T padded
 response length.
