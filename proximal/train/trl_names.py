@@ -215,9 +215,8 @@ def _own(command: str) -> dict[str, str]:
             "grades the student's samples)",
             "seq_kd": "sequence-level KD on the teacher's samples is not on-policy distillation "
             "(train on such samples with proximal sft); here model.teacher grades the student's",
-            "beta": "this command trains the reverse KL KL(student ‖ teacher) (TRL's beta 1.0) "
-            "through distill.discount's per-token rewards; the full-vocabulary JSD(β) is a core "
-            "function not yet a loss here (distill.discount: 0 is Thinking Machines' form)",
+            "beta": "it is distill.beta, with distill.loss: jsd (the same convention); the default "
+            "distill.loss reverse_kl is the sampled reverse KL, TRL's beta 1.0, as a per-token reward",
             "num_generations": "it is rollout.group_size",
         }
     return {  # grpo

@@ -13,7 +13,8 @@ A_t = −(log π_old − log π_t), discounted with ``distill.discount``
 (:func:`proximal.core.reverse_kl_advantages`), plus ``distill.reward_weight``·(r − the group's
 mean score), (6) ``distill.iterations`` passes of the clipped surrogate over mini-batches, a mean
 over every token (GRPO's update, :func:`proximal.trainers.grpo.grpo_update`, with no KL term: the
-teacher is the signal), (7) logs and checkpoints. The shared pieces are the online layer's
+teacher is the signal) — or, with ``distill.loss: jsd``, of GKD's generalised JSD(β) over the whole
+vocabulary at each sampled position (:func:`jsd_update`), (7) logs and checkpoints. The shared pieces are the online layer's
 (:mod:`proximal.trainers.online`).
 
 Tensor notation: B responses in the generation batch (rollout.batch_size prompts × G), T padded
@@ -22,6 +23,7 @@ response length.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,17 +32,25 @@ import torch
 
 from proximal import dist
 from proximal.config import check_valid
-from proximal.core import group_advantages, masked_sum, reverse_kl_advantages
+from proximal.core import (
+    group_advantages,
+    linear_generalized_jsd,
+    masked_sum,
+    reverse_kl_advantages,
+)
 from proximal.data.chat import set_chat_template
+from proximal.models.flops import Tokens
+from proximal.models.output import lm_hidden
 from proximal.models.policy import build_policy, load_teacher
 from proximal.rollout.collect import collect
 from proximal.rollout.engine import row_seed
-from proximal.rollout.experience import compute_experience, gather
+from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.scoring import build_scorer, score_metrics
+from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
 from proximal.train.command import config_command
 from proximal.train.correction import mismatch_metrics
-from proximal.train.optim import Trained, at_step, optimizer_and_scheduler
+from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
 from proximal.trainers.distill_config import AGGREGATION, DistillConfig
 from proximal.trainers.grpo import GRPOUpdate, grpo_update
@@ -115,19 +125,31 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
         reverse_kl = float(masked_sum((student - exp.ref_logprobs).double(), mask)) / max(
             int(n_tokens), 1
         )
-        # the teacher's log-probabilities are in the advantages; the update has no KL term
+        # the teacher's log-probabilities are in the advantages (reverse_kl; jsd reads the teacher's
+        # whole distribution in its update instead); the update has no KL term
         exp = exp.replace(advantages=advantages, ref_logprobs=None)
 
-        # 6. μ iterations of −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) over mini-batches, a mean over
-        # every token of each.
+        # 6. μ iterations over mini-batches, a mean over every token of each: of
+        # −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â) (reverse_kl), or of JSD(β) over the vocabulary
+        # between the student's and the teacher's next-token distributions (jsd).
         t1 = time.perf_counter()
         with at_step(step):
-            update = grpo_update(
-                exp,
-                settings,
-                actor=Trained(actor, opt, sched),
-                shuffle_seed=row_seed(t.seed, step, -1),
-            )
+            if d.loss == "jsd":
+                update = jsd_update(
+                    exp,
+                    settings,
+                    actor=Trained(actor, opt, sched),
+                    teacher=teacher.model,
+                    beta=d.beta,
+                    shuffle_seed=row_seed(t.seed, step, -1),
+                )
+            else:
+                update = grpo_update(
+                    exp,
+                    settings,
+                    actor=Trained(actor, opt, sched),
+                    shuffle_seed=row_seed(t.seed, step, -1),
+                )
         engine.after_update()
         t_train = time.perf_counter() - t1
         mismatch = mismatch_metrics(
@@ -147,6 +169,7 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
             prompt_mask=got.rollout.prompt_mask,
             response_mask=got.rollout.real_mask,
             policy="actor",
+            # (jsd: the teacher's forward again in the update, not counted)
             forward=("actor", "teacher", "reward_model"),
             trained={"actor": update["trained"]},
             device=run.device,
@@ -212,6 +235,108 @@ def update_settings(cfg: DistillConfig, max_length: int) -> GRPOUpdate:
         correction_band=r.correction_band,
         filter=r.replayed_filter,
     )
+
+
+#: Statistics of a jsd update: its loss (summed over micro-batches and ranks: each is its share).
+_JSD_KEYS = ("loss/total", "distill/jsd", "grad_norm/actor", "lr/actor")
+
+
+def jsd_update(
+    exp: Experience,
+    s: GRPOUpdate,
+    *,
+    actor: Trained,
+    teacher: torch.nn.Module,
+    beta: float,
+    shuffle_seed: int,
+) -> dict:
+    """``s.iterations`` passes over shuffled mini-batches of the whole batch ``exp`` (every rank
+    holds it), each an optimiser step on the generalised JSD(β) between the student's and the
+    teacher's next-token distributions at every valid response position
+    (:func:`proximal.core.linear_generalized_jsd`, from both models' last hidden states, a chunk of
+    positions at a time), a mean over the mini-batch's valid tokens: its sum over each rank's
+    micro-batches is divided by the mini-batch's token count ÷ the number of ranks, so 1 and N
+    processes and any micro-batch size take the same step. The teacher's forward runs again here,
+    without gradients (its hidden states are not kept from the experience).
+
+    Returns ``{"stats": {...}, "tokens": int, "trained": Tokens}``, as
+    :func:`~proximal.trainers.grpo.grpo_update`."""
+    W, rank = dist.world_size(), dist.rank()
+    B = len(exp)
+    per_rank = s.mini_batch_size // W
+    gen = torch.Generator().manual_seed(shuffle_seed)
+    device = exp.rollout.response_ids.device
+    history: dict[str, list[float]] = {}
+    tokens, trained = 0, Tokens()
+    for _iteration in range(s.iterations):
+        order = torch.randperm(B, generator=gen).to(device)
+        for start in range(0, B, s.mini_batch_size):
+            mini = order[start : start + s.mini_batch_size]
+            units = float(exp.mask[mini].sum())
+            if units == 0:  # every row of this mini-batch left out: the same on every rank
+                continue
+            sums = accumulate(
+                mini[rank * per_rank : (rank + 1) * per_rank],
+                s.micro_batch_size,
+                lambda idx: jsd_micro_step(exp, idx, s, actor.module, teacher, beta, units / W),
+                device,
+            )
+            tokens += int(sums["seen_tokens"])
+            trained += Tokens(
+                int(sums["seen_tokens"]), int(sums["seen_squares"]), int(sums["scored_tokens"])
+            )
+            row = {
+                "loss/total": float(sums["loss"]) / W,
+                "distill/jsd": float(sums["jsd_sum"]) / units,
+                "lr/actor": actor.scheduler.get_last_lr()[0],
+                "grad_norm/actor": clip_and_step(
+                    actor.module, actor.optimizer, actor.scheduler, s.max_grad_norm, what="actor"
+                ),
+            }
+            for k, v in row.items():
+                history.setdefault(k, []).append(v)
+    stats = {k: math.nan for k in _JSD_KEYS}
+    stats.update({k: sum(v) / len(v) for k, v in history.items()})
+    stats["policy/optimizer_steps"] = len(history.get("grad_norm/actor", []))
+    return {"stats": stats, "tokens": tokens, "trained": trained}
+
+
+def jsd_micro_step(
+    exp: Experience,
+    idx: torch.Tensor,
+    s: GRPOUpdate,
+    model,
+    teacher,
+    beta: float,
+    norm: float,
+) -> dict:
+    """One micro-batch (rows ``idx``): the teacher's and the student's hidden states at the
+    response positions (the student's with gradients), JSD(β) summed over the valid positions and
+    divided by ``norm`` (the mini-batch's tokens per rank), backward; its sums for the statistics."""
+    m = exp.select(idx)
+    r = m.rollout
+    P, L = r.prompt_ids.shape[1], r.input_ids.shape[1]
+    with torch.no_grad():
+        h_t, head_t = lm_hidden(teacher, r.input_ids, r.attention_mask, P - 1, L - 1)
+    h_s, head_s = lm_hidden(model, r.input_ids, r.attention_mask, P - 1, L - 1)
+    for who, head in (("student", head_s), ("teacher", head_t)):
+        if head.bias is not None or head.softcap is not None:
+            raise ValueError(
+                f"distill.loss jsd: the {who}'s output layer has a bias or a logit soft-cap, "
+                "which the chunked JSD does not take; use distill.loss reverse_kl"
+            )
+    total, _ = linear_generalized_jsd(
+        h_s, head_s.weight, h_t, head_t.weight, m.mask, beta, s.temperature, reduction="sum"
+    )
+    loss = total / norm
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "jsd_sum": total.detach().double(),
+        "seen_tokens": r.attention_mask.sum(),
+        "seen_squares": r.attention_mask.sum(1).square().sum(),
+        "scored_tokens": m.mask.sum(),
+    }
 
 
 @dataclass

@@ -50,8 +50,26 @@ class DistillModelSection(OnlineModelSection):
         return e
 
 
+#: ``distill.loss`` → what the student is trained on.
+LOSSES = ("reverse_kl", "jsd")
+
+
 @dataclass
 class DistillLossConfig:
+    loss: str = option(
+        "reverse_kl",
+        "reverse_kl: the sampled per-token reverse KL −(log π_s − log π_t) as a reward through "
+        "the clipped surrogate (Thinking Machines' form; distill.discount, distill.reward_weight); "
+        "jsd: GKD's generalised JSD(distill.beta) over the whole vocabulary at each sampled "
+        "position, minimised directly (a mean over tokens, computed a chunk of positions at a time "
+        "from both models' hidden states; no reward).",
+        choices=LOSSES,
+    )
+    beta: float = option(
+        0.5,
+        "β ∈ [0, 1] of distill.loss jsd, TRL's convention: mixture β·π_t + (1 − β)·π_s; 0 is "
+        "KL(π_t ‖ π_s) (forward), 1 is KL(π_s ‖ π_t) (reverse).",
+    )
     discount: float = option(
         0.0,
         "γ ∈ [0, 1]: each token's advantage is the discounted sum of the per-token rewards "
@@ -164,6 +182,10 @@ class DistillConfig:
                 e.append(msg)
         if not 0.0 <= d.reward_weight < math.inf:
             e.append(f"distill.reward_weight = {d.reward_weight} must be a finite number ≥ 0")
+        if not 0.0 <= d.beta <= 1.0:
+            e.append(f"distill.beta = {d.beta} must be in [0, 1]")
+        if d.loss == "jsd":
+            e += self._jsd_problems()
         if not 0.0 <= d.discount <= 1.0:
             e.append(f"distill.discount = {d.discount} must be in [0, 1]")
         if self.has_reward and d.reward_weight > 0 and r.group_size < 2:
@@ -171,5 +193,26 @@ class DistillConfig:
                 f"rollout.group_size = {r.group_size} must be ≥ 2 with a reward and "
                 f"distill.reward_weight = {d.reward_weight} > 0: the reward's baseline is the "
                 "mean of its group (or set distill.reward_weight: 0)"
+            )
+        return e
+
+    def _jsd_problems(self) -> list[str]:
+        """What distill.loss jsd does not combine with: it is minimised directly, so there is no
+        advantage for a discount or a reward to enter, and no ratio to correct."""
+        e, d, r = [], self.distill, self.rollout
+        if d.discount != 0.0:
+            e.append(
+                f"distill.discount = {d.discount} has no effect with distill.loss jsd (the "
+                "divergence is minimised at each position directly): set it to 0 or use reverse_kl"
+            )
+        if self.has_reward and d.reward_weight > 0:
+            e.append(
+                "distill.loss jsd takes no reward (there is no advantage to add it to): use "
+                "distill.loss reverse_kl, or set distill.reward_weight: 0 to log the scores only"
+            )
+        if r.correction_mode not in ("none",):
+            e.append(
+                f"rollout.correction = {r.correction_mode!r} weighs a policy-gradient ratio, which "
+                "distill.loss jsd does not have: set it to null"
             )
         return e

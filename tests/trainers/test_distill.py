@@ -108,6 +108,85 @@ def test_teacher_equal_to_the_student_gives_zero_advantages_loss_and_gradient(
     assert len(grads) == 2 and all(torch.count_nonzero(g) == 0 for gs in grads for g in gs)
 
 
+def test_the_jsd_loss_runs_and_equals_the_divergence_of_the_two_models(
+    assets, teacher, tmp_path, monkeypatch, capsys
+):
+    """distill.loss jsd: a healthy run whose first loss is JSD(β) over the vocabulary, a mean over
+    the batch's tokens, recomputed here from both models' full logits (core.generalized_jsd)."""
+    from proximal.core import generalized_jsd
+    from proximal.models.heads import lm_logits
+    from proximal.models.loading import load_causal_lm
+    from proximal.trainers import distill
+
+    seen = []
+    update = distill.jsd_update
+
+    def spy(exp, *args, **kw):
+        seen.append(exp)
+        return update(exp, *args, **kw)
+
+    monkeypatch.setattr(distill, "jsd_update", spy)
+    student = assets.policy("llama")
+    cfg = distill_config(
+        student,
+        teacher,
+        assets.prompts,
+        tmp_path / "jsd",
+        distill={"loss": "jsd", "beta": 0.3, "micro_batch_size": 1},
+        rollout={"temperature": 0.8},
+    )
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(tmp_path / "jsd" / "metrics.jsonl")
+    for r in rows:
+        assert r["distill/jsd"] > 0 and r["grad_norm/actor"] > 0
+        assert r["loss/total"] == pytest.approx(r["distill/jsd"], rel=1e-5)
+    exp = seen[0]  # step 1: the student is still model.path
+    ro = exp.rollout
+    P, L = ro.prompt_ids.shape[1], ro.input_ids.shape[1]
+    with torch.no_grad():
+        zs = lm_logits(load_causal_lm(str(student)), ro.input_ids, ro.attention_mask, P - 1, L - 1)
+        zt = lm_logits(load_causal_lm(str(teacher)), ro.input_ids, ro.attention_mask, P - 1, L - 1)
+    want, _ = generalized_jsd(zs.double(), zt.double(), exp.mask, 0.3, 0.8)
+    assert rows[0]["distill/jsd"] == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_the_jsd_loss_is_exactly_zero_when_the_teacher_is_the_student(
+    assets, tmp_path, monkeypatch, capsys
+):
+    from proximal.trainers import grpo
+
+    grads = []
+    step = grpo.clip_and_step
+
+    def record_then_step(model, opt, sched, max_norm, **kw):
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return step(model, opt, sched, max_norm, **kw)
+
+    from proximal.trainers import distill
+
+    monkeypatch.setattr(distill, "clip_and_step", record_then_step)
+    policy = assets.policy("llama")
+    cfg = distill_config(policy, policy, assets.prompts, tmp_path / "same", distill={"loss": "jsd"})
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    for r in read_jsonl(tmp_path / "same" / "metrics.jsonl"):
+        assert r["distill/jsd"] == 0.0 and r["loss/total"] == 0.0 and r["grad_norm/actor"] == 0.0
+    assert len(grads) == 2 and all(torch.count_nonzero(g) == 0 for gs in grads for g in gs)
+
+
+def test_jsd_takes_no_reward_and_no_discount(assets, teacher, tmp_path, capsys):
+    cfg = distill_config(
+        assets.policy("llama"),
+        teacher,
+        assets.prompts,
+        tmp_path / "bad_jsd",
+        model={"reward_functions": ["ppo_support:frac_a"]},
+        distill={"loss": "jsd", "discount": 0.5},
+    )
+    assert distill_main(cfg) == 2
+    err = capsys.readouterr().err
+    assert "distill.loss jsd takes no reward" in err and "distill.discount = 0.5" in err
+
+
 def test_a_verifier_reward_is_added_with_its_weight(assets, tmp_path, monkeypatch, capsys):
     from proximal.trainers import distill
 
