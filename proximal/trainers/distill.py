@@ -14,8 +14,8 @@ A_t = −(log π_old − log π_t), discounted with ``distill.discount``
 mean score), (6) ``distill.iterations`` passes of the clipped surrogate over mini-batches, a mean
 over every token (GRPO's update, :func:`proximal.trainers.grpo.grpo_update`, with no KL term: the
 teacher is the signal) — or, with ``distill.loss: jsd``, of GKD's generalised JSD(β) over the whole
-vocabulary at each sampled position (:func:`jsd_update`), (7) logs and checkpoints. The shared pieces are the online layer's
-(:mod:`proximal.trainers.online`).
+vocabulary at each sampled position (:func:`jsd_update`), (7) logs and checkpoints. The shared
+pieces are the online layer's (:mod:`proximal.trainers.online`).
 
 Tensor notation: B responses in the generation batch (rollout.batch_size prompts × G), T padded
 response length.
