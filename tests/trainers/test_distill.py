@@ -187,6 +187,23 @@ def test_jsd_takes_no_reward_and_no_discount(assets, teacher, tmp_path, capsys):
     assert "distill.loss jsd takes no reward" in err and "distill.discount = 0.5" in err
 
 
+@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
+def test_a_lora_student_trains(assets, teacher, tmp_path, loss, capsys):
+    cfg = distill_config(
+        assets.policy("llama"),
+        teacher,
+        assets.prompts,
+        tmp_path / loss,
+        model={"lora_r": 4, "lora_alpha": 8.0},
+        distill={"loss": loss},
+    )
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(tmp_path / loss / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm/actor"] > 0 for r in rows)
+    assert (tmp_path / loss / "model.safetensors").is_file()  # merged (output.merge_lora)
+
+
 def test_a_verifier_reward_is_added_with_its_weight(assets, tmp_path, monkeypatch, capsys):
     from proximal.trainers import distill
 
