@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from proximal import dist
-from proximal.config import check_valid
+from proximal.config import ConfigError, check_valid
 from proximal.core import (
     group_advantages,
     linear_generalized_jsd,
@@ -40,7 +40,7 @@ from proximal.core import (
 )
 from proximal.data.chat import set_chat_template
 from proximal.models.flops import Tokens
-from proximal.models.output import lm_hidden
+from proximal.models.output import lm_hidden, output_head
 from proximal.models.policy import build_policy, load_teacher
 from proximal.rollout.collect import collect
 from proximal.rollout.engine import row_seed
@@ -319,12 +319,6 @@ def jsd_micro_step(
     with torch.no_grad():
         h_t, head_t = lm_hidden(teacher, r.input_ids, r.attention_mask, P - 1, L - 1)
     h_s, head_s = lm_hidden(model, r.input_ids, r.attention_mask, P - 1, L - 1)
-    for who, head in (("student", head_s), ("teacher", head_t)):
-        if head.bias is not None or head.softcap is not None:
-            raise ValueError(
-                f"distill.loss jsd: the {who}'s output layer has a bias or a logit soft-cap, "
-                "which the chunked JSD does not take; use distill.loss reverse_kl"
-            )
     total, _ = linear_generalized_jsd(
         h_s, head_s.weight, h_t, head_t.weight, m.mask, beta, s.temperature, reduction="sum"
     )
@@ -374,6 +368,8 @@ def build_models(
         world_size=world_size,
         frozen_sharding=mc.frozen_sharding,
     )
+    if cfg.distill.loss == "jsd":
+        check_jsd_heads(actor, teacher.model)
     set_chat_template(tokenizer, mc.chat_template)  # the prompts' template, saved with the student
     scorer = build_scorer(
         tokenizer,
@@ -389,6 +385,29 @@ def build_models(
         timeout_s=mc.reward_timeout_s,
     )
     return DistillModels(tokenizer, actor, teacher, scorer)
+
+
+def check_jsd_heads(student, teacher) -> None:
+    """ConfigError (one line) unless both output layers are plain (V, H) products of the same V,
+    without a bias or a logit soft-cap: what :func:`proximal.core.linear_generalized_jsd` takes."""
+    vocab = []
+    for who, model in (("student (model.path)", student), ("teacher (model.teacher)", teacher)):
+        head = output_head(model)
+        if isinstance(head, str):
+            raise ConfigError(f"distill.loss jsd cannot read the {who}'s output layer: {head}")
+        if head.bias is not None or head.softcap is not None:
+            raise ConfigError(
+                f"distill.loss jsd: the {who}'s output layer has a "
+                f"{'bias' if head.bias is not None else 'logit soft-cap'}, which the chunked JSD "
+                "does not take; use distill.loss reverse_kl"
+            )
+        vocab.append(head.weight.shape[0])
+    if vocab[0] != vocab[1]:
+        raise ConfigError(
+            f"distill.loss jsd compares whole distributions, but the student's output layer has "
+            f"{vocab[0]} rows and the teacher's {vocab[1]}; use distill.loss reverse_kl (it reads "
+            "the sampled tokens only)"
+        )
 
 
 def cli(argv: list[str]) -> int:

@@ -173,6 +173,28 @@ def test_the_jsd_loss_is_exactly_zero_when_the_teacher_is_the_student(
     assert len(grads) == 2 and all(torch.count_nonzero(g) == 0 for gs in grads for g in gs)
 
 
+def test_jsd_needs_the_same_output_rows_and_reverse_kl_does_not(assets, tmp_path, capsys):
+    """A teacher with the student's tokenizer but 8 padded output rows (as model families pad their
+    vocabulary): distill.loss jsd refuses it in one line before training; reverse_kl, which reads
+    the sampled tokens only, trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    student = assets.policy("llama")
+    padded = tmp_path / "padded"
+    model = AutoModelForCausalLM.from_pretrained(student)
+    model.resize_token_embeddings(model.config.vocab_size + 8, mean_resizing=False)
+    model.save_pretrained(padded)
+    AutoTokenizer.from_pretrained(student).save_pretrained(padded)
+    capsys.readouterr()  # transformers' own progress lines
+    cfg = distill_config(student, padded, assets.prompts, tmp_path / "j", distill={"loss": "jsd"})
+    assert distill_main(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "output layer has" in err[0] and "rows" in err[0], err
+    assert not (tmp_path / "j" / "metrics.jsonl").exists()
+    cfg = distill_config(student, padded, assets.prompts, tmp_path / "r", train={"steps": 1})
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+
+
 def test_jsd_takes_no_reward_and_no_discount(assets, teacher, tmp_path, capsys):
     cfg = distill_config(
         assets.policy("llama"),
