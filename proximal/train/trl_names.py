@@ -210,9 +210,9 @@ def _own(command: str) -> dict[str, str]:
         return {
             "teacher_model_name_or_path": "it is model.teacher",
             "teacher_model": "it is model.teacher",
-            "lmbda": "every batch is the student's own samples (λ = 1); a mix with "
-            "teacher-written completions is not supported yet: set no field (model.teacher "
-            "grades the student's samples)",
+            "lmbda": "distill.lam is the other share: 1 − lmbda, the probability that a response "
+            "is the data's teacher-written completion (distill.completion_column; with "
+            "distill.loss jsd)",
             "seq_kd": "sequence-level KD on the teacher's samples is not on-policy distillation "
             "(train on such samples with proximal sft); here model.teacher grades the student's",
             "beta": "it is distill.beta, with distill.loss: jsd (the same convention); the default "

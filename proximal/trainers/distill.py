@@ -42,9 +42,10 @@ from proximal.data.chat import set_chat_template
 from proximal.models.flops import Tokens
 from proximal.models.output import lm_hidden, output_head
 from proximal.models.policy import build_policy, load_teacher
-from proximal.rollout.collect import collect
+from proximal.rollout.collect import Responses, collect
 from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
+from proximal.rollout.sampling import Rollout
 from proximal.rollout.scoring import build_scorer, score_metrics
 from proximal.train.batches import accumulate
 from proximal.train.checkpoint import export_final
@@ -70,6 +71,14 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
     run, models = o.run, o.models
     tokenizer, actor, teacher = models.tokenizer, models.actor, models.teacher
     settings = update_settings(cfg, o.responder.max_tokens)
+    if d.lam > 0:  # GKD's λ: some responses are the data's teacher-written completions
+        if d.completion_column not in o.prompts.column_names():
+            raise ConfigError(
+                f"distill.lam = {d.lam} reads the teacher-written completions from the column "
+                f"distill.completion_column = {d.completion_column!r}, which {cfg.data.prompts} "
+                f"does not have (its columns: {', '.join(o.prompts.column_names()) or 'none'})"
+            )
+        o.responder = TeacherWritten(o.responder, d.lam, d.completion_column, r.max_new_tokens)
     G, mini = r.group_size, cfg.mini_batch_size
     bypass = r.correction_mode == "bypass"  # π_old := μ, the engine's log-probabilities
     reward = cfg.has_reward and d.reward_weight > 0
@@ -92,21 +101,28 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
 
         # 4. Experience: log π_old (the student that sampled; the advantage needs it before the
         # update) and the teacher's log π_t of the same tokens, micro-batch by micro-batch (in the
-        # reference's place). Gathered: every rank holds the whole batch from here on.
-        exp = gather(
-            compute_experience(
-                got.rollout,
-                got.scores,
-                got.valid,
-                actor=actor,
-                reference=teacher,
-                temperature=r.temperature,
-                micro_batch_size=d.micro_batch_size,
-                old_pass=True,
-                logprobs_path=t.logprobs,
-                filter=r.replayed_filter,
-            )
+        # reference's place). The sampled reverse KL over the student's own rows (not the
+        # teacher-written ones of distill.lam), then gathered: every rank holds the whole batch.
+        local = compute_experience(
+            got.rollout,
+            got.scores,
+            got.valid,
+            actor=actor,
+            reference=teacher,
+            temperature=r.temperature,
+            micro_batch_size=d.micro_batch_size,
+            old_pass=True,
+            logprobs_path=t.logprobs,
+            filter=r.replayed_filter,
         )
+        own = local.mask
+        if got.records is not None and d.lam > 0:
+            written = torch.tensor([x["teacher_written"] for x in got.records], device=own.device)
+            own = own & ~written[:, None]
+        reverse_kl = dist.global_sum(
+            masked_sum((local.old_unfiltered - local.ref_logprobs).double(), own), run.device
+        ) / max(dist.global_sum(own.sum(), run.device), 1.0)
+        exp = gather(local)
         if bypass:
             exp = exp.replace(old_logprobs=exp.behaviour_logprobs)
         mask = exp.mask  # (B, T) the valid rows' response tokens
@@ -121,10 +137,6 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
             advantages = advantages + torch.where(
                 mask, d.reward_weight * by_group[:, None].to(advantages.dtype), 0.0
             )
-        n_tokens = mask.sum()
-        reverse_kl = float(masked_sum((student - exp.ref_logprobs).double(), mask)) / max(
-            int(n_tokens), 1
-        )
         # the teacher's log-probabilities are in the advantages (reverse_kl; jsd reads the teacher's
         # whole distribution in its update instead); the update has no KL term
         exp = exp.replace(advantages=advantages, ref_logprobs=None)
@@ -235,6 +247,107 @@ def update_settings(cfg: DistillConfig, max_length: int) -> GRPOUpdate:
         correction_band=r.correction_band,
         filter=r.replayed_filter,
     )
+
+
+class TeacherWritten:
+    """GKD's mix of on- and off-policy data (Agarwal et al. 2024, algorithm 1): each row of a step
+    is, with probability ``lam`` (``distill.lam`` = 1 − GKD's λ, the student's share), answered by
+    its prompt row's teacher-written completion (the data column ``column``, tokenised without
+    special tokens, the EOS appended, cut at ``max_new_tokens``) instead of the student's sample.
+    The draw is the row's own, from a generator seeded by the row's seed
+    (:func:`~proximal.rollout.engine.row_seed`, offset so that it is not the sampling stream), so it
+    is the same on any number of processes and after ``--resume``. Each row's ``samples.jsonl``
+    record says ``teacher_written``. A written row has no engine log-probabilities: with ``lam`` > 0
+    the batch has none (``rollout/mismatch_*`` are NaN).
+
+    A :class:`~proximal.rollout.collect.Responder` around the run's single-turn one (``inner``),
+    whose other hooks it passes on."""
+
+    def __init__(self, inner, lam: float, column: str, max_new_tokens: int):
+        self.inner, self.lam, self.column, self.max_new_tokens = inner, lam, column, max_new_tokens
+        self.max_tokens, self.row_tools, self.eval_keys = (
+            inner.max_tokens,
+            inner.row_tools,
+            inner.eval_keys,
+        )
+
+    def written(self, seeds: list[int]) -> list[bool]:
+        """Which rows (by their seeds) take the teacher's completion."""
+        draw = [
+            float(torch.rand((), generator=torch.Generator().manual_seed((s + _WRITTEN) % 2**63)))
+            for s in seeds
+        ]
+        return [u < self.lam for u in draw]
+
+    def ready(self, tokenizer, policy) -> None:
+        self.inner.ready(tokenizer, policy)
+
+    def respond(self, engine, tokenizer, prompts, sampling, *, device, **kw):
+        got = self.inner.respond(engine, tokenizer, prompts, sampling, device=device, **kw)
+        written = self.written(prompts.seeds)
+        ro = got.rollout
+        rows, ended = [], []
+        for i, w in enumerate(written):
+            if w:
+                text = (prompts.columns[i] or {}).get(self.column)
+                if text is None:
+                    raise ConfigError(
+                        f"distill.lam: the prompt row {prompts.texts[i][:60]!r} has no "
+                        f"{self.column!r} (distill.completion_column) to take as the teacher's"
+                    )
+                ids = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+                ids = (ids + [tokenizer.eos_token_id])[: self.max_new_tokens]
+                rows.append(ids)
+                ended.append(ids[-1] == tokenizer.eos_token_id)
+            else:
+                n = int(ro.response_mask[i].sum())
+                rows.append(ro.response_ids[i, :n].tolist())
+                ended.append(bool(ro.ended[i]))
+        T = max(1, max(len(r) for r in rows))
+        ids = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=ro.response_ids.dtype)
+        mask = torch.zeros(len(rows), T, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r, dtype=ids.dtype)
+            mask[i, : len(r)] = True
+        rollout = Rollout(
+            ro.prompt_ids,
+            ro.prompt_mask,
+            ids.to(device),
+            mask.to(device),
+            torch.tensor(ended, device=device),
+            behaviour_logprobs=None,
+        )
+        records = [{"teacher_written": w} for w in written]
+        return Responses(rollout, records=records)
+
+    def outcome(self, got, scores, components):
+        return self.inner.outcome(got, scores, components)
+
+    def drop(self, got, valid, *, step, group_size, device):
+        return self.inner.drop(got, valid, step=step, group_size=group_size, device=device)
+
+    def metrics(self, got, dropped) -> dict[str, float]:
+        w = torch.tensor([r["teacher_written"] for r in got.records], dtype=torch.float64)
+        return {
+            **self.inner.metrics(got, dropped),
+            "distill/teacher_written_frac": dist.global_mean(w),
+        }
+
+    def check_offered(self, columns, source):
+        return self.inner.check_offered(columns, source)
+
+    def eval_scores(self, got):
+        return self.inner.eval_scores(got)
+
+    def eval_row(self, got, j):
+        return self.inner.eval_row(got, j)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+#: Added to a row's seed for its teacher-written draw (a stream apart from its sampling's).
+_WRITTEN = 0x7EAC4E2
 
 
 #: Statistics of a jsd update: its loss (summed over micro-batches and ranks: each is its share).

@@ -70,6 +70,18 @@ class DistillLossConfig:
         "β ∈ [0, 1] of distill.loss jsd, TRL's convention: mixture β·π_t + (1 − β)·π_s; 0 is "
         "KL(π_t ‖ π_s) (forward), 1 is KL(π_s ‖ π_t) (reverse).",
     )
+    lam: float = option(
+        0.0,
+        "∈ [0, 1], the share of teacher-written responses (distill.loss jsd): each response is, "
+        "with this probability, its prompt row's teacher-written completion (the column "
+        "distill.completion_column) instead of a student sample; 0 = every response the "
+        "student's own (on-policy). It is 1 − GKD's λ (TRL's lmbda), the student's share.",
+    )
+    completion_column: str = option(
+        "completion",
+        "The prompts' column holding the teacher-written completion, read when distill.lam > 0 "
+        "(data.columns can rename a column to it).",
+    )
     discount: float = option(
         0.0,
         "γ ∈ [0, 1]: each token's advantage is the discounted sum of the per-token rewards "
@@ -182,6 +194,14 @@ class DistillConfig:
                 e.append(msg)
         if not 0.0 <= d.reward_weight < math.inf:
             e.append(f"distill.reward_weight = {d.reward_weight} must be a finite number ≥ 0")
+        if not 0.0 <= d.lam <= 1.0:
+            e.append(f"distill.lam = {d.lam} must be in [0, 1]")
+        elif d.lam > 0 and d.loss != "jsd":
+            e.append(
+                f"distill.lam = {d.lam} mixes in teacher-written completions, which the "
+                "policy-gradient form distill.loss reverse_kl cannot train on (they are not the "
+                "student's samples): use distill.loss jsd, or distill.lam: 0"
+            )
         if not 0.0 <= d.beta <= 1.0:
             e.append(f"distill.beta = {d.beta} must be in [0, 1]")
         if d.loss == "jsd":

@@ -226,6 +226,76 @@ def test_a_lora_student_trains(assets, teacher, tmp_path, loss, capsys):
     assert (tmp_path / loss / "model.safetensors").is_file()  # merged (output.merge_lora)
 
 
+def _with_completions(tmp_path, n: int = 6):
+    path = tmp_path / "written.jsonl"
+    write_jsonl(
+        path, [{"prompt": p, "completion": "ab" * (i + 1)} for i, p in enumerate(prompt_texts(n))]
+    )
+    return path
+
+
+def test_lam_one_trains_on_the_teacher_written_completions(assets, teacher, tmp_path, capsys):
+    prompts = _with_completions(tmp_path)
+    cfg = distill_config(
+        assets.policy("llama"),
+        teacher,
+        prompts,
+        tmp_path / "lam1",
+        distill={"loss": "jsd", "lam": 1.0},
+        output={"samples_per_step": 4},
+    )
+    assert distill_main(cfg) == 0, capsys.readouterr().err
+    rows = read_jsonl(tmp_path / "lam1" / "metrics.jsonl")
+    assert all(r["distill/teacher_written_frac"] == 1.0 and r["distill/jsd"] > 0 for r in rows)
+    # no student rows: the sampled reverse KL has nothing to average
+    assert all(r["distill/reverse_kl"] == 0.0 for r in rows)
+    want = {r["prompt"]: r["completion"] for r in read_jsonl(prompts)}
+    samples = read_jsonl(tmp_path / "lam1" / "samples.jsonl")
+    assert samples and all(x["teacher_written"] for x in samples)
+    for x in samples:  # the completion and the EOS, cut at rollout.max_new_tokens = 8
+        assert x["response"] == want[x["prompt"]][:8], x
+
+
+def test_lam_draws_each_row_alike_on_every_run(assets, teacher, tmp_path, capsys):
+
+    prompts = _with_completions(tmp_path)
+    for name in ("a", "b"):
+        cfg = distill_config(
+            assets.policy("llama"),
+            teacher,
+            prompts,
+            tmp_path / name,
+            distill={"loss": "jsd", "lam": 0.5},
+            output={"samples_per_step": 4},
+        )
+        assert distill_main(cfg) == 0, capsys.readouterr().err
+    a = [x["teacher_written"] for x in read_jsonl(tmp_path / "a" / "samples.jsonl")]
+    b = [x["teacher_written"] for x in read_jsonl(tmp_path / "b" / "samples.jsonl")]
+    assert a == b and any(a) and not all(a)
+    fracs = [
+        r["distill/teacher_written_frac"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    ]
+    assert all(0.0 <= f <= 1.0 for f in fracs)
+
+
+def test_lam_needs_jsd_and_the_column(assets, teacher, tmp_path, capsys):
+    cfg = distill_config(
+        assets.policy("llama"), teacher, assets.prompts, tmp_path / "x", distill={"lam": 0.5}
+    )
+    assert distill_main(cfg) == 2
+    assert "distill.lam = 0.5 mixes in teacher-written completions" in capsys.readouterr().err
+    cfg = distill_config(
+        assets.policy("llama"),
+        teacher,
+        assets.prompts,
+        tmp_path / "y",
+        distill={"lam": 0.5, "loss": "jsd"},
+    )
+    assert distill_main(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "distill.completion_column = 'completion'" in err[0], err
+
+
 def test_a_verifier_reward_is_added_with_its_weight(assets, tmp_path, monkeypatch, capsys):
     from proximal.trainers import distill
 
