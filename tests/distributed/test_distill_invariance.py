@@ -69,13 +69,24 @@ def teacher(assets, tmp_path_factory):
 
 
 def _config(assets, teacher, run_dir: Path, **distill) -> dict:
+    prompts = assets.prompts
+    if distill.get("lam"):  # teacher-written completions in a column of the prompts
+        from ppo_support import prompt_texts
+
+        from proximal.data.jsonl import write_jsonl
+
+        prompts = run_dir.parent / "written.jsonl"
+        rows = [
+            {"prompt": p, "completion": "ab" * (1 + i % 3)} for i, p in enumerate(prompt_texts())
+        ]
+        write_jsonl(prompts, rows)
     return {
         "model": {
             "path": str(assets.policy("llama")),
             "teacher": str(teacher),
             "reward_functions": ["ppo_support:frac_a"],
         },
-        "data": {"prompts": str(assets.prompts), "max_prompt_length": 16},
+        "data": {"prompts": str(prompts), "max_prompt_length": 16},
         "rollout": {"batch_size": 4, "group_size": 2, "max_new_tokens": 6},
         "distill": {"iterations": 2, "mini_batch_size": 4, "micro_batch_size": 1, **distill},
         "optim": {"lr": LR},
@@ -86,8 +97,12 @@ def _config(assets, teacher, run_dir: Path, **distill) -> dict:
 
 @pytest.mark.parametrize(
     "distill",
-    [{"reward_weight": 0.5}, {"loss": "jsd", "beta": 0.5, "reward_weight": 0.0}],
-    ids=["reverse_kl+reward", "jsd"],
+    [
+        {"reward_weight": 0.5},
+        {"loss": "jsd", "beta": 0.5, "reward_weight": 0.0},
+        {"loss": "jsd", "lam": 0.5, "reward_weight": 0.0},
+    ],
+    ids=["reverse_kl+reward", "jsd", "jsd+lam"],
 )
 def test_distill_1_vs_2_processes(assets, teacher, tmp_path, distill):
     one = run_ranks(1, _train, _config(assets, teacher, tmp_path / "w1", **distill))[0]
@@ -95,3 +110,5 @@ def test_distill_1_vs_2_processes(assets, teacher, tmp_path, distill):
     _compare(one, two)
     rows = one[0]
     assert all(r["grad_norm/actor"] > 0 for r in rows)  # the run moved
+    if distill.get("lam"):  # some rows of the run were teacher-written, not all
+        assert 0 < sum(r["distill/teacher_written_frac"] for r in rows) < len(rows)
