@@ -363,11 +363,15 @@ def test_a_missing_teacher_is_one_line(assets, tmp_path, capsys):
     assert "model.teacher is required" in capsys.readouterr().err
 
 
-def test_resume_reproduces_the_uninterrupted_run(assets, teacher, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("loss", [{}, {"loss": "jsd", "lam": 0.5}], ids=["reverse_kl", "jsd+lam"])
+def test_resume_reproduces_the_uninterrupted_run(
+    assets, teacher, tmp_path, monkeypatch, capsys, loss
+):
+    """6 prompts, 2 per step: the checkpoint after step 2 falls mid-pass; AdamW's moments and a
+    warm-up that spans it; with jsd+lam the teacher-written draws of the steps after it."""
     from proximal.train import run
 
-    prompts = tmp_path / "prompts.jsonl"
-    write_jsonl(prompts, [{"prompt": p} for p in prompt_texts(6)])
+    prompts = _with_completions(tmp_path)
 
     def config(name):
         return distill_config(
@@ -375,7 +379,7 @@ def test_resume_reproduces_the_uninterrupted_run(assets, teacher, tmp_path, monk
             teacher,
             prompts,
             tmp_path / name,
-            distill={"iterations": 2, "mini_batch_size": 2, "micro_batch_size": 1},
+            distill={"iterations": 2, "mini_batch_size": 2, "micro_batch_size": 1, **loss},
             optim={"warmup_steps": 6, "lr": 1e-2},
             train={"steps": 4, "save_every": 2, "keep_checkpoints": 3},
         )
