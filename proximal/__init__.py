@@ -28,12 +28,14 @@ _LAZY = {
     "GRPOConfig": "proximal.trainers.grpo_config",
     "DPOConfig": "proximal.trainers.dpo_config",
     "SimPOConfig": "proximal.trainers.dpo_config",
+    "DistillConfig": "proximal.trainers.distill_config",
     "train_sft": "proximal.api",
     "train_rm": "proximal.api",
     "train_ppo": "proximal.api",
     "train_grpo": "proximal.api",
     "train_dpo": "proximal.api",
     "train_simpo": "proximal.api",
+    "train_distill": "proximal.api",
     # configs from YAML files and overrides, as the commands read them
     "load_config": "proximal.config",
     # data as every command reads it; reward functions as the online methods call them
@@ -57,12 +59,14 @@ __all__ = [  # the names of _LAZY, written out for the linter and for `from prox
     "GRPOConfig",
     "DPOConfig",
     "SimPOConfig",
+    "DistillConfig",
     "train_sft",
     "train_rm",
     "train_ppo",
     "train_grpo",
     "train_dpo",
     "train_simpo",
+    "train_distill",
     "load_config",
     "read_rows",
     "load_reward_function",
@@ -89,7 +93,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from proximal.api import train_dpo, train_grpo, train_ppo, train_rm, train_sft, train_simpo
+    from proximal.api import (
+        train_distill,
+        train_dpo,
+        train_grpo,
+        train_ppo,
+        train_rm,
+        train_sft,
+        train_simpo,
+    )
     from proximal.config import ConfigError, load_config
     from proximal.data.jsonl import DataError
     from proximal.data.sources import read_rows
@@ -97,6 +109,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from proximal.logging import read_metrics
     from proximal.models.loading import ModelLoadError
     from proximal.rollout.reward_functions import RewardFunctionError, load_reward_function
+    from proximal.trainers.distill_config import DistillConfig
     from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
     from proximal.trainers.grpo_config import GRPOConfig
     from proximal.trainers.ppo_config import PPOConfig

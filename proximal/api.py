@@ -22,13 +22,22 @@ from typing import Any
 from proximal.commands import config_class, trainer
 from proximal.config import load_config
 from proximal.train import signals
+from proximal.trainers.distill_config import DistillConfig
 from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
 from proximal.trainers.grpo_config import GRPOConfig
 from proximal.trainers.ppo_config import PPOConfig
 from proximal.trainers.reward_config import RMConfig
 from proximal.trainers.sft_config import SFTConfig
 
-__all__ = ["train_sft", "train_rm", "train_ppo", "train_grpo", "train_dpo", "train_simpo"]
+__all__ = [
+    "train_sft",
+    "train_rm",
+    "train_ppo",
+    "train_grpo",
+    "train_dpo",
+    "train_simpo",
+    "train_distill",
+]
 
 Config = Any  # one of the config classes, or a YAML file's path
 
@@ -79,3 +88,11 @@ def train_dpo(config: DPOConfig | str | Path, *, resume_dir: str | Path | None =
 def train_simpo(config: SimPOConfig | str | Path, *, resume_dir: str | Path | None = None) -> Path:
     """SimPO on preference pairs, no reference (``proximal simpo``; docs/simpo.md)."""
     return _run("simpo", config, resume_dir)
+
+
+def train_distill(
+    config: DistillConfig | str | Path, *, resume_dir: str | Path | None = None
+) -> Path:
+    """On-policy distillation: the student samples, ``model.teacher`` grades every token
+    (``proximal distill``; docs/distill.md)."""
+    return _run("distill", config, resume_dir)

@@ -24,7 +24,7 @@ class Command:
     train: str | None = (
         None  # its training function: f(config, resume_dir=None) -> the run directory
     )
-    online: bool = False  # a training command that samples its own responses (ppo, grpo)
+    online: bool = False  # a training command that samples its own responses (ppo, grpo, distill)
 
 
 COMMANDS: dict[str, Command] = {
@@ -73,6 +73,15 @@ COMMANDS: dict[str, Command] = {
             "proximal.trainers.dpo:simpo_cli",
             "proximal.trainers.dpo_config:SimPOConfig",
             "proximal.trainers.dpo:train",
+        ),
+        Command(
+            "distill",
+            "on-policy distillation: the student samples, a teacher grades every token "
+            "(reverse KL), optionally plus a verifier's reward",
+            "proximal.trainers.distill:cli",
+            "proximal.trainers.distill_config:DistillConfig",
+            "proximal.trainers.distill:train",
+            online=True,
         ),
         Command(
             "demo",

@@ -21,9 +21,9 @@ from proximal.train import trl_names
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_training_commands_are_the_six_methods_commands():
-    assert TRAINING == ("ppo", "grpo", "sft", "rm", "dpo", "simpo")
-    assert [n for n, c in COMMANDS.items() if c.online] == ["ppo", "grpo"]
+def test_the_training_commands_are_the_seven_methods_commands():
+    assert TRAINING == ("ppo", "grpo", "sft", "rm", "dpo", "simpo", "distill")
+    assert [n for n, c in COMMANDS.items() if c.online] == ["ppo", "grpo", "distill"]
 
 
 def test_the_command_line_runs_and_lists_the_tables_commands(capsys):
@@ -50,7 +50,8 @@ def test_a_command_without_a_config_is_not_a_training_command():
 def test_every_method_and_every_planned_method_is_trained_by_a_command_of_the_table():
     assert {m.command for m in METHODS.values()} <= set(TRAINING)
     assert set(COMMAND_OF) == set(PLANNED)
-    assert set(COMMAND_OF.values()) == set(TRAINING)
+    # the planner does not count distill's teacher yet (issue 44)
+    assert set(COMMAND_OF.values()) == set(TRAINING) - {"distill"}
     assert set(trl_names.COMMANDS) == set(TRAINING)
 
 

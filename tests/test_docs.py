@@ -24,7 +24,7 @@ from proximal.train.command import EXIT_TRAINING, EXIT_USER, TRAINING_ERRORS, US
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 #: The commands whose ``--help`` lists config fields (a command that gains them joins the checks by
 #: itself; this set only guards against a ``--help`` format the parser below no longer reads).
-CONFIG_COMMANDS = {"sft", "rm", "ppo", "grpo", "dpo", "simpo", "compare"}
+CONFIG_COMMANDS = {"sft", "rm", "ppo", "grpo", "dpo", "simpo", "distill", "compare"}
 
 
 def render_default(value) -> str:

@@ -10,6 +10,7 @@ import yaml
 
 from proximal.config import ConfigError, describe, load_config
 from proximal.train.trl_names import COMMANDS, TRL_NAMES
+from proximal.trainers.distill_config import DistillConfig
 from proximal.trainers.dpo_config import DPOConfig, SimPOConfig
 from proximal.trainers.grpo_config import GRPOConfig
 from proximal.trainers.ppo_config import PPOConfig
@@ -23,6 +24,7 @@ CONFIGS = {
     "simpo": SimPOConfig,
     "ppo": PPOConfig,
     "grpo": GRPOConfig,
+    "distill": DistillConfig,
 }
 #: A dotted config name in a hint: ``optim.lr``, ``rollout.group_size``.
 FIELD = re.compile(r"\b([a-z]+\.[a-z_0-9]+)\b")

@@ -33,6 +33,7 @@ from proximal.core.correction import (
     tis_weights,
     token_mask_weights,
 )
+from proximal.core.distill import generalized_jsd, linear_generalized_jsd, reverse_kl_advantages
 from proximal.core.fused import (
     DEFAULT_CHUNK_ELEMENTS,
     linear_logprobs,
@@ -107,6 +108,9 @@ __all__ = [
     "bradley_terry_loss",
     "correction_weights",
     "cispo_policy_loss",
+    "generalized_jsd",
+    "linear_generalized_jsd",
+    "reverse_kl_advantages",
     "clipped_ratio",
     "clipped_surrogate_loss",
     "dpo_loss",

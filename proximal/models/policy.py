@@ -18,7 +18,12 @@ import warnings
 
 import torch
 
-from proximal.models.loading import load_causal_lm, load_sequence_scorer, load_tokenizer
+from proximal.models.loading import (
+    ModelLoadError,
+    load_causal_lm,
+    load_sequence_scorer,
+    load_tokenizer,
+)
 from proximal.models.parallel import load_dtype, prepare_frozen, prepare_trained
 
 
@@ -66,12 +71,20 @@ def build_actor(path: str, *, dtype: str, lora: dict | None = None):
 class Reference:
     """π_ref: a frozen copy, or the LoRA actor with its adapters switched off."""
 
-    def __init__(self, actor, *, path: str | None, dtype: str, shares_actor: bool):
+    def __init__(
+        self,
+        actor,
+        *,
+        path: str | None,
+        dtype: str,
+        shares_actor: bool,
+        role: str = "reference (model.path)",
+    ):
         self.shares_actor = shares_actor
         if shares_actor:
             self.model = actor
         else:
-            self.model = load_causal_lm(path, role="reference (model.path)", dtype=dtype)
+            self.model = load_causal_lm(path, role=role, dtype=dtype)
 
     @contextlib.contextmanager
     def active(self):
@@ -138,6 +151,64 @@ def load_reference(
     if not ref.shares_actor:
         prepare_frozen(ref.model, device=device, world_size=world_size, sharding=frozen_sharding)
     return ref
+
+
+def tokenizer_mismatch(student, teacher, teacher_path: str) -> str | None:
+    """One line saying how the teacher's tokenizer differs from the student's (its vocabulary,
+    an id, a special token), or None when they agree: on-policy distillation compares the two
+    models' probabilities of the same token ids, so they must share the tokenizer."""
+    where = f"model.teacher {teacher_path}"
+    vs, vt = student.get_vocab(), teacher.get_vocab()
+    if len(vs) != len(vt):
+        return (
+            f"{where}: its tokenizer has {len(vt)} tokens, the student's (model.path) {len(vs)}; "
+            "the teacher must share the student's tokenizer (cross-tokenizer distillation is not "
+            "supported)"
+        )
+    differ = sorted(tok for tok, i in vs.items() if vt.get(tok) != i)
+    if differ:
+        return (
+            f"{where}: its tokenizer maps {len(differ)} tokens to other ids than the student's "
+            f"(e.g. {differ[0]!r}: {vt.get(differ[0])} vs {vs[differ[0]]}); the teacher must "
+            "share the student's tokenizer (cross-tokenizer distillation is not supported)"
+        )
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            return (
+                f"{where}: its tokenizer's {name} is {getattr(teacher, name, None)}, the "
+                f"student's {getattr(student, name, None)}; the teacher must share the student's "
+                "tokenizer"
+            )
+    return None
+
+
+def load_teacher(
+    path: str,
+    student_tokenizer,
+    *,
+    precision: str,
+    device: torch.device,
+    world_size: int,
+    frozen_sharding: str = "shard",
+) -> Reference:
+    """The teacher of on-policy distillation, frozen like a reference (:func:`load_reference`): its
+    tokenizer checked against the student's first (:func:`tokenizer_mismatch`: a
+    :class:`~proximal.models.loading.ModelLoadError` in one line, before any teacher weight loads),
+    then its output vocabulary. Every rank calls it."""
+    mismatch = tokenizer_mismatch(
+        student_tokenizer, load_tokenizer(path, role="teacher tokenizer (model.teacher)"), path
+    )
+    if mismatch:
+        raise ModelLoadError(mismatch)
+    teacher = Reference(
+        None,
+        path=path,
+        dtype=load_dtype(precision, trained=False),
+        shares_actor=False,
+        role="teacher (model.teacher)",
+    )
+    prepare_frozen(teacher.model, device=device, world_size=world_size, sharding=frozen_sharding)
+    return teacher
 
 
 def build_critic(

@@ -24,12 +24,16 @@ def _shared(command: str) -> dict[str, str]:
     """The names of transformers' TrainingArguments (every TRL trainer's base) and OpenRLHF's common
     flags, for ``command``."""
     fixed = command in FIXED
-    micro = {"ppo": "ppo.micro_batch_size", "grpo": "grpo.micro_batch_size"}.get(
-        command, "train.micro_batch_size"
-    )
-    step_batch = {"ppo": "ppo.mini_batch_size", "grpo": "grpo.mini_batch_size"}.get(
-        command, "train.batch_size"
-    )
+    micro = {
+        "ppo": "ppo.micro_batch_size",
+        "grpo": "grpo.micro_batch_size",
+        "distill": "distill.micro_batch_size",
+    }.get(command, "train.micro_batch_size")
+    step_batch = {
+        "ppo": "ppo.mini_batch_size",
+        "grpo": "grpo.mini_batch_size",
+        "distill": "distill.mini_batch_size",
+    }.get(command, "train.batch_size")
     unit = "rows (pairs)" if fixed else "responses"
     names = {
         "learning_rate": "it is optim.lr",
@@ -201,6 +205,19 @@ def _own(command: str) -> dict[str, str]:
             "sft_model_path": "it is model.path (the reference is its starting weights)",
             "num_generations": "PPO samples one response per prompt, rollout.batch_size prompts "
             "per step (a group per prompt is proximal grpo's group_size)",
+        }
+    if command == "distill":  # TRL's GKDConfig (and its successors' on-policy distillation)
+        return {
+            "teacher_model_name_or_path": "it is model.teacher",
+            "teacher_model": "it is model.teacher",
+            "lmbda": "distill.lam is the other share: 1 − lmbda, the probability that a response "
+            "is the data's teacher-written completion (distill.completion_column; with "
+            "distill.loss jsd)",
+            "seq_kd": "sequence-level KD on the teacher's samples is not on-policy distillation "
+            "(train on such samples with proximal sft); here model.teacher grades the student's",
+            "beta": "it is distill.beta, with distill.loss: jsd (the same convention); the default "
+            "distill.loss reverse_kl is the sampled reverse KL, TRL's beta 1.0, as a per-token reward",
+            "num_generations": "it is rollout.group_size",
         }
     return {  # grpo
         "num_generations": "it is rollout.group_size",
