@@ -46,7 +46,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from proximal.data.jsonl import DataError
 
@@ -104,7 +104,11 @@ def parse(url: str) -> GymSource:
             )
     if len(set(names)) != len(names):
         raise DataError(f"{url}: a generator is named twice")
-    query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False)
+    # split by hand, not parse_qsl: its '+' means a space, and '+' is an operator (operators=["+"])
+    query = [
+        (unquote(k), unquote(v))
+        for k, _, v in (p.partition("=") for p in parts.query.split("&") if p)
+    ]
     values: dict[str, Any] = dict(DEFAULTS)
     configs: dict[str, dict[str, Any]] = {n: {} for n in names}
     weights: tuple[float, ...] = (1.0,) * len(names)
