@@ -154,6 +154,14 @@ def test_a_bad_source_is_one_config_line(url, message):
     assert message in problem and "\n" not in problem
 
 
+def test_a_query_value_keeps_its_plus_signs():
+    """'+' is an operator here, not a space (urllib's parse_qsl would read it as one)."""
+    url = 'reasoning-gym://basic_arithmetic?operators=["+"]&size=5&allow_parentheses=false'
+    rows = [r for _, r in read_rows(url)]
+    assert rows[0]["generator_config"]["operators"] == ["+"]
+    assert all(set(r["metadata"]["expression"]) <= set("0123456789 +") for r in rows)
+
+
 def test_a_source_is_never_a_path_or_a_spec():
     url = "reasoning-gym://chain_sum"
     assert is_data_source(url) and source_problem(url, "data.prompts") is None
