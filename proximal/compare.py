@@ -55,6 +55,7 @@ from proximal.demo import (
     arithmetic_stage_configs,
     calculator_agent,
     calculator_stage_configs,
+    gym_stage_configs,
     stage_configs,
 )
 from proximal.evaluation import evaluate_policy
@@ -73,6 +74,7 @@ from proximal.models.tiny import SHAPE_KEYS, shape_problems, tiny_causal_lm_conf
 from proximal.rollout.reward_functions import DEFAULT_TIMEOUT_S
 from proximal.rollout.vllm import config_problems, preflight_problems
 from proximal.tasks import arithmetic, calculator, digits
+from proximal.tasks import gym as gym_task
 from proximal.tasks.digits import make_task_data
 from proximal.train import signals
 from proximal.train.command import config_command
@@ -90,6 +92,7 @@ TASKS = {
     "digits": DEFAULT_METHODS,
     ARITHMETIC: ["ppo@verifier", "grpo", "rloo"],
     CALCULATOR: ["ppo@verifier", "grpo", "rloo"],
+    **{task: ["ppo@verifier", "grpo", "rloo"] for task in gym_task.TASKS},
 }
 #: Each built-in task's base model (``compare.model`` is merged over it).
 TASK_MODELS = {
@@ -97,6 +100,25 @@ TASK_MODELS = {
     ARITHMETIC: arithmetic.DEFAULT_MODEL,
     CALCULATOR: calculator.DEFAULT_MODEL,
 }
+
+
+#: The built-in tasks with reference answers and a verifier, no pairs and no reward model.
+ANSWER_TASKS = (ARITHMETIC, CALCULATOR, *gym_task.TASKS)
+#: Held-out columns of a reasoning-gym task (proximal.tasks.gym); its verifier is the generator's
+#: own scorer.
+GYM_VERIFIER = "proximal.rewards:reasoning_gym"
+GYM_SCORES = {
+    "exact_match": "proximal.tasks.gym:exact_match",
+    "format_error": "proximal.tasks.gym:format_error",
+}
+
+
+def task_configs(task: str) -> Path:
+    """The packaged configs of a built-in answer task: ``<configs>/arithmetic/``,
+    ``<configs>/calculator/``, ``<configs>/reasoning_gym/`` (every reasoning-gym task)."""
+    return DEFAULT_CONFIGS / ("reasoning_gym" if task in gym_task.TASKS else task)
+
+
 #: The calculator task's no-tool baseline: GRPO from the SFT model that learned the teacher's
 #: answers without the tool, trained without it (``<configs>/grpo_notool.yaml``), once per seed.
 NO_TOOL = "notool"
@@ -113,8 +135,11 @@ class CompareSection:
         "arithmetic with reference answers: the answer verifier, exact match as gold, format "
         "errors; no pairs, no reward model) or calculator (the tool task: the same columns plus "
         "tool calls and tool errors per trajectory, every method with the calculator tool, and "
-        "a no-tool baseline row — GRPO from an SFT model without the tool). Their configs are "
-        "<configs>/arithmetic/ and <configs>/calculator/.",
+        "a no-tool baseline row — GRPO from an SFT model without the tool), or "
+        "reasoning_gym:chain_sum, reasoning_gym:basic_arithmetic (a reasoning-gym generator's "
+        "questions, SFT on a sloppy teacher's answers, the generator's own scorer as the "
+        "verifier; docs/tasks.md). Their configs are <configs>/arithmetic/, "
+        "<configs>/calculator/ and <configs>/reasoning_gym/.",
     )
     methods: list[str] = option(
         help="Methods to train: ppo, dpo, simpo, grpo, rloo, and (never by default) gspo, cispo, "
@@ -206,6 +231,8 @@ class CompareSection:
             return self.max_new_tokens
         if self.task == CALCULATOR:
             return CALCULATOR_TURN_TOKENS
+        if self.task in gym_task.TASKS:
+            return gym_task.MAX_RESPONSE_TOKENS
         if self.task == ARITHMETIC:
             return arithmetic.MAX_RESPONSE_TOKENS
         return digits.MAX_RESPONSE_TOKENS
@@ -380,7 +407,7 @@ class CompareConfig:
                 f"compare.task = {self.compare.task} runs a built-in task, which needs "
                 "data.sft_model unset; with your own data leave compare.task at digits"
             )
-        if self.data.sft_model is None and self.compare.task in (ARITHMETIC, CALCULATOR):
+        if self.data.sft_model is None and self.compare.task in ANSWER_TASKS:
             task = self.compare.task
             for spec in self.compare.methods:
                 name, _, source = spec.partition("@")
@@ -509,7 +536,7 @@ def plan(cfg: CompareConfig) -> list[RunSpec]:
     """Every run, seed-major (seed 0 of every method first: an interrupted comparison has a full row)."""
     have = bool(cfg.data.verifier) or cfg.data.sft_model is None
     builtin = cfg.data.sft_model is None
-    no_rm = builtin and cfg.compare.task in (ARITHMETIC, CALCULATOR)
+    no_rm = builtin and cfg.compare.task in ANSWER_TASKS
     specs = [
         (*resolve(s, have_verifier=have, have_reward_model=not no_rm), "")
         for s in cfg.compare.method_specs()
@@ -533,9 +560,9 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
         raise ConfigError(problems[0])
     _take_output_dir(out, cfg, main)
     configs = Path(cfg.compare.configs) if cfg.compare.configs else DEFAULT_CONFIGS
-    builtin = cfg.data.sft_model is None and cfg.compare.task in (ARITHMETIC, CALCULATOR)
+    builtin = cfg.data.sft_model is None and cfg.compare.task in ANSWER_TASKS
     if builtin and not cfg.compare.configs:
-        configs = DEFAULT_CONFIGS / cfg.compare.task
+        configs = task_configs(cfg.compare.task)
     runs = plan(cfg)
     if main:  # what the report reads: every planned run, started or not, in order
         (out / "plan.json").write_text(json.dumps([r.record for r in runs], indent=1) + "\n")
@@ -617,7 +644,9 @@ def run_compare(cfg: CompareConfig, *, echo: Callable[[str], None] = print) -> d
     return result
 
 
-def _answer_task_inputs(base: Path, verifier: str, scores: dict, **extra) -> Inputs:
+def _answer_task_inputs(
+    base: Path, verifier: str, scores: dict, *, prompt_limit: int = EVAL_PROMPT_TOKENS, **extra
+) -> Inputs:
     """The inputs of a built-in task with reference answers trained into ``base`` (arithmetic,
     calculator): its SFT model, prompts and held-out prompts, no reward model and no pairs; the
     held-out columns exact match (gold) and format errors — the verifier's own column would repeat
@@ -633,7 +662,7 @@ def _answer_task_inputs(base: Path, verifier: str, scores: dict, **extra) -> Inp
         verifier=verifier,
         gold=scores["exact_match"],
         scores={"gold": scores["exact_match"], "format_error": scores["format_error"]},
-        prompt_limit=EVAL_PROMPT_TOKENS,
+        prompt_limit=prompt_limit,
         **extra,
     )
 
@@ -659,6 +688,11 @@ def prepare_inputs(
         )
         return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
     builtin = d.sft_model is None
+    if builtin and cfg.compare.task in gym_task.TASKS:
+        base = train_builtin_gym(out / "base", cfg.compare.task, configs, echo=echo)
+        return _answer_task_inputs(
+            base, GYM_VERIFIER, GYM_SCORES, prompt_limit=gym_task.MAX_PROMPT_TOKENS
+        )
     if builtin:
         base = train_builtin(out / "base", configs, echo=echo, model=cfg.compare.base_model())
         task = base / "task"
@@ -814,6 +848,32 @@ def engine_problems(cfg: CompareConfig) -> list[str]:
         else p
         for p in config_problems(config, device=device, field="compare.engine")
     ]
+
+
+def train_builtin_gym(base: Path, task: str, configs: Path, *, echo: Callable[[str], None]) -> Path:
+    """A reasoning-gym task's data and SFT model (:mod:`proximal.tasks.gym`, seed 0); kept from an
+    earlier comparison when complete. ``configs`` holds its sft.yaml (else the packaged one's)."""
+    done = base / "base.json"
+    if done.is_file():
+        echo(f"inputs: the {task} task and its SFT model from {base} (trained earlier)")
+        return base
+    name = gym_task.generator(task)
+    echo(f"inputs: the {task} task (reasoning-gym's {name}); training its SFT model into {base}")
+    t0 = time.perf_counter()
+    if dist.launched_rank() == 0:
+        gym_task.make_task_data(base / "task", name, 0)
+    dist.barrier()
+    demo_configs = (
+        configs
+        if all((configs / f"{n}.yaml").is_file() for n in ("sft", "ppo", "grpo", "rloo"))
+        else task_configs(task)
+    )
+    stage_cfg, line = gym_stage_configs(demo_configs, base, 0)["sft"]
+    echo(f"      sft: {line}")
+    sft.train(stage_cfg)
+    if dist.launched_rank() == 0:
+        done.write_text(json.dumps({"seed": 0, "s": time.perf_counter() - t0}) + "\n")
+    return base
 
 
 def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, run_dir: Path):

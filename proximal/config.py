@@ -201,7 +201,9 @@ def could_be_local(path: str) -> bool:
     """Whether ``path``, which does not exist, was meant as a local path rather than a hub id or a
     data set name: it starts with ``.``, ``/`` or ``~``, has more than one ``/`` (a hub id has one),
     or its first component is a directory here (``runs/stf`` where ``runs/`` exists: a typo of
-    ``runs/sft``, not the hub's user ``runs``)."""
+    ``runs/sft``, not the hub's user ``runs``). A URL (``reasoning-gym://chain_sum``) is not."""
+    if "://" in path:
+        return False
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         return True
     first, sep, _ = path.partition("/")

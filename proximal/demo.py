@@ -522,6 +522,36 @@ def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
     )
 
 
+def gym_stage_configs(configs: Path, out: Path, seed: int) -> dict:
+    """``{stage: (config, equivalent command line)}`` of a reasoning-gym task's stages
+    (:mod:`proximal.tasks.gym`; compare's ``reasoning_gym:NAME``): each YAML of ``configs``
+    (``<configs>/reasoning_gym/``) with the paths under ``out``, where ``out/task`` holds the
+    task's files, and the seed filled in. ConfigError lists what is wrong in any of them."""
+    task = out / "task"
+    inputs = {
+        "sft": {
+            "model.path": task / "base_model",
+            "data.train_file": task / "sft_train.jsonl",
+            "data.eval_file": task / "sft_eval.jsonl",
+        },
+        **{
+            name: {"model.path": out / "sft", "data.prompts": task / "prompts_train.jsonl"}
+            for name in ARITHMETIC_RUNS
+        },
+    }
+    commands = {name: METHODS[name].command if name in METHODS else name for name in inputs}
+    return _task_stage_configs(
+        configs,
+        out,
+        seed,
+        inputs,
+        commands,
+        {},
+        verifier="proximal.rewards:reasoning_gym",
+        task="reasoning-gym",
+    )
+
+
 def _stage_config(path: Path, command: str, cls: type, values: dict, errors: list[str]):
     """One stage: ``path`` loaded as ``cls`` with ``values`` (paths as strings) over it, and the
     equivalent command line; ``(None, line)`` with the problem appended to ``errors`` when it does

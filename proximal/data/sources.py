@@ -14,6 +14,9 @@ local cache only: this module never downloads (the hub is switched off while it 
 From Python, rows may also be given in the config itself (a :class:`proximal.config.PythonObject`):
 a list of dicts, a ``datasets.Dataset`` or ``DatasetDict`` or a pandas ``DataFrame``; each row is
 then named by the field it was given in, ``data.train_file[row N]`` (N from 0).
+
+``reasoning-gym://NAME?...`` names rows a reasoning-gym generator makes (:mod:`proximal.data.gym`),
+``reasoning-gym://NAME[split][row N]``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from proximal.config import PythonObject, close_path, could_be_local, missing_path, python_name
+from proximal.data import gym
 from proximal.data.jsonl import DataError, read_jsonl
 
 #: File suffixes read by :func:`read_rows`, and what reads them.
@@ -67,6 +71,8 @@ def read_rows(
     columns = dict(columns or {})
     if isinstance(path, PythonObject):
         rows = _python_rows(path.value, path.field, split)
+    elif gym.is_gym_source(path):
+        rows = gym.rows(str(path), split)
     else:
         rows = _rows(Path(path), str(path), split)
     for where, record in rows:
@@ -76,7 +82,7 @@ def read_rows(
 def is_data_source(path: str | Path) -> bool:
     """Whether :func:`read_rows` would read ``path`` as data (rather than, say, a plain text file):
     a known suffix, a directory, or a name that is not an existing file; rows given from Python."""
-    if isinstance(path, PythonObject):
+    if isinstance(path, PythonObject) or gym.is_gym_source(path):
         return True
     p = Path(path)
     return p.suffix.lower() in SUFFIXES or p.is_dir() or not p.exists()
@@ -85,7 +91,9 @@ def is_data_source(path: str | Path) -> bool:
 def source_problem(path: str, field: str) -> str | None:
     """A config problem for a data path that is neither an existing file/directory nor a name in the
     local Hugging Face cache; None when it can be read (its rows are checked when it is), as rows
-    given from Python can."""
+    given from Python can. A ``reasoning-gym://`` source is parsed (:mod:`proximal.data.gym`)."""
+    if gym.is_gym_source(path):
+        return gym.problem(path, field)
     if (
         isinstance(path, PythonObject)
         or Path(path).exists()

@@ -653,6 +653,11 @@ DATA_SOURCES = (
     "a JSONL, JSON, Parquet, CSV or Arrow file, a save_to_disk directory or a data set name in "
     "the local Hugging Face cache (docs/data.md)"
 )
+#: What a prompt path reads besides: rows made by reasoning-gym generators (proximal.data.gym).
+PROMPT_SOURCES = (
+    DATA_SOURCES[: -len(" (docs/data.md)")]
+    + ", or reasoning-gym generators, reasoning-gym://NAME?size=N&seed=S (docs/data.md)"
+)
 SPLIT_HELP = (
     "The split to read where the data is a DatasetDict (a save_to_disk directory or a data set "
     "name in the local Hugging Face cache): null = 'train'. Applies to every data file of this "
@@ -669,7 +674,7 @@ COLUMNS_HELP = (
 class PromptDataSection:
     prompts: str = option(
         "",
-        "Prompts, {'prompt': str} or {'messages': [...]} rows: " + DATA_SOURCES + ". Required.",
+        "Prompts, {'prompt': str} or {'messages': [...]} rows: " + PROMPT_SOURCES + ". Required.",
         python="data",
     )
     max_prompt_length: int = option(256, "Longest prompt in tokens.")
@@ -903,7 +908,7 @@ class EvalSection:
     prompts: str | None = option(
         None,
         "Held-out prompts, in any format data.prompts takes ({'prompt': str} or {'messages': [...]} "
-        "rows, extra columns too): " + DATA_SOURCES + ". null = no sampled evaluation.",
+        "rows, extra columns too): " + PROMPT_SOURCES + ". null = no sampled evaluation.",
         python="data",
     )
     every: int = option(
