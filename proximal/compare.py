@@ -99,6 +99,7 @@ TASK_MODELS = {
     "digits": digits.DEFAULT_MODEL,
     ARITHMETIC: arithmetic.DEFAULT_MODEL,
     CALCULATOR: calculator.DEFAULT_MODEL,
+    **dict.fromkeys(gym_task.TASKS, gym_task.DEFAULT_MODEL),
 }
 
 
@@ -689,7 +690,9 @@ def prepare_inputs(
         return _answer_task_inputs(base, ARITHMETIC_VERIFIER, ARITHMETIC_SCORES)
     builtin = d.sft_model is None
     if builtin and cfg.compare.task in gym_task.TASKS:
-        base = train_builtin_gym(out / "base", cfg.compare.task, configs, echo=echo)
+        base = train_builtin_gym(
+            out / "base", cfg.compare.task, configs, echo=echo, model=cfg.compare.base_model()
+        )
         return _answer_task_inputs(
             base, GYM_VERIFIER, GYM_SCORES, prompt_limit=gym_task.MAX_PROMPT_TOKENS
         )
@@ -850,7 +853,9 @@ def engine_problems(cfg: CompareConfig) -> list[str]:
     ]
 
 
-def train_builtin_gym(base: Path, task: str, configs: Path, *, echo: Callable[[str], None]) -> Path:
+def train_builtin_gym(
+    base: Path, task: str, configs: Path, *, echo: Callable[[str], None], model: dict | None = None
+) -> Path:
     """A reasoning-gym task's data and SFT model (:mod:`proximal.tasks.gym`, seed 0); kept from an
     earlier comparison when complete. ``configs`` holds its sft.yaml (else the packaged one's)."""
     done = base / "base.json"
@@ -861,7 +866,7 @@ def train_builtin_gym(base: Path, task: str, configs: Path, *, echo: Callable[[s
     echo(f"inputs: the {task} task (reasoning-gym's {name}); training its SFT model into {base}")
     t0 = time.perf_counter()
     if dist.launched_rank() == 0:
-        gym_task.make_task_data(base / "task", name, 0)
+        gym_task.make_task_data(base / "task", name, 0, model=model)
     dist.barrier()
     demo_configs = (
         configs
