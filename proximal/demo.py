@@ -492,11 +492,10 @@ def stage_configs(
     return result
 
 
-def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
-    """``{stage: (config, equivalent command line)}`` of the arithmetic task's stages: each YAML of
-    ``configs`` (``<configs>/arithmetic/``) with the paths under ``out`` (``<out>/arithmetic``), the
-    seed and ``plan``'s overrides filled in; the reward settings stay the YAML's. ConfigError lists
-    what is wrong in any of them."""
+def _answer_task_stages(out: Path) -> tuple[dict, dict]:
+    """The stages of a task with reference answers whose files are in ``out/task`` (arithmetic, a
+    reasoning-gym task): ``({stage: its input paths}, {stage: its command})`` — SFT from the base
+    model on the task's SFT data, then each of ``ARITHMETIC_RUNS`` from ``out/sft`` on its prompts."""
     task = out / "task"
     inputs = {
         "sft": {
@@ -510,6 +509,15 @@ def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) ->
         },
     }
     commands = {name: METHODS[name].command if name in METHODS else name for name in inputs}
+    return inputs, commands
+
+
+def arithmetic_stage_configs(configs: Path, out: Path, seed: int, plan: Plan) -> dict:
+    """``{stage: (config, equivalent command line)}`` of the arithmetic task's stages: each YAML of
+    ``configs`` (``<configs>/arithmetic/``) with the paths under ``out`` (``<out>/arithmetic``), the
+    seed and ``plan``'s overrides filled in; the reward settings stay the YAML's. ConfigError lists
+    what is wrong in any of them."""
+    inputs, commands = _answer_task_stages(out)
     return _task_stage_configs(
         configs,
         out,
@@ -527,19 +535,7 @@ def gym_stage_configs(configs: Path, out: Path, seed: int) -> dict:
     (:mod:`proximal.tasks.gym`; compare's ``reasoning_gym:NAME``): each YAML of ``configs``
     (``<configs>/reasoning_gym/``) with the paths under ``out``, where ``out/task`` holds the
     task's files, and the seed filled in. ConfigError lists what is wrong in any of them."""
-    task = out / "task"
-    inputs = {
-        "sft": {
-            "model.path": task / "base_model",
-            "data.train_file": task / "sft_train.jsonl",
-            "data.eval_file": task / "sft_eval.jsonl",
-        },
-        **{
-            name: {"model.path": out / "sft", "data.prompts": task / "prompts_train.jsonl"}
-            for name in ARITHMETIC_RUNS
-        },
-    }
-    commands = {name: METHODS[name].command if name in METHODS else name for name in inputs}
+    inputs, commands = _answer_task_stages(out)
     return _task_stage_configs(
         configs,
         out,
