@@ -299,7 +299,8 @@ def collect(
 ) -> Collected:
     """Take the next global batch of prompts from ``sampler``, have ``responder`` (default:
     :class:`SingleTurn`) answer each of this rank's prompts ``group_size`` times, score the
-    responses, and guard non-finite scores (:func:`finite_rows`).
+    responses, and guard non-finite scores (:func:`finite_rows`): :func:`draw`, the responder's
+    ``respond``, :func:`score`.
 
     Row r of the global batch draws its tokens from a generator seeded by (seed, step, r), so the
     rollout is the same on any number of processes (:mod:`proximal.rollout.engine`). The engine's
@@ -307,15 +308,62 @@ def collect(
     """
     responder = responder if responder is not None else SingleTurn(max_new_tokens)
     t0 = time.perf_counter()
+    drawn = draw(step, prompt_set=prompt_set, sampler=sampler, seed=seed, group_size=group_size)
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, stop_strings)
+    got = responder.respond(engine, tokenizer, drawn.prompts, sampling, device=device)
+    return score(
+        step,
+        drawn,
+        got,
+        time.perf_counter() - t0,
+        scorer=scorer,
+        responder=responder,
+        device=device,
+        missing_eos_penalty=missing_eos_penalty,
+        nonfinite=nonfinite,
+        group_size=group_size,
+    )
+
+
+@dataclass
+class Drawn:
+    """A step's prompts as this rank answers them: the :class:`Prompts` (``group_size`` rows per
+    prompt, each with its seed) and each row's index in the global batch of rows."""
+
+    prompts: Prompts
+    positions: list[int]
+
+
+def draw(step: int, *, prompt_set, sampler, seed: int, group_size: int = 1) -> Drawn:
+    """Step ``step``'s global batch of prompts, the next of ``sampler``: this rank's share, each
+    prompt ``group_size`` times, row r of the global batch seeded (seed, step, r)."""
     batch = sampler.next_global_batch()
     mine = sampler.local_part(list(range(len(batch))))  # this rank's prompt positions
     positions = [p * group_size + j for p in mine for j in range(group_size)]
     idx = [batch[p] for p in mine for _ in range(group_size)]
-    prompts = Prompts.of(prompt_set, idx, [row_seed(seed, step, r) for r in positions])
-    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, stop_strings)
-    got = responder.respond(engine, tokenizer, prompts, sampling, device=device)
-    rollout, texts = got.rollout, prompts.texts
-    generate_s = time.perf_counter() - t0
+    return Drawn(
+        Prompts.of(prompt_set, idx, [row_seed(seed, step, r) for r in positions]), positions
+    )
+
+
+def score(
+    step: int,
+    drawn: Drawn,
+    got: Responses,
+    generate_s: float,
+    *,
+    scorer: Scorer,
+    responder: Responder,
+    device: torch.device,
+    missing_eos_penalty: float | None = None,
+    nonfinite: str = "skip",
+    group_size: int = 1,
+) -> Collected:
+    """The responses ``got`` to ``drawn`` scored (reward model, functions, the responder's own
+    sources and the missing-EOS penalty), the non-finite scores guarded (:func:`finite_rows`) and
+    the rows the responder drops left out: the step's :class:`Collected`."""
+    rollout, prompts = got.rollout, drawn.prompts
+    texts = prompts.texts
     scores, components = scorer(
         rollout,
         texts,
@@ -336,7 +384,7 @@ def collect(
         scores,
         components,
         valid,
-        positions,
+        drawn.positions,
         generate_s,
         dropped=dropped,
         turn_rewards=got.turn_rewards,

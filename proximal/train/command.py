@@ -30,6 +30,7 @@ from proximal import dist
 from proximal.config import ConfigError, help_text, load_config, missing_path, parse_overrides
 from proximal.data.jsonl import DataError
 from proximal.models.loading import ModelLoadError
+from proximal.rollout.generator import GeneratorError, GeneratorLost
 from proximal.rollout.reward_functions import RewardFunctionError, RewardServerLost
 from proximal.train import signals
 from proximal.train.checkpoint import DISK_FULL, CheckpointError, SaveError, completed
@@ -48,7 +49,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 #: Exceptions that mean training itself failed (e.g. a non-finite loss, a checkpoint that could not
 #: be written, a reward server lost for good): exit status 1.
-TRAINING_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, SaveError, RewardServerLost)
+TRAINING_ERRORS: tuple[type[BaseException], ...] = (
+    FloatingPointError,
+    SaveError,
+    RewardServerLost,
+    GeneratorError,
+)
 
 #: Exit statuses. EXIT_PREEMPTED: stopped by SIGTERM or SIGUSR1 — after the step in progress and its
 #: checkpoint, or at once on a second signal with the previous checkpoint intact — so a scheduler
@@ -85,6 +91,8 @@ def lost_peer(error: BaseException) -> bool:
 
 def exit_code(error: BaseException) -> int | None:
     """The exit status for an exception a command reports in one line, or None for a bug."""
+    if isinstance(error, GeneratorLost):  # a fresh generator, from the last checkpoint, is the cure
+        return EXIT_PREEMPTED
     if lost_peer(error):
         return EXIT_TRAINING
     if isinstance(error, signals.Stopped):

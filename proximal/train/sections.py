@@ -9,6 +9,7 @@ once (a command may give them its own defaults through :func:`proximal.config.se
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -798,12 +799,39 @@ class RolloutSection:
         "weighted by min(π_old/μ, rollout.correction_cap), Yao et al. 2025); token_mask (IcePop: "
         "weight π_old/μ inside rollout.correction_band, 0 outside); seq_mask (a response leaves the "
         "policy loss when its geometric-mean ratio exp(mean log π_old/μ) is outside the band); "
-        "bypass (π_old := μ: the ratio is π_θ/μ and π_old's forward pass is skipped). "
-        "docs/rollout-correction.md.",
-        choices=(None, *(c for c in CORRECTIONS if c != "none")),
+        "bypass (π_old := μ: the ratio is π_θ/μ and π_old's forward pass is skipped); off (none, "
+        "also under rollout.staleness ≥ 1). null = none, except at rollout.staleness ≥ 1: tis, "
+        "the decoupled PPO objective (docs/async.md). docs/rollout-correction.md.",
+        choices=(None, "off", *(c for c in CORRECTIONS if c != "none")),
     )
     correction_cap: float = option(
         2.0, "C of rollout.correction tis: the weight min(π_old/μ, C) (verl's default 2)."
+    )
+    staleness: int = option(
+        0,
+        "k: the batch trained at step t is sampled by the policy of step t − k (the weights after "
+        "update t − 1 − k; the first k steps' batches by the starting policy), in a generator "
+        "process of its own while the trainer trains, so generation and training overlap. 0 = "
+        "today's synchronous loop, bit for bit. docs/async.md.",
+    )
+    staleness_mode: str = option(
+        "exact",
+        "rollout.staleness ≥ 1: exact (batch t + k is always sampled by version t: a run is "
+        "deterministic and resumes bitwise) or bounded (each batch by the newest policy the "
+        "generator has when it starts it: staleness ≤ k, whatever is ready; not reproducible).",
+        choices=("exact", "bounded"),
+    )
+    generator_cores: list[int] | None = option(
+        None,
+        "rollout.staleness ≥ 1 on CPU in one process: the CPU cores the generator process is "
+        "pinned to (the trainer keeps the others). null = the upper half of this process's cores "
+        "(on 2 cores: trainer core 0, generator core 1); [] = no pinning (under torchrun: none).",
+    )
+    generator_timeout_s: float = option(
+        900.0,
+        "rollout.staleness ≥ 1: a generator that delivers no batch (or takes no weights) for this "
+        "many seconds is hung: the run says so in one line and exits with the requeue status 75, "
+        "as when the generator dies, so that --resume auto continues it from its last checkpoint.",
     )
     correction_band: list[float] | None = option(
         None,
@@ -816,9 +844,14 @@ class RolloutSection:
 
     @property
     def correction_mode(self) -> str:
-        """``rollout.correction`` as :mod:`proximal.core.correction` names it ("none" for null: the
-        config loader reads a bare ``none`` as null)."""
-        return self.correction or "none"
+        """``rollout.correction`` as :mod:`proximal.core.correction` names it: null is "none" (the
+        config loader reads a bare ``none`` as null), except at ``staleness`` ≥ 1, where it is
+        "tis": AReaL's decoupled PPO objective (the clip around π_old, the current policy's
+        recomputation; each token weighted by its behaviour ratio π_old/μ, truncated at
+        ``correction_cap``; docs/async.md). "off" is "none" at any staleness."""
+        if self.correction is None:
+            return "tis" if self.staleness >= 1 else "none"
+        return "none" if self.correction == "off" else self.correction
 
     @property
     def replayed_filter(self) -> tuple[int, float] | None:
@@ -871,6 +904,21 @@ class RolloutSection:
                 f"{self.top_k}: vLLM's log-probabilities μ are those of the truncated distribution; "
                 f"set {name}.replay_filter: true, or {name}.top_p: 1 and {name}.top_k: 0"
             )
+        if self.staleness < 0:
+            e.append(f"{name}.staleness = {self.staleness} must be ≥ 0")
+        if not (math.isfinite(self.generator_timeout_s) and self.generator_timeout_s > 0):
+            e.append(
+                f"{name}.generator_timeout_s = {self.generator_timeout_s} must be a positive number "
+                "of seconds"
+            )
+        if self.generator_cores is not None:
+            available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            unknown = [c for c in self.generator_cores if c not in available]
+            if unknown:
+                e.append(
+                    f"{name}.generator_cores = {list(self.generator_cores)}: core(s) {unknown} are "
+                    f"not among this process's cores {available}"
+                )
         if msg := problem("correction_cap", self.correction_cap, f"{name}.correction_cap"):
             e.append(msg)
         if self.correction_band is not None:

@@ -42,7 +42,7 @@ from proximal.data.chat import set_chat_template
 from proximal.models.flops import Tokens
 from proximal.models.output import lm_hidden, output_head
 from proximal.models.policy import build_policy, load_teacher
-from proximal.rollout.collect import Responses, collect
+from proximal.rollout.collect import Responses
 from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import Rollout
@@ -55,7 +55,16 @@ from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_
 from proximal.train.perf import online_step_flops
 from proximal.trainers.distill_config import AGGREGATION, DistillConfig
 from proximal.trainers.grpo import GRPOUpdate, grpo_update
-from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
+from proximal.trainers.online import (
+    begin,
+    collect_step,
+    common_metrics,
+    end_step,
+    finish,
+    log_step,
+    set_up,
+    updated,
+)
 
 __all__ = ["DistillConfig", "train", "cli"]
 
@@ -90,13 +99,12 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
     resident = dict(actor=actor, teacher=teacher.model, reward_model=models.scorer.reward_model)
     counters = {"skipped_nonfinite": 0}
     start, counters = begin(o, cfg, trained, stateful, counters, resident)
-    engine = o.engine
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         # 1–3. A global batch of prompts; G responses ~ π_θ to each, each row from its own seeded
         # generator; scored when a reward source is given (otherwise every score is 0).
-        got = collect(step, **o.collect_args(cfg, group_size=G))
+        got = collect_step(o, cfg, step, group_size=G)
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
         # 4. Experience: log π_old (the student that sampled; the advantage needs it before the
@@ -162,7 +170,7 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
                     actor=Trained(actor, opt, sched),
                     shuffle_seed=row_seed(t.seed, step, -1),
                 )
-        engine.after_update()
+        updated(o, cfg, step)  # the engine (and a generator) take the new weights
         t_train = time.perf_counter() - t1
         mismatch = mismatch_metrics(
             exp.old_logprobs,

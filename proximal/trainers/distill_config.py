@@ -196,6 +196,11 @@ class DistillConfig:
             e.append(f"distill.reward_weight = {d.reward_weight} must be a finite number ≥ 0")
         if not 0.0 <= d.lam <= 1.0:
             e.append(f"distill.lam = {d.lam} must be in [0, 1]")
+        elif d.lam > 0 and self.rollout.staleness > 0:
+            e.append(
+                f"distill.lam = {d.lam} with rollout.staleness {self.rollout.staleness}: the "
+                "teacher-written rows are mixed in synchronously; use rollout.staleness: 0"
+            )
         elif d.lam > 0 and d.loss != "jsd":
             e.append(
                 f"distill.lam = {d.lam} mixes in teacher-written completions, which the "

@@ -50,7 +50,6 @@ from proximal.core import (
 from proximal.data.chat import set_chat_template
 from proximal.models.flops import Tokens
 from proximal.models.policy import build_policy
-from proximal.rollout.collect import collect
 from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, gather
 from proximal.rollout.sampling import response_logprobs
@@ -62,7 +61,16 @@ from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import online_step_flops
 from proximal.trainers.grpo_config import ADVANTAGES, REINFORCE_PP, GRPOConfig
-from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
+from proximal.trainers.online import (
+    begin,
+    collect_step,
+    common_metrics,
+    end_step,
+    finish,
+    log_step,
+    set_up,
+    updated,
+)
 
 __all__ = ["GRPOConfig", "train", "grpo_update", "cli"]
 
@@ -97,7 +105,6 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
     )
     counters = {"skipped_nonfinite": 0, "skipped_uniform_groups": 0}
     start, counters = begin(o, cfg, trained, stateful, counters, resident)
-    engine = o.engine
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -107,7 +114,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
         # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
         # (agents/collect.py), and its score its outcome plus its turn rewards: the group's baseline
         # is over whole trajectories.
-        got = collect(step, **o.collect_args(cfg, group_size=G))
+        got = collect_step(o, cfg, step, group_size=G)
         if got.turn_rewards is not None:  # GRPO/RLOO: the baseline is over whole trajectories
             got.scores = got.scores + got.turn_rewards.sum(1)
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
@@ -179,7 +186,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
                 shuffle_seed=row_seed(t.seed, step, -1),
                 record_first_step=not old_in_experience,
             )
-        engine.after_update()
+        updated(o, cfg, step)  # the engine (and a generator) take the new weights
         t_train = time.perf_counter() - t1
         # μ against π_old on the trained tokens (those of the update's first mini-batch when π_old was
         # its forward: all of them by default)

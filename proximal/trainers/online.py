@@ -11,9 +11,12 @@ numbered steps of its docs page (docs/ppo.md, docs/grpo.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from proximal import dist
 from proximal.agents.collect import run_responder, run_tools
@@ -28,8 +31,23 @@ from proximal.evaluation import (
     training_eval,
 )
 from proximal.logging import write_samples
-from proximal.rollout.collect import Collected, Responder, load_inputs
+from proximal.rollout.collect import (
+    Collected,
+    Responder,
+    Sampling,
+    collect,
+    draw,
+    load_inputs,
+    score,
+)
 from proximal.rollout.engine import RolloutEngine, build_engine
+from proximal.rollout.generator import (
+    StaleRollouts,
+    pin_process,
+    scheduled_version,
+    split_cores,
+    staleness_of,
+)
 from proximal.rollout.reward_http import load_served_rewards
 from proximal.rollout.vllm import preflight_problems
 from proximal.train.run import Run, due, open_run
@@ -54,6 +72,11 @@ class Online:
     engine: RolloutEngine
     held_out: Callable[[int], dict] = field(default=lambda step: {})
     eval_engine: RolloutEngine | None = None  # eval.engine, where it is not the rollout's
+    # rollout.staleness ≥ 1: the batches a generator process samples ahead (None: synchronous),
+    # with what the generator builds its responder and engine from
+    stale: StaleRollouts | None = None
+    make_responder: Callable[[], Responder] | None = None
+    engine_kwargs: dict = field(default_factory=dict)
 
     def collect_args(self, cfg, group_size: int = 1) -> dict:
         """What :func:`proximal.rollout.collect.collect` takes from the run, as keyword arguments
@@ -106,7 +129,8 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         reward_function_kwargs=mc.reward_function_kwargs,
         served=load_served_rewards(mc.reward_urls, mc.reward_judges, mc.http_settings()),
     )
-    responder = run_responder(
+    make_responder = functools.partial(
+        run_responder,
         cfg.env,
         cfg.tools,
         max_new_tokens=r.max_new_tokens,
@@ -116,6 +140,7 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         source=str(d.prompts),
         log=str(Path(run.dir) / "tools.log"),  # the tools' prints, not the trainer's stdout
     )
+    responder = make_responder()
     if "vllm" in (
         r.engine,
         cfg.eval.engine,
@@ -142,10 +167,7 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         rank=run.rank,
         world_size=run.world_size,
     )
-    engine = build_engine(
-        r.engine,
-        models.actor,
-        models.tokenizer.pad_token_id,
+    engine_kwargs = dict(
         gather_weights=r.gather_weights,
         lean_decode=r.lean_decode,
         precision=r.engine_precision(t.precision),
@@ -153,6 +175,7 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         max_model_len=longest_sequence(cfg),
         seed=t.seed + run.rank,
     )
+    engine = build_engine(r.engine, models.actor, models.tokenizer.pad_token_id, **engine_kwargs)
     eval_engine = None
     if evaluation is not None and (cfg.eval.engine or r.engine) != r.engine:
         eval_engine = build_engine(
@@ -166,6 +189,9 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
             seed=t.seed + run.rank,
             kv_field="eval.kv_cache_gib",
         )
+    stale = None
+    if r.staleness >= 1:
+        stale = StaleRollouts(r.staleness, r.staleness_mode, timeout_s=r.generator_timeout_s)
     return Online(
         run,
         functions,
@@ -176,6 +202,9 @@ def set_up(method: str, cfg, resume_dir, build_models: Callable) -> Online:
         sampler,
         engine,
         eval_engine=eval_engine,
+        stale=stale,
+        make_responder=make_responder,
+        engine_kwargs=engine_kwargs,
     )
 
 
@@ -209,6 +238,8 @@ def begin(
     checkpoint tracked (``output.keep_best``), :attr:`Online.held_out` bound to the live models,
     and the starting policy evaluated on a fresh run."""
     t, r, run = cfg.train, cfg.rollout, o.run
+    if o.stale is not None:  # its batches in flight are checkpointed with the rest
+        stateful["rollouts"] = o.stale
     start, restored = run.restore(trained, stateful)
     counters = {**counters, **restored}
     run.begin(
@@ -236,7 +267,97 @@ def begin(
     )
     if start == 0 and o.evaluation is not None:
         run.log(0, o.held_out(0))  # the starting policy
+    if o.stale is not None:
+        start_generator(o, cfg, start)
     return start, counters
+
+
+def start_generator(o: Online, cfg, start: int) -> None:
+    """rollout.staleness k ≥ 1: the trainer and the generator pinned to their cores (CPU, one
+    process), the generator started over the policy as restored (version ``start``), and the
+    batches of steps start + 1 … start + 1 + k requested that the checkpoint did not hold — on a
+    fresh run those of steps 1 … k + 1, all of version 0."""
+    r, k = cfg.rollout, cfg.rollout.staleness
+    trainer_cores, generator_cores = split_cores(
+        r.generator_cores, device=o.run.device.type, world_size=o.run.world_size
+    )
+    if trainer_cores is not None:
+        pin_process(trainer_cores)
+    o.stale.start(
+        o.models.actor,
+        o.models.tokenizer,
+        version=start,
+        make_responder=o.make_responder,
+        engine=r.engine,
+        engine_kwargs=o.engine_kwargs,
+        device=o.run.device,
+        cores=generator_cores,
+        threads=len(generator_cores) if generator_cores else torch.get_num_threads(),
+    )
+    for step in range(start + 1, min(start + 1 + k, cfg.train.steps) + 1):
+        if step not in o.stale.pending:
+            request(o, cfg, step, scheduled_version(step, k, start))
+    if trainer_cores is not None and o.run.is_main:
+        o.run.say(
+            f"rollout.staleness {k} ({r.staleness_mode}): generator on core(s) "
+            f"{','.join(map(str, generator_cores))}, trainer on "
+            f"{','.join(map(str, trainer_cores))}; correction {r.correction_mode}"
+        )
+
+
+def request(o: Online, cfg, step: int, version: int) -> None:
+    """Ask the generator for ``step``'s batch, sampled by ``version``: its prompts drawn now."""
+    r, group_size = cfg.rollout, getattr(cfg.rollout, "group_size", 1)
+    drawn = draw(
+        step, prompt_set=o.prompts, sampler=o.sampler, seed=cfg.train.seed, group_size=group_size
+    )
+    sampling = Sampling(
+        r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.stop_token_ids, r.stop_strings
+    )
+    o.stale.request(step, version, drawn, sampling)
+
+
+def collect_step(o: Online, cfg, step: int, group_size: int = 1) -> Collected:
+    """Steps 1–3 of step ``step``: sampled now by the policy as it is (rollout.staleness 0,
+    :func:`~proximal.rollout.collect.collect`), or taken from the generator, which sampled it by
+    the version of step − k, and scored here (``rollout/staleness``, ``rollout/version`` and
+    ``time/wait_s``, the seconds the trainer waited for it, among its metrics)."""
+    if o.stale is None:
+        return collect(step, **o.collect_args(cfg, group_size=group_size))
+    taken = o.stale.take(step, o.run.device)
+    r = cfg.rollout
+    got = score(
+        step,
+        taken.drawn,
+        taken.responses,
+        taken.generate_s,
+        scorer=o.models.scorer,
+        responder=o.responder,
+        device=o.run.device,
+        missing_eos_penalty=r.missing_eos_penalty,
+        nonfinite=r.nonfinite_scores,
+        group_size=group_size,
+    )
+    got.metrics.update(
+        {
+            "rollout/staleness": staleness_of(step, taken.version),
+            "rollout/version": taken.version,
+            "time/wait_s": taken.wait_s,
+        }
+    )
+    return got
+
+
+def updated(o: Online, cfg, step: int) -> None:
+    """After step ``step``'s update: the engine told; with a generator, version ``step`` published
+    to it and the batch of step ``step`` + 1 + k requested of that version."""
+    o.engine.after_update()
+    if o.stale is None:
+        return
+    o.stale.published(step)
+    ahead = step + 1 + cfg.rollout.staleness
+    if ahead <= cfg.train.steps:
+        request(o, cfg, ahead, step)
 
 
 def common_metrics(
@@ -340,6 +461,8 @@ def finish(o: Online, cfg, start: int, export: Callable[[], None]) -> Path:
     if start == cfg.train.steps:
         export()
     o.responder.close()
+    if o.stale is not None:
+        o.stale.close()
     o.engine.close()
     if o.eval_engine is not None:
         o.eval_engine.close()

@@ -48,7 +48,6 @@ from proximal.models.loading import ModelLoadError, load_tokenizer
 from proximal.models.output import TokenScores, token_logprobs
 from proximal.models.parallel import load_dtype, prepare_trained
 from proximal.models.policy import build_critic, build_policy
-from proximal.rollout.collect import collect
 from proximal.rollout.engine import row_seed
 from proximal.rollout.experience import Experience, compute_experience, critic_values, gather
 from proximal.rollout.sampling import response_logprobs
@@ -59,7 +58,16 @@ from proximal.train.command import config_command
 from proximal.train.correction import FirstStepLogprobs, mismatch_metrics
 from proximal.train.optim import Trained, at_step, clip_and_step, optimizer_and_scheduler
 from proximal.train.perf import global_tokens, online_step_flops
-from proximal.trainers.online import begin, common_metrics, end_step, finish, log_step, set_up
+from proximal.trainers.online import (
+    begin,
+    collect_step,
+    common_metrics,
+    end_step,
+    finish,
+    log_step,
+    set_up,
+    updated,
+)
 from proximal.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "train", "ppo_update", "cli"]
@@ -105,7 +113,6 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         reward_model=models.scorer.reward_model,
     )
     start, counters = begin(o, cfg, trained, stateful, {"skipped_nonfinite": 0}, resident)
-    engine = o.engine
 
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
@@ -114,7 +121,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
         # A row with a non-finite score is masked out of training, not dropped (rollout/collect.py).
         # With env/tools each row is a multi-turn trajectory whose response mask is the agent mask
         # (the observations attended to, never trained on: agents/collect.py).
-        got = collect(step, **o.collect_args(cfg))
+        got = collect_step(o, cfg, step)
         rollout, scores, valid = got.rollout, got.scores, got.valid
         counters["skipped_nonfinite"] += int(dist.global_sum(got.nonfinite_rows()))
 
@@ -196,7 +203,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
                 first=first,
                 record_first_step=pi_old is None,
             )
-        engine.after_update()
+        updated(o, cfg, step)  # the engine (and a generator) take the new weights
         t_train = time.perf_counter() - t1
         # μ against π_old on the trained tokens: the experience's π_old (the first pass's: one process),
         # or with bypass the rows of the update's first mini-batch (all of them by default)
