@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import queue as queue_module
 import signal
 import sys
@@ -74,8 +75,6 @@ from proximal.rollout.vllm import pushed_weights
 POLL_S = 0.5
 #: Seconds the generator may take to start (import, build its model and engine) at least.
 START_S = 600.0
-#: Seconds a failed generator waits for the trainer's stop (it dies with the trainer anyway).
-FAILED_WAIT_S = 3600.0
 
 
 class GeneratorLost(RuntimeError):
@@ -240,7 +239,10 @@ def _serve(spec: Spec, source: dict, requests, results, published, copied, lock)
                 engine.after_update()
             t0 = time.perf_counter()
             got = responder.respond(engine, spec.tokenizer, prompts, sampling, device=device)
-            results.put(("batch", step, have, _to_cpu(got), time.perf_counter() - t0))
+            # by value: torch.multiprocessing would pass each tensor's memory by a file descriptor
+            # the trainer fetches from this process, and a hung or dead one never gives it
+            batch = pickle.dumps(_to_cpu(got), protocol=pickle.HIGHEST_PROTOCOL)
+            results.put(("batch", step, have, batch, time.perf_counter() - t0))
         engine.close()
         responder.close()
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which ends the run
@@ -249,10 +251,8 @@ def _serve(spec: Spec, source: dict, requests, results, published, copied, lock)
         at = f" sampling step {step}'s batch" if step is not None else " starting"
         with contextlib.suppress(Exception):
             results.put(("error", f"{type(e).__name__}: {e}{frame}{at}"))
-            # The batches sent before hold shared memory the trainer takes from this process
-            # (torch.multiprocessing passes their file descriptors): live until it says stop.
-            while requests.get(timeout=FAILED_WAIT_S) is not None:
-                pass
+            results.close()
+            results.join_thread()  # the message written before the process ends
         os._exit(1)
 
 
@@ -449,10 +449,14 @@ class StaleRollouts:
         takes them here (every rank: a sharded policy's gather is a collective)."""
         if not self.live:
             self._writing()
-            with self.lock, torch.no_grad(), gathered(self.policy):
-                for name, t in pushed_weights(self.policy):
-                    self.source[name].copy_(t)
+            self._acquire()
+            try:
+                with torch.no_grad(), gathered(self.policy):
+                    for name, t in pushed_weights(self.policy):
+                        self.source[name].copy_(t)
                 self.published_v.value = version
+            finally:
+                self.lock.release()
         else:
             self.published_v.value = version
             if self._holding:  # the update's first optimiser step took the lock (_before_step)
@@ -486,8 +490,15 @@ class StaleRollouts:
         if self._holding or self.process is None or not self._owns(optimizer):
             return
         self._writing()
-        self.lock.acquire()
+        self._acquire()
         self._holding = True
+
+    def _acquire(self) -> None:
+        """The lock, which the generator holds while it copies weights: waited for as a batch is
+        (a generator stopped or killed while holding it is hung or dead, not waited for forever)."""
+        start = time.monotonic()
+        while not self.lock.acquire(timeout=POLL_S):
+            self._check(start, "for it to finish taking the weights")
 
     def _owns(self, optimizer) -> bool:
         return any(
@@ -541,7 +552,7 @@ class StaleRollouts:
         if kind == "batch":
             _, step, version, responses, seconds = message
             p = self.pending[step]
-            p.responses, p.generate_s, p.version = responses, seconds, version
+            p.responses, p.generate_s, p.version = pickle.loads(responses), seconds, version
 
     def _check(self, start: float, what: str, timeout_s: float | None = None) -> None:
         """GeneratorLost when the generator is dead, or has waited longer than the timeout."""
