@@ -256,6 +256,12 @@ def _serve(spec: Spec, source: dict, requests, results, published, copied, lock)
         os._exit(1)
 
 
+def _model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 shards a module by swapping its class for a subclass it makes
+    (``FSDP<Name>``), which cannot be pickled; the generator builds the class it derives from."""
+    return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
 def _stop(process, requests, hook=None) -> None:
     """The generator asked to stop, and killed if it does not within 10 s; the weights' guard
     (``hook``) removed."""
@@ -376,7 +382,7 @@ class StaleRollouts:
         self.published_v, self.copied = ctx.Value("q", version), ctx.Value("q", -1)
         self.lock = ctx.Lock()
         spec = Spec(
-            model_class=type(plain),
+            model_class=_model_class(plain),
             config=plain.config,
             dtype=first.dtype if first.is_floating_point() else torch.float32,
             autocast=getattr(policy, "_proximal_autocast", None),
