@@ -256,6 +256,14 @@ def _serve(spec: Spec, source: dict, requests, results, published, copied, lock)
         os._exit(1)
 
 
+class _Process(mp.get_context("spawn").Process):
+    """The generator's process. It ignores SIGTERM (a scheduler's stop is the trainer's to handle),
+    so ``terminate`` — what multiprocessing does to a daemon child when the trainer exits — kills."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
 def _model_class(model: torch.nn.Module) -> type:
     """The model's own class: FSDP2 shards a module by swapping its class for a subclass it makes
     (``FSDP<Name>``), which cannot be pickled; the generator builds the class it derives from."""
@@ -397,7 +405,7 @@ class StaleRollouts:
             threads=threads,
             mode=self.mode,
         )
-        self.process = ctx.Process(
+        self.process = _Process(
             target=_serve,
             args=(spec, self.source, self.requests, self.results, self.published_v, self.copied),
             kwargs={"lock": self.lock},
