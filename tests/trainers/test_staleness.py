@@ -208,3 +208,47 @@ def test_ppos_critic_scores_the_stale_batch_as_it_is_now(assets, tmp_path, monke
     # step 3's batch was sampled by version 1; its values are the critic's after update 2, which
     # moved it (update 1 did not: step 1's value loss is 0, every score and value being 0)
     assert rows[2]["rollout/version"] == 1 and not torch.equal(seen[2], seen[1])
+
+
+def test_the_correction_at_staleness_1_is_decoupled_ppo_on_a_two_version_toy():
+    """A policy of two versions over 5 tokens: the response was sampled by version 0 (μ), the
+    trainer's policy is version 1 (π_old, recomputed; π_θ = π_old at the update's first step). The
+    run's correction (rollout.correction null at staleness 1) weights each token's surrogate by
+    min(π_old/μ, C), C = 2 — hand-computed here, one ratio above C — and the gradient of the loss
+    with respect to π_θ's logits is −min(π_old/μ, C)·A·(e_y − softmax(z₁))/T at each token."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from proximal.trainers.grpo import GRPOConfig, GRPOUpdate, correction_weights_of, policy_loss
+
+    cfg = GRPOConfig()
+    cfg.rollout.staleness = 1
+    s = dataclasses.replace(GRPOUpdate.of(cfg, 3), beta=0.0, aggregation="token-mean")
+    assert s.correction == "tis" and s.correction_cap == 2.0
+    z0 = torch.tensor(
+        [[0.0, 1.0, -1.0, 0.5, 0.0], [2.0, 0.0, 0.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    z1 = z0 + torch.tensor(
+        [[0.3, 0.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0, 0.0], [0.0, 0.0, -0.4, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    y = torch.tensor([0, 1, 2])
+    p0, p1 = z0.softmax(-1), z1.softmax(-1)
+    ratio = [float(p1[t, y[t]] / p0[t, y[t]]) for t in range(3)]  # π_old / μ per token
+    assert ratio[1] > 2 > ratio[0] > 1 > ratio[2]  # one truncated, one above 1, one below
+    want_w = torch.tensor([[min(r, 2.0) for r in ratio]], dtype=torch.float64)
+    mu = p0.log().gather(1, y[:, None]).T  # (1, 3)
+    old = p1.log().gather(1, y[:, None]).T
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w = correction_weights_of(s, old, mu, mask)
+    torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
+    z = z1.clone().requires_grad_(True)
+    logprobs = z.log_softmax(-1).gather(1, y[:, None]).T
+    A = 0.7
+    m = SimpleNamespace(ref_logprobs=None, advantages=torch.full((1,), A, dtype=torch.float64))
+    loss, _ = policy_loss(s, logprobs, old, m, mask, None, w)
+    loss.backward()
+    onehot = torch.nn.functional.one_hot(y, 5).double()
+    want = -want_w.T * A * (onehot - p1) / 3
+    torch.testing.assert_close(z.grad, want, rtol=0, atol=1e-12)
