@@ -50,14 +50,19 @@ def mismatch_metrics(
     mode: str,
     cap: float,
     band: list[float] | None,
+    every_mode: bool = False,
 ) -> dict[str, float]:
     """The step's ``rollout/*`` metrics over the tokens of ``mask`` (B, T) — the whole batch, every
     rank holding it: μ against π_old (:func:`~proximal.core.correction.mismatch_stats`:
     ``mismatch_k1``, ``mismatch_k3``, ``ratio_max``, ``ratio_min``, ``ratio_p99``,
     ``outside_band_frac``), and what ``mode`` did with them
     (:func:`~proximal.core.correction.correction_weights`' stats as ``rollout/correction_*``:
-    ``weight_mean`` and ``truncated_frac``, ``masked_frac`` or ``masked_seq_frac``). An engine
-    that gave no log-probabilities (``behaviour_logprobs`` None) gets NaN for the first six."""
+    ``weight_mean`` and ``truncated_frac``, ``masked_frac`` or ``masked_seq_frac``). With
+    ``every_mode`` (``rollout.staleness`` ≥ 1, where μ is an older policy's) also what each of the
+    correction modes would do to these tokens, whichever is set: ``rollout/tis_truncated_frac``,
+    ``rollout/token_mask_masked_frac`` and ``rollout/seq_mask_masked_seq_frac`` (their own default
+    bands unless ``band`` is given). An engine that gave no log-probabilities (``behaviour_logprobs``
+    None) gets NaN for the first six."""
     if behaviour_logprobs is None:
         return dict.fromkeys(_MISMATCH.values(), math.nan)
     st = mismatch_stats(old_logprobs, behaviour_logprobs, mask, band=metric_band(mode, band))
@@ -72,6 +77,23 @@ def mismatch_metrics(
             band=None if band is None else tuple(band),
         )
         out.update({f"rollout/correction_{k}": float(v) for k, v in done.items()})
+        if every_mode:
+            for other in ("tis", "token_mask", "seq_mask"):
+                _, would = correction_weights(
+                    other,
+                    old_logprobs,
+                    behaviour_logprobs,
+                    mask,
+                    cap=cap,
+                    band=None if band is None else tuple(band),
+                )
+                out.update(
+                    {
+                        f"rollout/{other}_{k}": float(v)
+                        for k, v in would.items()
+                        if k != "weight_mean"
+                    }
+                )
     return out
 
 

@@ -179,6 +179,7 @@ def train(cfg: DistillConfig, resume_dir: str | Path | None = None) -> Path:
             mode=r.correction_mode,
             cap=r.correction_cap,
             band=r.correction_band,
+            every_mode=r.staleness >= 1,
         )
 
         # 7. Log, sample rows, checkpoint. The step's model FLOPs: the student's decode; π_old,

@@ -198,6 +198,7 @@ def train(cfg: GRPOConfig, resume_dir: str | Path | None = None) -> Path:
             mode=r.correction_mode,
             cap=r.correction_cap,
             band=r.correction_band,
+            every_mode=r.staleness >= 1,
         )
 
         # 7. Log, sample rows, checkpoint. Means over the rows with a finite score go through the

@@ -218,6 +218,7 @@ def train(cfg: PPOConfig, resume_dir: str | Path | None = None) -> Path:
             mode=r.correction_mode,
             cap=r.correction_cap,
             band=r.correction_band,
+            every_mode=r.staleness >= 1,
         )
 
         # 7. The KL controller sees the batch's mean sequence KL, d = mean_b Σ_t KL_t.

@@ -45,8 +45,13 @@ def test_a_stale_run_logs_its_schedule_and_the_decoupled_correction(assets, tmp_
     assert [r["rollout/staleness"] for r in rows] == [
         min(t - 1, staleness) for t in range(1, STEPS + 1)
     ]
-    # null correction at staleness >= 1 is tis: its weight and truncated share are logged
+    # null correction at staleness >= 1 is tis: its weight and truncated share are logged, and
+    # what each correction mode would clip or mask
     assert all("rollout/correction_weight_mean" in r for r in rows)
+    for r in rows:
+        assert r["rollout/tis_truncated_frac"] == r["rollout/correction_truncated_frac"]
+        assert 0 <= r["rollout/token_mask_masked_frac"] <= 1
+        assert 0 <= r["rollout/seq_mask_masked_seq_frac"] <= 1
     assert all(r["time/wait_s"] >= 0 for r in rows)
     # stale batches: the trainer's policy is not the sampler's, the mismatch is seen
     assert rows[-1]["rollout/mismatch_k3"] > 1e-6
@@ -57,6 +62,7 @@ def test_staleness_0_logs_what_it_logged_before(assets, tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert not any(k.startswith(("rollout/staleness", "rollout/version")) for r in rows for k in r)
     assert not any("rollout/correction_weight_mean" in r for r in rows)  # null is none here
+    assert not any("rollout/tis_truncated_frac" in r for r in rows)
 
 
 def test_correction_null_is_tis_at_staleness_1_and_off_is_none():
