@@ -116,3 +116,34 @@ def test_a_grpo_run_stopped_and_resumed_with_vllm_equals_the_uninterrupted_run(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
     p = load_safetensors_dir(policy)
     assert any(not torch.equal(a[k], p[k]) for k in p), "the run never updated the policy"
+
+
+def test_a_stale_grpo_run_samples_with_vllm_in_its_generator(assets, tmp_path, capsys, engines):
+    """rollout.staleness 1 with rollout.engine vllm: the generator process runs its own vLLM engine.
+    Step 1's batch (version 0, the starting weights) is the synchronous vllm run's step 1, row for
+    row — vLLM's sampler, not the hf engine's — and steps 2 and 3 follow the schedule."""
+    policy = build_tiny_causal_lm(
+        tmp_path / "qwen2_h64", assets.tokenizer, arch="qwen2", hidden=64, heads=2, seed=0
+    )
+
+    def config(name, staleness, engine="vllm"):
+        cfg = _config(policy, tmp_path, name)
+        cfg["rollout"].update({"staleness": staleness, "engine": engine})
+        cfg["train"].update({"steps": 3, "save_every": 0})
+        return cfg
+
+    assert grpo_main(config("sync", 0)) == 0, capsys.readouterr().err
+    assert grpo_main(config("stale", 1)) == 0, capsys.readouterr().err
+    assert grpo_main(config("hf", 0, engine="hf")) == 0, capsys.readouterr().err
+    rows = read_jsonl(tmp_path / "stale" / "metrics.jsonl")
+    assert [r["rollout/version"] for r in rows] == [0, 0, 1]
+
+    def step(name, t):
+        return [
+            (r["prompt"], r["response"])
+            for r in read_jsonl(tmp_path / name / "samples.jsonl")
+            if r["step"] == t
+        ]
+
+    assert step("stale", 1) == step("sync", 1)
+    assert step("stale", 1) != step("hf", 1)
