@@ -203,7 +203,10 @@ def test_ppo_multi_turn_run(assets, tmp_path, capsys):
         assert s["score"] == pytest.approx(s["score/env"], abs=1e-6)  # turn rewards not in it
 
 
-def test_grpo_multi_turn_resume_continues_exactly(assets, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_grpo_multi_turn_resume_continues_exactly(assets, tmp_path, monkeypatch, capsys, staleness):
+    """Also at rollout.staleness 1: the trajectories (environments, tools and all) are sampled in
+    the generator process, and a checkpoint holds those in flight."""
     from proximal.train import run
 
     prompts = _prompts(tmp_path, 6, turns=2)
@@ -214,7 +217,7 @@ def test_grpo_multi_turn_resume_continues_exactly(assets, tmp_path, monkeypatch,
             prompts,
             tmp_path / name,
             model={"reward_functions": ["ppo_support:length"]},
-            rollout={"stop_token_ids": [11, 12, 13], "group_size": 2},
+            rollout={"stop_token_ids": [11, 12, 13], "group_size": 2, "staleness": staleness},
             grpo={"iterations": 2, "mini_batch_size": 2, "micro_batch_size": 1},
             env=TALK,
             tools={"workers": 1},
@@ -242,6 +245,8 @@ def test_grpo_multi_turn_resume_continues_exactly(assets, tmp_path, monkeypatch,
         a, b = without_timing(a), without_timing(b)
         assert a == b, {k: (a.get(k), b.get(k)) for k in a if a.get(k) != b.get(k)}
     assert any(r["agent/turns"] > 1 for r in full[2:])
+    if staleness:
+        assert [r["rollout/version"] for r in full] == [0, 0, 1]
     assert read_jsonl(tmp_path / "full" / "samples.jsonl") == read_jsonl(
         tmp_path / "crashed" / "samples.jsonl"
     )
