@@ -703,12 +703,22 @@ def prepare_inputs(
         return inputs
     teacher = cfg.data.teacher
     if teacher is None:  # validate() allows it on the arithmetic task only
-        teacher = str(train_teacher(out / "base", configs, inputs, cfg.compare, echo=echo))
+        teacher = str(
+            train_teacher(
+                out / "base", configs, inputs, cfg.compare, echo=echo, progress=cfg.output.progress
+            )
+        )
     return replace(inputs, teacher=teacher)
 
 
 def train_teacher(
-    base: Path, configs: Path, inputs: Inputs, c: CompareSection, *, echo: Callable[[str], None]
+    base: Path,
+    configs: Path,
+    inputs: Inputs,
+    c: CompareSection,
+    *,
+    echo: Callable[[str], None],
+    progress: bool = True,
 ) -> Path:
     """The built-in task's distillation teacher: ``<configs>/teacher.yaml`` (a ``proximal grpo``
     config: GRPO on the verifier from the SFT model, trained longer than the compared runs), seed 0,
@@ -735,6 +745,7 @@ def train_teacher(
         "train.seed": 0,
         "output.dir": str(run_dir),
         "output.overwrite": True,
+        "output.progress": progress,
     }
     teacher_cfg = load_config(config_class("grpo"), path, overrides)
     echo(
