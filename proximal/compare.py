@@ -469,7 +469,7 @@ class CompareConfig:
                     e.append(
                         f"compare.methods: {spec!r} learns from the reward model: set data.reward_model"
                     )
-                if source == VERIFIER and not self.data.verifier and method.name != "distill":
+                if source == VERIFIER and not self.data.verifier:
                     e.append(
                         f"compare.methods: {spec!r} learns from the verifier: set data.verifier"
                     )

@@ -43,6 +43,15 @@ def test_distill_is_never_a_default_and_learns_from_the_teacher_by_default():
             ["--compare.methods", "[distill]", "--data.teacher", "/nonexistent/t"],
             "data.teacher: '/nonexistent/t' does not exist",
         ),
+        # your own data: distill plus verify needs the verifier (the teacher alone does not)
+        (
+            [
+                *("--compare.methods", "[distill@verifier]", "--data.teacher", "{tmp}"),
+                *("--data.sft_model", "{tmp}", "--data.eval_prompts", "{tmp}"),
+                *("--data.prompts", "{tmp}", "--compare.max_new_tokens", "8"),
+            ],
+            "'distill@verifier' learns from the verifier: set data.verifier",
+        ),
         (
             ["--compare.methods", "[distill@reward_model]"],
             "Distill cannot use reward source 'reward_model' (it can use: teacher, verifier)",
@@ -50,6 +59,7 @@ def test_distill_is_never_a_default_and_learns_from_the_teacher_by_default():
     ],
 )
 def test_distill_config_mistakes_are_one_line(tmp_path, capsys, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
     assert main(["compare", "--output.dir", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
