@@ -116,6 +116,23 @@ RUNS: dict[str, tuple[str, dict]] = {
             "train": {"precision": "bf16-mixed"},
         },
     ),
+    # on-policy distillation: a teacher twice the student's width (same tokenizer), no reference
+    "distill": (
+        "distill",
+        {
+            "rollout": {"batch_size": 4, "group_size": 4, "max_new_tokens": 64},
+            "distill": {"micro_batch_size": 8},
+            "data": {"max_prompt_length": 32},
+        },
+    ),
+    "distill-jsd": (
+        "distill",
+        {
+            "rollout": {"batch_size": 4, "group_size": 4, "max_new_tokens": 64},
+            "distill": {"micro_batch_size": 8, "loss": "jsd"},
+            "data": {"max_prompt_length": 32},
+        },
+    ),
     "dpo": ("dpo", {"train": {"batch_size": 8, "micro_batch_size": 4}}),
     "dpo-bf16": (
         "dpo",
@@ -147,8 +164,9 @@ MAX_LENGTH, PROMPT, COMPLETION = 256, 64, 191  # 64 + 191 + EOS = 256 tokens
 
 
 def build_assets(root: Path, shape: dict) -> dict[str, Path]:
-    """A tokenizer of ``shape['vocab']`` tokens, a policy, a one-label reward model and the data files
-    (SFT rows, preference pairs, prompts) under ``root``; their paths."""
+    """A tokenizer of ``shape['vocab']`` tokens, a policy, a one-label reward model, a teacher (the
+    policy's shape at twice its width, for distill) and the data files (SFT rows, preference pairs,
+    prompts) under ``root``; their paths."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -176,6 +194,11 @@ def build_assets(root: Path, shape: dict) -> dict[str, Path]:
     )
     reward.save_pretrained(paths["reward"])
     tok.save_pretrained(paths["reward"])
+    paths["teacher"] = root / "teacher"
+    wide = {**kw, "hidden": 2 * shape["hidden"]}
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", len(tok), **ids, **wide))
+    teacher.save_pretrained(paths["teacher"])
+    tok.save_pretrained(paths["teacher"])
 
     rng = random.Random(0)
 
@@ -202,7 +225,7 @@ def build_assets(root: Path, shape: dict) -> dict[str, Path]:
 def run_config(name: str, assets: dict[str, Path], out: Path) -> dict:
     """The YAML of run ``name``: its command's sections over what every run shares."""
     command, sections = RUNS[name]
-    online = command in ("ppo", "grpo")
+    online = command in ("ppo", "grpo", "distill")
     cfg = {
         "model": {"path": str(assets["policy"])},
         "data": (
@@ -216,7 +239,10 @@ def run_config(name: str, assets: dict[str, Path], out: Path) -> dict:
         "train": {"steps": 3, "save_every": 0, "device": "cpu", "cpu_matmul": "blas"},
         "output": {"dir": str(out), "overwrite": True, "progress": False},
     }
-    if online:
+    if command == "distill":
+        cfg["model"]["teacher"] = str(assets["teacher"])
+        cfg["output"]["samples_per_step"] = 0
+    elif online:
         cfg["model"]["reward_model"] = str(assets["reward"])
         cfg["output"]["samples_per_step"] = 0
     else:

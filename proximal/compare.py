@@ -63,6 +63,7 @@ from proximal.methods import (
     METHODS,
     PAIRS,
     REWARD_MODEL,
+    TEACHER,
     VERIFIER,
     Method,
     budget_steps,
@@ -144,17 +145,19 @@ class CompareSection:
     )
     methods: list[str] = option(
         help="Methods to train: ppo, dpo, simpo, grpo, rloo, and (never by default) gspo, cispo, "
-        "reinforce_pp, reinforce_pp_baseline; 'name@source' sets an online "
-        "method's reward source, reward_model or verifier (default: ppo the reward "
-        "model; grpo, rloo and the other grpo-command methods the verifier when there is one). A method may be listed "
-        "with several sources. Empty: the task's, ppo, dpo, simpo, grpo, rloo "
-        "(digits, or your data) or ppo@verifier, grpo, rloo (arithmetic, calculator).",
+        "reinforce_pp, reinforce_pp_baseline, distill (on-policy distillation of data.teacher "
+        "into the SFT model); 'name@source' sets an online method's reward source, reward_model "
+        "or verifier (default: ppo the reward model; grpo, rloo and the other grpo-command "
+        "methods the verifier when there is one; distill the teacher alone, distill@verifier "
+        "the teacher plus the verifier's reward). A method may be listed with several sources. "
+        "Empty: the task's, ppo, dpo, simpo, grpo, rloo (digits, or your data) or ppo@verifier, "
+        "grpo, rloo (arithmetic, calculator).",
         default_factory=list,
     )
     seeds: int = option(3, "Runs per method, with train.seed = 0, 1, …")
     responses: int = option(
         7680,
-        "Budget of each online method (ppo, grpo, rloo): responses sampled; its step "
+        "Budget of each online method (ppo, grpo, rloo, distill): responses sampled; its step "
         "count is this over the responses one step samples.",
     )
     pairs: int = option(
@@ -325,6 +328,13 @@ class CompareData:
     eval_pairs: str | None = option(
         None, "Held-out preference pairs: DPO's and SimPO's eval/accuracy (optional)."
     )
+    teacher: str | None = option(
+        None,
+        "The teacher of compare.methods' distill runs (model.teacher of proximal distill): a "
+        "checkpoint sharing the SFT model's tokenizer, usually an RL-trained stage output. "
+        "Unset with the arithmetic task: GRPO from its SFT model, <configs>/teacher.yaml, "
+        "trained into base/teacher first. Only read when distill is compared.",
+    )
     eval_prompts: str | None = option(
         None,
         "Held-out prompts every policy is evaluated on, read as data.prompts is (but as they "
@@ -415,13 +425,26 @@ class CompareConfig:
                 if name not in METHODS or (source and source not in METHODS[name].sources):
                     continue  # already reported
                 method, source = resolve(spec, have_verifier=True, have_reward_model=False)
-                if source != VERIFIER:
+                if source not in (VERIFIER, TEACHER):
                     e.append(
                         f"compare.methods: {spec!r}: the {task} task has a verifier only (no "
                         "preference pairs, no reward model); compare ppo@verifier, grpo, rloo, gspo, cispo, "
-                        "reinforce_pp or reinforce_pp_baseline"
+                        "reinforce_pp, reinforce_pp_baseline or distill"
                     )
         d = self.data
+        distills = [s for s in self.compare.methods if s.partition("@")[0] == "distill"]
+        if (
+            distills
+            and not d.teacher
+            and not (d.sft_model is None and self.compare.task == ARITHMETIC)
+        ):
+            e.append(
+                f"compare.methods: {distills[0]!r} distils a teacher into the SFT model: set "
+                "data.teacher (a checkpoint sharing the SFT model's tokenizer; only the "
+                "arithmetic task trains its own)"
+            )
+        if d.teacher and not Path(d.teacher).exists():
+            e.append(f"data.teacher: {d.teacher!r} does not exist")
         if d.sft_model is not None and self.compare.max_new_tokens is None:
             e.append(
                 "compare.max_new_tokens is required with your own data (data.sft_model): the "
@@ -466,7 +489,7 @@ def resolve(
     (the verifier, where there is no reward model and the method can use one)."""
     name, _, source = spec.partition("@")
     method = METHODS[name]
-    if not source and not have_reward_model and VERIFIER in method.sources:
+    if not source and not have_reward_model and method.sources[0] == REWARD_MODEL:
         source = VERIFIER
     return method, source or method.default_source(have_verifier)
 
@@ -515,6 +538,7 @@ class Inputs:
     columns: dict[str, str] | None = None
     scores: dict = field(default_factory=dict)  # held-out score functions by column name
     sft_notool: str | None = None  # the calculator task's no-tool SFT model
+    teacher: str | None = None  # the distill runs' teacher (data.teacher, or base/teacher)
     agent: dict = field(default_factory=dict)  # a run's env/tools for evaluate_policy (run_inputs)
     # held-out prompts longer than this keep their end: a built-in task's limit; your data: None,
     # every prompt whole, as long as the data makes it
@@ -671,7 +695,89 @@ def _answer_task_inputs(
 def prepare_inputs(
     cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]
 ) -> Inputs:
-    """The shared inputs: the config's, or the built-in task trained into ``<out>/base``."""
+    """The shared inputs: the config's, or the built-in task trained into ``<out>/base``; with
+    distill compared, its teacher (``data.teacher``, or on the arithmetic task one trained into
+    ``<out>/base/teacher``)."""
+    inputs = _prepare_inputs(cfg, out, configs, echo=echo)
+    if not any(s.partition("@")[0] == "distill" for s in cfg.compare.method_specs()):
+        return inputs
+    teacher = cfg.data.teacher
+    if teacher is None:  # validate() allows it on the arithmetic task only
+        teacher = str(
+            train_teacher(
+                out / "base", configs, inputs, cfg.compare, echo=echo, progress=cfg.output.progress
+            )
+        )
+    return replace(inputs, teacher=teacher)
+
+
+def train_teacher(
+    base: Path,
+    configs: Path,
+    inputs: Inputs,
+    c: CompareSection,
+    *,
+    echo: Callable[[str], None],
+    progress: bool = True,
+) -> Path:
+    """The built-in task's distillation teacher: ``<configs>/teacher.yaml`` (a ``proximal grpo``
+    config: GRPO on the verifier from the SFT model, trained longer than the compared runs), seed 0,
+    into ``base/teacher`` (its final policy is exported there); kept from an earlier comparison when
+    complete. Its held-out evaluation goes to ``base/teacher_eval.json`` (the report's teacher line)."""
+    run_dir, done = base / "teacher", base / "teacher.json"
+    if done.is_file():
+        echo(f"inputs: the distillation teacher from {run_dir} (trained earlier)")
+        return run_dir
+    path = configs / "teacher.yaml"
+    if not path.is_file():
+        path = task_configs(c.task) / "teacher.yaml"
+    grpo = METHODS["grpo"]
+    overrides = {
+        **input_overrides(
+            grpo,
+            VERIFIER,
+            sft=inputs.sft,
+            prompts=inputs.prompts,
+            verifier=inputs.verifier,
+            gold=inputs.gold,
+        ),
+        "model.reward_timeout_s": c.reward_timeout_s,
+        "train.seed": 0,
+        "output.dir": str(run_dir),
+        "output.overwrite": True,
+        "output.progress": progress,
+    }
+    teacher_cfg = load_config(config_class("grpo"), path, overrides)
+    echo(
+        f"inputs: training the distillation teacher ({path}, {teacher_cfg.train.steps} steps) into {run_dir}"
+    )
+    t0 = time.perf_counter()
+    trainer("grpo")(teacher_cfg)
+    train_s = time.perf_counter() - t0
+    if dist.launched_rank() == 0:
+        ev = evaluate_policy(
+            run_dir,
+            reference=inputs.sft,
+            prompts_file=inputs.eval_prompts,
+            scores=inputs.scores,
+            samples_per_prompt=c.eval_samples_per_prompt,
+            max_new_tokens=c.response_limit(),
+            max_prompt_length=inputs.prompt_limit,
+            seed=0,
+            timeout_s=c.reward_timeout_s,
+            **_pass_kwargs(inputs, c),
+        )
+        (base / "teacher_eval.json").write_text(json.dumps(ev) + "\n")
+        done.write_text(
+            json.dumps({"seed": 0, "steps": teacher_cfg.train.steps, "s": train_s}) + "\n"
+        )
+    dist.barrier()
+    return run_dir
+
+
+def _prepare_inputs(
+    cfg: CompareConfig, out: Path, configs: Path, *, echo: Callable[[str], None]
+) -> Inputs:
     d = cfg.data
     if d.sft_model is None and cfg.compare.task == CALCULATOR:
         base = train_builtin_calculator(
@@ -904,6 +1010,7 @@ def run_config(r: RunSpec, cfg: CompareConfig, inputs: Inputs, configs: Path, ru
             gold=inputs.gold,
             split=inputs.split,
             columns=inputs.columns,
+            teacher=inputs.teacher,
         ),
         **({"model.reward_timeout_s": cfg.compare.reward_timeout_s} if r.method.online else {}),
         **engine_overrides(r.method, cfg.compare.engine),

@@ -124,6 +124,14 @@ CLAIMS = {
         "type": "online REINFORCE, KL in the reward (Hu et al. 2025)",
         "stability": "—",
     },
+    # Issue 44: not in the usual table; what its papers state.
+    "distill": {
+        "models": "not in the usual table; 2 (student, teacher)",
+        "models_n": 2,
+        "critic": "no (the teacher grades every token)",
+        "type": "online on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025)",
+        "stability": "—",
+    },
     "reinforce_pp_baseline": {
         "models": "not in the usual table; 2 (actor, reference) + a reward",
         "models_n": 2,
@@ -150,7 +158,13 @@ def collect_run(run_dir: Path, spec: dict, *, collapse_margin: float, stability_
         "status": "failed",
         "error": "no compare_run.json: the run never finished",
     }
-    r = {**spec, **{k: status.get(k) for k in ("steps", "budget", "status", "error")}}
+    r = {
+        **spec,
+        **{
+            k: status.get(k)
+            for k in ("steps", "budget", "status", "error", "responses_per_step", "run_s")
+        },
+    }
     models = _json(run_dir / "models.json") or {}
     r["models"] = sorted(models)
     r["models_resident"] = len(models) if models else None
@@ -499,7 +513,60 @@ def plot(result: dict, runs: list[dict], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "plots" / "curves.png", dpi=110)
     plt.close(fig)
-    return written + ["plots/curves.png"]
+    written.append("plots/curves.png")
+    online = [r for r in ok if METHODS[r["method"]].online and r.get("responses_per_step")]
+    if online:
+        written.append(_plot_samples(plt, result, online, colors, out))
+    return written
+
+
+def samples_curves(runs: list[dict]) -> dict[str, list[tuple[int, float, int]]]:
+    """Per group of online runs: ``(responses sampled, mean held-out score over its runs, runs)``
+    at each evaluated step (step × the responses one step samples; the SFT model at 0)."""
+    points: dict[str, dict[int, list[float]]] = {}
+    for r in runs:
+        per = r["responses_per_step"]
+        for s, v in r.get("curve", []):
+            if v is not None:
+                points.setdefault(r["group"], {}).setdefault(s * per, []).append(v)
+    return {
+        g: [(x, statistics.fmean(vs), len(vs)) for x, vs in sorted(by.items())]
+        for g, by in points.items()
+    }
+
+
+def _plot_samples(plt, result: dict, runs: list[dict], colors: dict, out: Path) -> str:
+    """``plots/gold_vs_samples.png``: the held-out score against the responses sampled, each run
+    thin, each group's mean over its runs thick; the SFT model (and a distill teacher) dashed."""
+    score = result["stability_score"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for r in runs:
+        pts = [(s * r["responses_per_step"], v) for s, v in r.get("curve", []) if v is not None]
+        ax.plot(*zip(*pts), color=colors[r["group"]], alpha=0.3, lw=1)
+    for g, pts in samples_curves(runs).items():
+        ax.plot(
+            [x for x, _, _ in pts],
+            [y for _, y, _ in pts],
+            color=colors[g],
+            lw=2.2,
+            marker="o",
+            ms=4,
+            label=f"{g} (mean of {max(n for _, _, n in pts)} runs)",
+        )
+    sft = result.get("sft", {}).get(score)
+    if sft is not None:
+        ax.axhline(sft, color="gray", ls="--", lw=1, label="SFT model")
+    teacher = (result.get("teacher") or {}).get(score)
+    if teacher is not None:
+        ax.axhline(teacher, color="black", ls=":", lw=1.2, label="distill teacher")
+    ax.set_xlabel("responses sampled")
+    ax.set_ylabel(f"held-out {score}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "gold_vs_samples.png", dpi=110)
+    plt.close(fig)
+    return "plots/gold_vs_samples.png"
 
 
 def collect(out: str | Path) -> tuple[dict, list[dict]]:
@@ -512,6 +579,8 @@ def collect(out: str | Path) -> tuple[dict, list[dict]]:
     )
     margin = float(cfg.get("compare", {}).get("collapse_margin", 0.05))
     sft = (_json(out / "sft_eval.json") or {}).get("mean", {})
+    # the distill runs' teacher, where compare trained it (base/teacher_eval.json)
+    teacher = (_json(out / "base" / "teacher_eval.json") or {}).get("mean")
     score = "gold" if "gold" in sft or not sft else ("verifier" if "verifier" in sft else "proxy")
     plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else []
     # every planned run has a row, also one that never started
@@ -527,6 +596,7 @@ def collect(out: str | Path) -> tuple[dict, list[dict]]:
         "collapse_margin": margin,
         "stability_score": score,
         "sft": sft,
+        **({"teacher": teacher} if teacher else {}),
         "table": table,
         "runs": runs,
     }
@@ -555,6 +625,19 @@ def render_markdown(result: dict, plots: list[str], total_s: float | None) -> st
             f"{k} {v:.3f}"
             for k, v in result["sft"].items()
             if isinstance(v, (int, float)) and k != "eos"
+        ),
+        *(
+            [
+                "",
+                "The distill runs' teacher (base/teacher): "
+                + ", ".join(
+                    f"{k} {v:.3f}"
+                    for k, v in result["teacher"].items()
+                    if isinstance(v, (int, float)) and k != "eos"
+                ),
+            ]
+            if result.get("teacher")
+            else []
         ),
         "",
         _markdown(t["quality"]),

@@ -1,6 +1,7 @@
-"""The post-training methods that start from one SFT model — PPO, DPO, SimPO, GRPO and RLOO, and GSPO,
-CISPO, REINFORCE++ and REINFORCE++-baseline (``proximal grpo`` configs) — as
-``proximal demo`` and ``proximal compare`` run them.
+"""The post-training methods that start from one SFT model — PPO, DPO, SimPO, GRPO and RLOO, GSPO,
+CISPO, REINFORCE++ and REINFORCE++-baseline (``proximal grpo`` configs), and on-policy distillation
+(``proximal distill``, a teacher grading the student's samples) — as ``proximal demo`` and
+``proximal compare`` run them.
 
 Each :class:`Method` says which command trains it, whether it samples its own responses (online) or
 reads preference pairs (offline), and which reward sources it can learn from. The functions below
@@ -19,8 +20,10 @@ from typing import Any
 from proximal.config import ConfigError
 
 #: Where a method's reward comes from: the learned reward model r_ψ, a rule verifier (a reward
-#: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on.
-REWARD_MODEL, VERIFIER, PAIRS = "reward_model", "verifier", "pairs"
+#: function such as exact-match), or — offline methods — the preference pairs r_ψ was trained on;
+#: on-policy distillation learns from a teacher model grading every token (alone, or with the
+#: verifier's reward added: "distill plus verify").
+REWARD_MODEL, VERIFIER, PAIRS, TEACHER = "reward_model", "verifier", "pairs", "teacher"
 
 #: The fields a preference pair is read from (proximal.data.preferences): the entries of a shared
 #: column mapping an offline method takes (a mapping of a reference answer would name a column its
@@ -62,6 +65,8 @@ METHODS: dict[str, Method] = {
         Method(
             "reinforce_pp_baseline", "REINFORCE++-baseline", "grpo", True, (VERIFIER, REWARD_MODEL)
         ),
+        # issue 44: the student samples, a teacher grades every token (never by default)
+        Method("distill", "Distill", "distill", True, (TEACHER, VERIFIER)),
     )
 }
 
@@ -79,6 +84,7 @@ def input_overrides(
     gold: str | None = None,
     split: str | None = None,
     columns: dict[str, str] | None = None,
+    teacher: str | Path | None = None,
 ) -> dict[str, Any]:
     """The config overrides that point ``method`` at the shared inputs: ``model.path`` = the SFT model
     (the start and, where there is one, the reference); online methods the training prompts and the
@@ -87,7 +93,10 @@ def input_overrides(
     preference pairs. ``split`` and ``columns`` describe the data given here, so they replace the
     method config's ``data.split`` and ``data.columns`` (null ones too: that config's were written
     for other files); an online method takes the entries of ``columns`` but those for :data:`PAIR_ONLY_FIELDS`,
-    an offline one those for :data:`PAIR_FIELDS`."""
+    an offline one those for :data:`PAIR_FIELDS`. Distillation (``proximal distill``) also gets
+    ``teacher`` as ``model.teacher``; with the source :data:`TEACHER` the verifier is only logged
+    (weight 0, ``distill.reward_weight`` 0: the teacher's grades alone train the student), with
+    :data:`VERIFIER` its reward is added to them (distill plus verify)."""
     out: dict[str, Any] = {"model.path": str(sft), "data.split": split, "data.columns": columns}
     if not method.online:
         if columns is not None:
@@ -101,6 +110,20 @@ def input_overrides(
         } or None
     out["data.prompts"] = str(prompts)
     logged = [gold] if gold else []
+    if method.command == "distill":
+        out["model.teacher"] = str(teacher) if teacher else ""
+        weight = 1.0 if source == VERIFIER else 0.0
+        out.update(
+            {
+                "model.reward_model": None,
+                "model.reward_functions": [verifier, *logged] if verifier else logged,
+                "model.reward_function_weights": ([weight] if verifier else [])
+                + [0.0] * len(logged),
+            }
+        )
+        if source == TEACHER:
+            out["distill.reward_weight"] = 0.0
+        return out
     if source == REWARD_MODEL:
         out.update(
             {
@@ -128,7 +151,7 @@ def responses_per_step(method: Method, cfg) -> int:
     """Responses one step trains on: sampled (online: prompts × group size) or read (offline: two per pair)."""
     if method.command == "ppo":
         return cfg.rollout.batch_size
-    if method.command == "grpo":
+    if method.command in ("grpo", "distill"):
         return cfg.rollout.batch_size * cfg.rollout.group_size
     return 2 * cfg.train.batch_size
 

@@ -50,8 +50,8 @@ def test_a_command_without_a_config_is_not_a_training_command():
 def test_every_method_and_every_planned_method_is_trained_by_a_command_of_the_table():
     assert {m.command for m in METHODS.values()} <= set(TRAINING)
     assert set(COMMAND_OF) == set(PLANNED)
-    # the planner does not count distill's teacher yet (issue 44)
-    assert set(COMMAND_OF.values()) == set(TRAINING) - {"distill"}
+    # every training command is planned, distill with its teacher (issue 44)
+    assert set(COMMAND_OF.values()) == set(TRAINING)
     assert set(trl_names.COMMANDS) == set(TRAINING)
 
 

@@ -458,7 +458,7 @@ def _benchmark():
     return module
 
 
-MEASURED = ("ppo", "grpo", "rloo", "dpo", "simpo", "sft", "rm")
+MEASURED = ("ppo", "grpo", "rloo", "distill", "distill-jsd", "dpo", "simpo", "sft", "rm")
 
 
 @pytest.fixture(scope="module")

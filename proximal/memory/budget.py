@@ -2,13 +2,13 @@
 formulas, integer arithmetic on a model's shape (:class:`~proximal.memory.arch.Architecture`), no
 torch.
 
-A :class:`Setup` says what runs — the method (``ppo``, ``grpo``, ``rloo``, ``dpo``, ``simpo``, ``sft``,
-``rm``), the models, batch and micro-batch sizes, lengths, precision, LoRA, activation checkpointing,
-processes and the log-probability path — and :func:`plan` turns it into bytes on one device: a row per
-model (weights, optimizer state, gradients, activations, KV cache) and the step's phases (rollout,
-scoring, each update), which run one after another, so the peak is what is always resident plus the
-largest phase. The derivation of every term, what is deliberately not counted, and the measured-
-versus-predicted checks live in ``docs/memory.md``.
+A :class:`Setup` says what runs — the method (``ppo``, ``grpo``, ``rloo``, ``distill``, ``dpo``,
+``simpo``, ``sft``, ``rm``), the models, batch and micro-batch sizes, lengths, precision, LoRA,
+activation checkpointing, processes and the log-probability path — and :func:`plan` turns it into
+bytes on one device: a row per model (weights, optimizer state, gradients, activations, KV cache)
+and the step's phases (rollout, scoring, each update), which run one after another, so the peak is
+what is always resident plus the largest phase. The derivation of every term, what is deliberately
+not counted, and the measured-versus-predicted checks live in ``docs/memory.md``.
 
 Notation (used in every docstring below):
 
@@ -46,8 +46,15 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 STRATEGIES = ("single", "fsdp", "offload", "fsdp-offload")
 ROLES = ("actor", "critic", "reference", "reward")  # PPO's four models
 #: The methods, as the commands that train them (``rloo`` is ``proximal grpo`` with grpo.advantage: rloo).
-METHODS = ("ppo", "grpo", "rloo", "dpo", "simpo", "sft", "rm")
-ONLINE = ("ppo", "grpo", "rloo")
+METHODS = ("ppo", "grpo", "rloo", "distill", "dpo", "simpo", "sft", "rm")
+ONLINE = ("ppo", "grpo", "rloo", "distill")
+#: distill.loss: the sampled reverse KL through GRPO's surrogate, or GKD's JSD(β) over the vocabulary.
+DISTILL_LOSSES = ("reverse_kl", "jsd")
+#: (rows, V) float32 tensors alive at once in one chunk of distill.loss jsd
+#: (proximal.core.distill._LinearJSD and _rows, 0 < β < 1): both chunks' logits z_s and z_t, their
+#: log-softmaxes, p_s and p_t, d = log p_t − log p_s, log m and the two temporaries of its
+#: ``torch.where`` (expm1, log1p), and the gradient g — an upper bound (β = 0 or 1 hold fewer).
+JSD_CHUNK_TENSORS = 10
 #: How log-probabilities are taken from a language model's last hidden state:
 #: ``fused``  the head's product, log-softmax and gather chunk by chunk (proximal.core.fused): no logits;
 #: ``logits`` the logits of the scored positions, then a chunked log-softmax that saves only them
@@ -175,6 +182,7 @@ class Setup:
     actor: ModelSpec
     critic: ModelSpec | None = None
     reward: ModelSpec | None = None
+    teacher: ModelSpec | None = None  # distill: the frozen teacher (model.teacher)
     method: str = "ppo"
     dtype: str = "bfloat16"
     precision: str | None = None  # train.precision; None = --dtype's textbook budget
@@ -189,6 +197,7 @@ class Setup:
     lora_targets: tuple[str, ...] = (ALL_LINEAR,)
     critic_lora: bool = True  # the critic trains through adapters too (LoRA only)
     reference: bool = True  # a reference model's log-probabilities are used (grpo β > 0; dpo)
+    distill_loss: str = "reverse_kl"  # distill.loss (distill only)
     precompute_ref: bool = False  # dpo: log π_ref computed once before training
     reuse_first_pass: bool = True  # ppo.reuse_first_pass
     old_logprobs_pass: bool = True  # grpo: a separate π_old pass (μ > 1 or several mini-batches)
@@ -233,7 +242,12 @@ class Setup:
             raise ValueError(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.engine == "vllm" and not self.online:
             raise ValueError(
-                f"engine vllm samples rollouts; {self.method} has none (ppo, grpo and rloo do)"
+                f"engine vllm samples rollouts; {self.method} has none (ppo, grpo, rloo and "
+                "distill do)"
+            )
+        if self.distill_loss not in DISTILL_LOSSES:
+            raise ValueError(
+                f"distill loss {self.distill_loss!r} is not one of {', '.join(DISTILL_LOSSES)}"
             )
         if self.device == "cpu" and self.strategy != "single":
             raise ValueError(f"strategy {self.strategy!r} is a GPU layout; a CPU run is single")
@@ -253,7 +267,9 @@ class Setup:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.method == "ppo" and self.critic is None:
             raise ValueError("ppo needs a critic model")
-        for role in ("actor", "critic", "reward"):
+        if self.method == "distill" and self.teacher is None:
+            raise ValueError("distill needs a teacher model")
+        for role in ("actor", "critic", "reward", "teacher"):
             spec = getattr(self, role)
             if spec is not None and spec.n_params < 1:
                 raise ValueError(f"{role} parameter count must be positive, got {spec.n_params}")
@@ -338,6 +354,8 @@ class Setup:
             return True
         if self.method in ("grpo", "rloo"):
             return self.reference
+        # distill: never — the teacher is the signal, there is no KL to a reference (not with
+        # LoRA either: proximal distill builds the student with reference=False)
         if self.method == "dpo":
             return self.reference and (not self.precompute_ref or self.lora_rank > 0)
         return False
@@ -524,6 +542,8 @@ def training_activation_bytes(
                                                (proximal's trainers pass use_cache=False: 0)
         head ``lm``    :func:`_head_bytes`
         head ``score`` m * s * 4               one value per token
+        head ``hidden`` 0                      the last hidden states alone (proximal.models.output
+                                               .lm_hidden: distill.loss jsd takes the head itself)
 
     With activation checkpointing (Korthikanti §4.2, "full recomputation") each layer keeps only its
     input, m * s * L * h * b; backward recomputes one layer at a time, which happens after the head's
@@ -544,6 +564,8 @@ def training_activation_bytes(
         kept, extra = _head_bytes(
             arch, setup, m, s, setup.scored_positions, grad=True, entropy=entropy
         )
+    elif head == "hidden":  # the last hidden states only (the final norm's output, counted above)
+        kept, extra = 0, 0
     else:
         kept, extra = m * s * LOGIT_BYTES, 0
     if setup.activation_checkpointing:
@@ -582,7 +604,7 @@ def forward_only_bytes(
             arch, setup, m, s, setup.scored_positions, grad=False, entropy=False
         )
         end += kept + extra
-    else:
+    elif head != "hidden":  # ``hidden``: the last hidden states, ``end`` already
         end += m * s * LOGIT_BYTES
     cache = m * s * arch.kv_bytes_per_token(b) if setup.forward_cache else 0
     return cache + max(working, end)
@@ -669,6 +691,34 @@ def autocast_copies(arch: Architecture | None, setup: Setup, head: str = "lm") -
     return 2 * (arch.params(head) - embedding)
 
 
+def jsd_update_bytes(student: Architecture, teacher: Architecture, setup: Setup) -> int:
+    """Peak of one micro-batch of ``distill.loss jsd``'s update above the student's gradients
+    (proximal.trainers.distill.jsd_micro_step): first the teacher's no-grad forward to its last
+    hidden states (:func:`forward_only_bytes`, head ``hidden``), whose m * s * h_t * b then stay;
+    then the student's forward with gradients to its own (:func:`training_activation_bytes`, head
+    ``hidden``) and the chunked JSD (proximal.core.distill._LinearJSD) at the end of its last chunk,
+    over N = m * T scored positions (every one valid: an upper bound):
+
+        the valid positions' hidden states gathered      N * (h + h_t) * b
+        ∂L/∂h_s and ∂L/∂W_s, float32, accumulated        N * h * 4 + V * h * 4
+        float32 copies of the heads where not float32    V * h * 4 [weight 2], V * h_t * 4 [frozen 2]
+        one chunk of r = min(N, ⌊2²³ / V⌋) positions     JSD_CHUNK_TENSORS * r * V * 4
+
+    The larger of the two moments; the backward through the student's layers that follows holds
+    less (the JSD's tensors are gone by then)."""
+    by = precision_bytes(setup)
+    b, m, T = by.compute, setup.micro_batch, setup.response_len
+    V, h, ht = student.vocab_size, student.hidden_size, teacher.hidden_size
+    N = m * T
+    teacher_forward = forward_only_bytes(teacher, setup, "hidden")
+    teacher_hidden = m * setup.seq_len * ht * b
+    student = training_activation_bytes(student, setup, "hidden")
+    rows = min(N, max(1, FUSED_CHUNK_ELEMENTS // V))
+    casts = V * h * 4 * (by.weight != 4) + V * ht * 4 * (by.frozen != 4)
+    jsd = N * (h + ht) * b + N * h * 4 + V * h * 4 + casts + JSD_CHUNK_TENSORS * rows * V * 4
+    return max(teacher_forward, teacher_hidden + student + jsd)
+
+
 # ---- the rows and phases -------------------------------------------------------------------------
 
 
@@ -707,16 +757,18 @@ def _plan(setup: Setup) -> Plan:
     by W under FSDP; the optimizer state moves to CPU memory under offload; with rollout.engine vllm
     the engine's whole copy of the weights and its KV cache on every GPU.
     Phases (one at a time, each on top of static):
-        rollout        (ppo, grpo, rloo) actor KV cache for B sequences of s tokens (``rollout_bytes``);
+        rollout        (online) actor KV cache for B sequences of s tokens (``rollout_bytes``);
                        with rollout.engine vllm the engine's prefill or last-token logits
                        (``engine_rollout_bytes``): its weights and KV cache are static, a row
                        of their own
-        scoring        (ppo, grpo, rloo) the largest no-grad forward on a micro-batch: reward model,
-                       reference, π_old, critic values (PPO on one device with micro-batch = batch
+        scoring        (online) the largest no-grad forward on a micro-batch: reward model,
+                       reference, π_old, critic values, distill's teacher (PPO on one device with micro-batch = batch
                        also holds the actor's activations: ``ppo.reuse_first_pass``)
         actor update   the trained model's gradients + activations of one micro-batch (gradients of
                        earlier micro-batches are held while the next one runs: gradient accumulation);
-                       DPO adds the reference's forward, which runs before the policy's backward
+                       DPO adds the reference's forward, which runs before the policy's backward;
+                       distill.loss jsd the teacher's forward and the chunked JSD
+                       (``jsd_update_bytes``) in place of the head's
         critic update  (ppo) the same for the critic
     Under FSDP each phase also holds the all-gathered parameters of two units (the one computing and
     the one prefetched).
@@ -761,9 +813,13 @@ def _plan(setup: Setup) -> Plan:
     m = setup.micro_batch
     seqs = setup.sequences_per_micro_batch
     actor_head = "score" if setup.method == "rm" else "lm"
-    actor_role = {"ppo": "actor", "grpo": "actor", "rloo": "actor", "rm": "model"}.get(
-        setup.method, "policy"
-    )
+    actor_role = {
+        "ppo": "actor",
+        "grpo": "actor",
+        "rloo": "actor",
+        "distill": "student",
+        "rm": "model",
+    }.get(setup.method, "policy")
     rows: dict[str, Row] = {}
     actor = rows[actor_role] = trained_row(actor_role, setup.actor, actor_head, True)
     a_arch = setup.actor.arch
@@ -778,6 +834,10 @@ def _plan(setup: Setup) -> Plan:
             shared,
             "shares the actor's base weights (adapters disabled)" if shared else "",
         )
+    if setup.method == "distill":
+        # proximal.models.policy.load_teacher: frozen in train.precision's frozen dtype, under
+        # model.frozen_sharding; a model of its own, also with LoRA (never the student's base)
+        rows["teacher"] = frozen_row("teacher", setup.teacher, note="frozen (model.teacher)")
     if setup.online and setup.reward is not None:
         rows["reward"] = frozen_row("reward", setup.reward)
     vllm = setup.online and setup.engine == "vllm"
@@ -817,6 +877,7 @@ def _plan(setup: Setup) -> Plan:
     gather = 0
     specs = [setup.actor] + ([setup.critic] if critic else [])
     specs += [setup.reward] if "reward" in rows else []
+    specs += [setup.teacher] if "teacher" in rows else []
     archs = [sp.arch for sp in specs]
     if W > 1:
         if all(archs):
@@ -860,6 +921,10 @@ def _plan(setup: Setup) -> Plan:
             rows["reference"].activations = forwards["reference"] = forward_only_bytes(
                 a_arch, setup, "lm"
             )
+        if "teacher" in rows:  # log π_t of the sampled tokens, in the reference's place
+            rows["teacher"].activations = forwards["teacher"] = forward_only_bytes(
+                setup.teacher.arch, setup, "lm"
+            )
         if critic:
             critic.activations = training_activation_bytes(setup.critic.arch, setup, "score")
             forwards["critic"] = forward_only_bytes(setup.critic.arch, setup, "score")
@@ -870,7 +935,8 @@ def _plan(setup: Setup) -> Plan:
             and (setup.mini_batch or setup.batch) >= setup.batch
             and m >= setup.batch
         )
-        if not first_pass and (setup.method == "ppo" or setup.old_logprobs_pass):
+        # distill always takes log π_old in the experience (the advantage needs it)
+        if not first_pass and (setup.method in ("ppo", "distill") or setup.old_logprobs_pass):
             forwards["actor"] = forward_only_bytes(a_arch, setup, "lm") + fwd_casts
         if vllm:  # the engine samples: the trainer's models are idle, nothing of them is gathered
             phases["rollout"] = engine_rollout_bytes(a_arch, setup)
@@ -892,6 +958,10 @@ def _plan(setup: Setup) -> Plan:
                 "scoring holds the actor's activations (ppo.reuse_first_pass with micro-batch = "
                 "batch on one device)"
             )
+        if setup.method == "distill" and setup.distill_loss == "jsd":
+            # the student's hidden states, the teacher's forward and the chunked JSD instead of
+            # the head's log-probabilities
+            actor.activations = jsd_update_bytes(a_arch, setup.teacher.arch, setup)
         phases["actor update"] = actor.gradients + actor.activations + casts + gather
         if critic:
             critic_casts = autocast_copies(setup.critic.arch, setup, "score")

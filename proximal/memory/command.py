@@ -20,10 +20,12 @@ from dataclasses import replace
 from proximal.memory.arch import ConfigReadError, load_architecture
 from proximal.memory.budget import (
     DEVICES,
+    DISTILL_LOSSES,
     DTYPES,
     ENGINES,
     LOGPROBS,
     METHODS,
+    ONLINE,
     PRECISIONS,
     STRATEGIES,
     UNITS,
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy fsdp --gpus 8 --nodes 4\n"
         "  proximal memory --config ./policy --reward-config ./rm --lora-rank 16 --json\n"
         "  proximal memory --run grpo.yaml --gpus 8\n"
+        "  proximal memory --method distill --config ./student --teacher-config ./teacher\n"
         "  proximal memory --run runs/dpo --micro-batch 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -146,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role, default in (
         ("critic", "the reward model's, which proximal ppo initialises it from"),
         ("reward", "the actor's backbone with a scalar head"),
+        ("teacher", "distill: the student's own shape; it may be larger"),
     ):
         g = m.add_mutually_exclusive_group()
         g.add_argument(
@@ -183,7 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--group-size",
         type=_int_arg(1),
-        help="grpo, rloo: responses per prompt (default: 8)",
+        help="grpo, rloo, distill: responses per prompt (default: 8; distill 1)",
+    )
+    ap.add_argument(
+        "--distill-loss",
+        choices=DISTILL_LOSSES,
+        help="distill: reverse_kl (the sampled tokens' log-probabilities through the head, as "
+        "GRPO's update) or jsd (the teacher's forward again in the update and GKD's JSD over the "
+        "whole vocabulary, a chunk of positions at a time) (default: reverse_kl; with --run, "
+        "distill.loss)",
     )
     ap.add_argument(
         "--prompt-len", type=_int_arg(1), help="online methods: prompt tokens P (default: 512)"
@@ -231,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--engine",
         choices=ENGINES,
-        help="ppo, grpo, rloo: what samples the rollouts (rollout.engine): hf, the policy's own "
+        help="ppo, grpo, rloo, distill: what samples the rollouts (rollout.engine): hf, the policy's own "
         "decode (its KV cache in the rollout phase); vllm, a vLLM engine in every process with its "
         "own whole copy of the weights and a KV cache of --kv-cache-gib, both resident all step "
         "(default: hf; with --run, rollout.engine)",
@@ -319,14 +331,17 @@ def setup_from_args(
         "nodes",
         "logprobs",
         "precision",
+        "distill_loss",
     ):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.activation_checkpointing:
         fields["activation_checkpointing"] = True
     if args.engine is not None:
-        if args.engine == "vllm" and method not in ("ppo", "grpo", "rloo"):
-            parser.error(f"--engine vllm: {method} samples no rollouts (ppo, grpo and rloo do)")
+        if args.engine == "vllm" and method not in ONLINE:
+            parser.error(
+                f"--engine vllm: {method} samples no rollouts (ppo, grpo, rloo and distill do)"
+            )
         fields["engine"] = args.engine
     if args.kv_cache_gib is not None:
         if fields.get("engine", "hf") != "vllm":
@@ -393,6 +408,26 @@ def setup_from_args(
                     "model.reward_model (or --critic-config / --critic-params)"
                 )
             critic = reward
+    teacher = None
+    if method == "distill":
+        # the flags, else the run's model.teacher, else (flags alone) the student's own shape
+        if args.teacher_config:
+            teacher = ModelSpec.of(_arch("--teacher-config", args.teacher_config, parser), "lm")
+        elif args.teacher_params:
+            teacher = ModelSpec(args.teacher_params)
+        elif run is not None:
+            if not run.teacher_path:
+                parser.error(
+                    f"{run.file}: model.teacher is not set (the teacher's checkpoint directory; "
+                    "or give its shape with --teacher-config / --teacher-params)"
+                )
+            teacher = ModelSpec.of(
+                _arch(f"{run.file}: model.teacher", run.teacher_path, parser), "lm"
+            )
+        else:
+            teacher = actor
+    elif args.teacher_config or args.teacher_params:
+        parser.error(f"--teacher-config/--teacher-params: {method} has no teacher (distill has)")
     if run is not None:
         fields["compiled"] = compiles(run.compile, fields, actor_arch, world, run.steps)
     memory = args.gpu_memory
@@ -405,6 +440,7 @@ def setup_from_args(
             actor=actor,
             critic=critic,
             reward=reward,
+            teacher=teacher,
             method=method,
             dtype=args.dtype,
             strategy=strategy,

@@ -20,6 +20,7 @@ TITLES = {
     "ppo": "PPO's four models",
     "grpo": "GRPO's models (actor, reference when β > 0, reward model)",
     "rloo": "RLOO's models (actor, reference when β > 0, reward model)",
+    "distill": "on-policy distillation's models (student, teacher, reward model)",
     "dpo": "DPO's models (policy and reference)",
     "simpo": "SimPO's one model",
     "sft": "SFT's one model",
@@ -72,6 +73,7 @@ def _sizes(st: Setup) -> str:
         )
     text += f"; log-probabilities: {st.logprobs}" if st.method != "rm" else ""
     text += "; rollout engine vllm" if st.online and st.engine == "vllm" else ""
+    text += f"; distill.loss {st.distill_loss}" if st.method == "distill" else ""
     text += f"; LoRA rank {st.lora_rank}" if st.lora_rank else ""
     text += "; activation checkpointing" if st.activation_checkpointing else ""
     text += "; compiled blocks (train.compile)" if st.compiled else ""
@@ -164,7 +166,7 @@ def _head(p: Plan) -> list[str]:
     st = p.setup
 
     def desc(role: str) -> str:
-        spec = {"critic": st.critic, "reward": st.reward}.get(role, st.actor)
+        spec = {"critic": st.critic, "reward": st.reward, "teacher": st.teacher}.get(role, st.actor)
         return f"  {role:<9} {_count(spec.n_params)} params" + (
             f" ({spec.arch.model_type}, {spec.arch.source})" if spec.arch else ""
         )
@@ -293,6 +295,7 @@ def to_json(
         "actor",
         "critic",
         "reward",
+        "teacher",
     ):
         if (setup.get(role) or {}).get("arch"):
             setup[role]["arch"].pop("linears", None)

@@ -7,7 +7,8 @@ has to exist — only the ``config.json`` of each model (``model.path``, ``model
 checkpoint), for its shape, unless ``--config``/``--params`` give it instead. A run directory's
 ``config.yaml`` holds every section of its command (it is the whole config, written when the run
 began), so the method is read from it: ``ppo``/``kl`` sections are PPO's, ``grpo`` GRPO's (RLOO with
-``grpo.advantage: rloo``), ``dpo`` and ``simpo`` theirs, ``data.loss_on`` SFT's, and a config with
+``grpo.advantage: rloo``), ``distill`` on-policy distillation's (its teacher's config.json too, from
+``model.teacher``), ``dpo`` and ``simpo`` theirs, ``data.loss_on`` SFT's, and a config with
 none of these is reward-model training's. A hand-written file may leave every method's own section
 out; ``--method`` then names it.
 """
@@ -22,7 +23,15 @@ import yaml
 
 from proximal.commands import config_class
 from proximal.config import describe
-from proximal.memory.budget import ENGINES, LOGPROBS, METHODS, PRECISIONS, GiB
+from proximal.memory.budget import (
+    DISTILL_LOSSES,
+    ENGINES,
+    LOGPROBS,
+    METHODS,
+    ONLINE,
+    PRECISIONS,
+    GiB,
+)
 
 
 class RunReadError(ValueError):
@@ -45,6 +54,7 @@ class RunPlan:
     file: str
     actor_path: str
     reward_path: str | None = None
+    teacher_path: str | None = None  # distill: model.teacher
     critic: str | None = None  # ppo: 'reward_model', 'policy' or a checkpoint path
     fields: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -79,6 +89,8 @@ def method_of(data: dict, complete: bool = False) -> str | None:
     if "grpo" in data:
         advantage = (data.get("grpo") or {}).get("advantage")
         return "rloo" if advantage == "rloo" else "grpo"
+    if "distill" in data:
+        return "distill"
     for method in ("dpo", "simpo"):
         if method in data:
             return method
@@ -173,7 +185,7 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
     f["lora_targets"] = tuple(targets)
     if "model.frozen_sharding" in values:
         f["frozen_sharding"] = get("model.frozen_sharding", str, None)
-    if method in ("ppo", "grpo", "rloo"):
+    if method in ONLINE:
         f["batch"] = get("rollout.batch_size")
         f["response_len"] = get("rollout.max_new_tokens")
         f["prompt_len"] = get("data.max_prompt_length")
@@ -222,6 +234,18 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
         iterations = get("grpo.iterations")
         f["old_logprobs_pass"] = not (iterations == 1 and mini == responses)
         f["reference"] = get("grpo.beta", (int, float), None) > 0
+    elif method == "distill":
+        f["group_size"] = get("rollout.group_size")
+        f["micro_batch"] = get("distill.micro_batch_size")
+        f["old_logprobs_pass"] = True  # the advantage reads log π_old: always its own pass
+        f["reference"] = False  # no KL term: the teacher is the signal
+        f["distill_loss"] = get("distill.loss", str, None)
+        if f["distill_loss"] not in DISTILL_LOSSES:
+            raise RunReadError(
+                f"{file}: distill.loss = {f['distill_loss']!r} is not one of "
+                f"{', '.join(DISTILL_LOSSES)}"
+            )
+        plan.teacher_path = get("model.teacher", str, None) or None  # '' = not set
     else:
         f["max_length"] = get("data.max_length")
         f["batch"] = get("train.batch_size")

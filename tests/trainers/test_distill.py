@@ -409,3 +409,33 @@ def test_resume_reproduces_the_uninterrupted_run(
     a = load_safetensors_dir(checkpoint_dirs(tmp_path / "full")[-1] / "policy")
     b = load_safetensors_dir(checkpoint_dirs(crashed)[-1] / "policy")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
+def test_a_bf16_run_holds_the_teacher_in_bfloat16_and_trains(
+    assets, teacher, tmp_path, capsys, precision, loss
+):
+    """train.precision bf16-*: the teacher is loaded in the frozen dtype, bfloat16 (half the
+    float32 bytes in models.json), and a step trains with finite metrics, either loss."""
+    import json
+
+    runs = {}
+    for p in ("32-true", precision):
+        run_dir = tmp_path / p
+        cfg = distill_config(
+            assets.policy("llama"),
+            teacher,
+            assets.prompts,
+            run_dir,
+            distill={"loss": loss},
+            train={"precision": p, "steps": 1},
+        )
+        assert distill_main(cfg) == 0, capsys.readouterr().err
+        runs[p] = json.loads((run_dir / "models.json").read_text())
+        (r,) = read_jsonl(run_dir / "metrics.jsonl")
+        key = "distill/jsd" if loss == "jsd" else "distill/reverse_kl"
+        # (the sampled reverse KL of 4 short responses may be below 0; the JSD never is)
+        assert math.isfinite(r[key]) and r["grad_norm/actor"] > 0, r
+        assert loss != "jsd" or r[key] > 0
+    assert runs[precision]["teacher"]["bytes"] * 2 == runs["32-true"]["teacher"]["bytes"]
