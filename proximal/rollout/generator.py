@@ -203,7 +203,9 @@ def _serve(spec: Spec, source: dict, requests, results, published, copied, lock)
         device = torch.device(spec.device)
         if device.type == "cpu":
             kernels.configure(spec.cpu_matmul)
-        model = spec.model_class(spec.config).to(device=device, dtype=spec.dtype)
+        with _uninitialised():  # its weights come from the trainer's at the first request
+            model = spec.model_class(spec.config)
+        model = model.to(device=device, dtype=spec.dtype)
         model.eval().requires_grad_(False)
         if device.type == "cpu":
             kernels.use_onednn_linears(model)
@@ -283,6 +285,17 @@ def _stop(process, requests, hook=None) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=10)
+
+
+def _uninitialised():
+    """transformers' ``no_init_weights``: a model built without drawing its random weights (minutes
+    on a CPU for a 7B model), since the trainer's overwrite them. Where this transformers has no
+    such context, the weights are drawn and overwritten alike."""
+    try:
+        from transformers.initialization import no_init_weights  # lazy: only in the generator
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _to_cpu(got: Responses) -> Responses:
