@@ -206,7 +206,7 @@ def test_a_stopped_online_run_resumes_to_the_uninterrupted_run(
     assert command_main(command, full) == 0, capsys.readouterr().err
     capsys.readouterr()
     with monkeypatch.context() as mp:
-        signal_during(mp, trainer, "collect", STOP)  # during the step's rollout
+        signal_during(mp, trainer, "collect_step", STOP)  # during the step's rollout
         assert command_main(command, stopped, "--resume", "auto") == 75
     run = tmp_path / "stopped"
     assert_stopped_at(run, STOP, capsys.readouterr().err)

@@ -83,7 +83,7 @@ def _setup(command: str, base, assets, tmp_path):
 
     last = f"checkpoints/step_{TOTAL:06d}"
     subs = [f"{last}/policy", f"{last}/critic"] if command == "ppo" else [f"{last}/policy"]
-    return argv, (f"proximal.trainers.{command}", "collect"), subs
+    return argv, (f"proximal.trainers.{command}", "collect_step"), subs
 
 
 def _rows(run: Path) -> list[dict]:

@@ -342,7 +342,7 @@ def test_each_mode_weights_the_loss_as_its_formula_says(fixed, given_old):
     [
         (
             ["--rollout.correction", "icepop"],
-            "rollout.correction: 'icepop' is not one of None, 'tis'",
+            "rollout.correction: 'icepop' is not one of None, 'off', 'tis'",
         ),
         (["--rollout.precision", "fp8"], "rollout.precision: 'fp8' is not one of"),
         (["--rollout.correction_cap", "0.5"], "rollout.correction_cap = 0.5 must lie in [1, ∞)"),
