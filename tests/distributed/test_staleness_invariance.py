@@ -74,7 +74,10 @@ def _config(assets, command: str, run_dir: Path) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("command", ["grpo", "ppo"])
+@pytest.mark.parametrize(
+    "command",
+    ["grpo", pytest.param("ppo", marks=pytest.mark.cluster)],  # ppo: make test-cluster
+)
 def test_staleness_1_on_1_vs_2_processes(assets, tmp_path, command):
     import torch
 

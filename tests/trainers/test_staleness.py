@@ -74,7 +74,10 @@ def test_correction_null_is_tis_at_staleness_1_and_off_is_none():
     assert RolloutSection(staleness=1, correction="token_mask").correction_mode == "token_mask"
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize(
+    "staleness",
+    [1, pytest.param(2, marks=pytest.mark.cluster)],  # 2: make test-cluster (40 s)
+)
 def test_a_stale_run_resumed_after_a_crash_is_the_uninterrupted_run(
     assets, tmp_path, monkeypatch, capsys, staleness
 ):
