@@ -212,6 +212,7 @@ class Setup:
     rollout_precision: str | None = None  # rollout.precision; "bf16-true": the engine's bf16 copy
     engine: str = "hf"  # rollout.engine (online methods); "vllm": the engine's weights and KV cache
     engine_kv_cache: int = DEFAULT_ENGINE_KV_CACHE  # rollout.kv_cache_gib in bytes (vllm only)
+    staleness: int = 0  # rollout.staleness (online): k >= 1 adds the generator process's memory
     gpu_memory: int = 80 * GiB
     forward_cache: bool = True  # training/scoring forwards keep a KV cache (transformers' default)
     logprobs: str = "full"
@@ -245,6 +246,10 @@ class Setup:
                 f"engine vllm samples rollouts; {self.method} has none (ppo, grpo, rloo and "
                 "distill do)"
             )
+        if self.staleness < 0:
+            raise ValueError(f"staleness {self.staleness} must be >= 0")
+        if self.staleness and not self.online:
+            raise ValueError(f"staleness: {self.method} samples no rollouts")
         if self.distill_loss not in DISTILL_LOSSES:
             raise ValueError(
                 f"distill loss {self.distill_loss!r} is not one of {', '.join(DISTILL_LOSSES)}"
@@ -731,6 +736,10 @@ def plan(setup: Setup) -> Plan:
         p.host["imports"] = IMPORTS_BYTES
         if setup.online and setup.engine == "vllm":
             p.host["vllm runtime"] = vllm_cpu_runtime_bytes(setup)
+            if setup.staleness >= 1:
+                p.host["vllm runtime (generator)"] = vllm_cpu_runtime_bytes(setup)
+        if setup.online and setup.staleness >= 1:
+            p.host["imports (generator)"] = IMPORTS_BYTES
         if setup.compiled:
             p.host["compiled graphs"] = COMPILED_GRAPHS_BYTES
     elif setup.compiled:
@@ -869,9 +878,49 @@ def _plan(setup: Setup) -> Plan:
             "rollout copy", n, 0, n * 2, 0, 0, None, 0, "rollout.precision bf16-true: bfloat16"
         )
 
+    stale = setup.online and setup.staleness >= 1
+    if stale:
+        # proximal.rollout.generator: a process of its own on the same device, alive all step and
+        # generating while the trainer trains — its own whole copy of the policy (LoRA merged: the
+        # base's count; the trainer's weight dtype, or its vLLM engine's with its KV cache) and its
+        # decode's peak (the rollout phase's bytes); a sharded or LoRA policy also writes a plain
+        # copy into shared memory after each update. The trainer keeps its own engine (evaluation).
+        n = setup.actor.n_params
+        if vllm:
+            weights, cache = n * setup.engine_weight_bytes, setup.engine_kv_cache
+            what = "its vLLM engine's weights and KV cache"
+        else:
+            weights = n * by.weight + (n * 2 if setup.rollout_precision == "bf16-true" else 0)
+            cache = rollout_bytes(a_arch, setup) if a_arch else None
+            what = "a whole copy of the policy, and its decode's peak (KV cache, logits)"
+        rows["generator"] = Row(
+            "generator",
+            n,
+            0,
+            weights,
+            0,
+            0,
+            None,
+            cache,
+            f"rollout.staleness {setup.staleness}: {what}, resident all step",
+        )
+        if W > 1 or r:
+            rows["shared copy"] = Row(
+                "shared copy",
+                n,
+                0,
+                n * by.weight,
+                0,
+                0,
+                None,
+                0,
+                "the plain weights the generator copies from (sharded or LoRA policy)",
+            )
+
     # every model's weights and optimizer state, and the vllm engine's KV cache: resident all step
     static = sum(x.parameters + x.optimizer for x in rows.values())
     static += rows["vllm engine"].kv_cache if vllm else 0
+    static += (rows["generator"].kv_cache or 0) if stale else 0
     cpu_opt = sum(x.trainable for x in (actor, critic) if x) * by.optimizer if setup.offload else 0
 
     gather = 0

@@ -249,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: hf; with --run, rollout.engine)",
     )
     ap.add_argument(
+        "--staleness",
+        type=_int_arg(0),
+        metavar="K",
+        help="ppo, grpo, rloo, distill: rollout.staleness; K >= 1 adds the generator process's "
+        "memory, resident all step: its own copy of the policy and its decode (or its vLLM "
+        "engine), and with several processes or LoRA the shared plain copy it reads (default: 0; "
+        "with --run, the config's)",
+    )
+    ap.add_argument(
         "--kv-cache-gib",
         type=_gib_arg("KV-cache"),
         metavar="GIB",
@@ -343,6 +352,12 @@ def setup_from_args(
                 f"--engine vllm: {method} samples no rollouts (ppo, grpo, rloo and distill do)"
             )
         fields["engine"] = args.engine
+    if args.staleness is not None:
+        if args.staleness and method not in ONLINE:
+            parser.error(
+                f"--staleness: {method} samples no rollouts (ppo, grpo, rloo and distill do)"
+            )
+        fields["staleness"] = args.staleness
     if args.kv_cache_gib is not None:
         if fields.get("engine", "hf") != "vllm":
             parser.error(

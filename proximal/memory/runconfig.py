@@ -210,6 +210,11 @@ def read_run(path: str | Path, method: str | None = None) -> RunPlan:
                 raise RunReadError(
                     f"{file}: rollout.engine = {f['engine']!r} is not one of {', '.join(ENGINES)}"
                 )
+        if "rollout.staleness" in values:
+            k = get("rollout.staleness", int, None)
+            if isinstance(k, bool) or k is None or k < 0:
+                raise RunReadError(f"{file}: rollout.staleness = {k!r} must be an integer >= 0")
+            f["staleness"] = k
         if "rollout.kv_cache_gib" in values:
             gib = get("rollout.kv_cache_gib", (int, float), None)
             if isinstance(gib, bool) or not (math.isfinite(gib) and gib > 0):
