@@ -91,11 +91,11 @@ def staleness_of(step: int, version: int) -> int:
     return step - 1 - version
 
 
-def scheduled_version(step: int, staleness: int, available: int) -> int:
-    """The version that samples ``step``'s batch at staleness k: step − 1 − k, never below 0 nor
-    above ``available``, the newest version there is when the request is made (on a fresh run 0;
-    on a resume without the batch in its checkpoint, the checkpoint's)."""
-    return min(max(0, step - 1 - staleness), available)
+def scheduled_version(step: int, staleness: int, start: int = 0) -> int:
+    """The version that samples ``step``'s batch at staleness k in a run that started (or resumed
+    without batches in flight: a checkpoint of staleness 0, or of a run since extended) at
+    ``start``: step − 1 − k, never older than ``start``, the oldest version the run has."""
+    return max(start, step - 1 - staleness)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -275,8 +275,9 @@ def begin(
 def start_generator(o: Online, cfg, start: int) -> None:
     """rollout.staleness k ≥ 1: the trainer and the generator pinned to their cores (CPU, one
     process), the generator started over the policy as restored (version ``start``), and the
-    batches of steps start + 1 … start + 1 + k requested that the checkpoint did not hold — on a
-    fresh run those of steps 1 … k + 1, all of version 0."""
+    batches of steps start + 1 … start + 1 + k requested that the checkpoint did not hold, by
+    version ``start`` (:func:`~proximal.rollout.generator.scheduled_version`) — on a fresh run
+    those of steps 1 … k + 1, all of version 0."""
     r, k = cfg.rollout, cfg.rollout.staleness
     trainer_cores, generator_cores = split_cores(
         r.generator_cores, device=o.run.device.type, world_size=o.run.world_size

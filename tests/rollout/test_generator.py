@@ -99,7 +99,7 @@ def test_each_batch_is_the_synchronous_batch_of_the_version_it_was_scheduled(ass
             stale.request(step, 0, _drawn(tok, step), SAMPLING)
         for step in range(1, steps + 1):
             taken = stale.take(step, torch.device("cpu"))
-            assert taken.version == scheduled_version(step, staleness, step - 1)
+            assert taken.version == scheduled_version(step, staleness)
             assert staleness_of(step, taken.version) == min(step - 1, staleness)
             want = _sync(policy, snapshots[taken.version], tok, _drawn(tok, step))
             got = taken.responses.rollout
@@ -239,6 +239,6 @@ def test_cores_split_in_halves_on_one_cpu_process_only():
 
 def test_the_schedule():
     # staleness 2: steps 1-3 by version 0, then step t by t - 3
-    assert [scheduled_version(t, 2, t - 1) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
-    # a resume at step 5 without its batches in flight: the version at hand
-    assert scheduled_version(6, 2, 5) == 3 and scheduled_version(6, 2, 2) == 2
+    assert [scheduled_version(t, 2) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    # a resume at step 5 without batches in flight: version 5 until the schedule reaches it
+    assert [scheduled_version(t, 2, 5) for t in range(6, 10)] == [5, 5, 5, 6]

@@ -261,3 +261,18 @@ def test_the_correction_at_staleness_1_is_decoupled_ppo_on_a_two_version_toy():
     onehot = torch.nn.functional.one_hot(y, 5).double()
     want = -want_w.T * A * (onehot - p1) / 3
     torch.testing.assert_close(z.grad, want, rtol=0, atol=1e-12)
+
+
+def test_a_finished_stale_run_extended_samples_its_next_batches_with_its_last_weights(
+    assets, tmp_path, capsys
+):
+    """A run of 3 steps at staleness 1 is resumed with train.steps 5: its checkpoint holds no
+    batch in flight (none was requested past its end), so steps 4 and 5 are sampled by version 3,
+    the only one there is (docs/async.md, Resume)."""
+    cfg = _config(assets, tmp_path, "run", 1, train={"steps": 3, "save_every": 3})
+    assert grpo_main(cfg) == 0, capsys.readouterr().err
+    run = tmp_path / "run"
+    assert grpo_main(None, "--resume", str(run), "--train.steps", "5") == 0, capsys.readouterr().err
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["rollout/version"] for r in rows] == [0, 0, 1, 3, 3]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 0, 1]
