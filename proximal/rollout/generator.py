@@ -122,13 +122,16 @@ def split_cores(chosen: list[int] | None, *, device: str, world_size: int) -> tu
     return trainer, generator
 
 
-def pin_process(cores: list[int]) -> None:
+def pin_process(cores: list[int], threads: int | None = None) -> tuple[list[int], int]:
     """Every thread of this process (those to come inherit it) onto ``cores``, and torch's thread
-    count to their number."""
+    count to ``threads`` (default: their number). Returns what it was, ``(cores, threads)``, for
+    putting it back (:meth:`StaleRollouts.close` does, at the run's end)."""
+    before = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), cores)
-    torch.set_num_threads(len(cores))
+    torch.set_num_threads(threads or len(cores))
+    return before
 
 
 def _die_with_parent() -> None:
@@ -272,11 +275,13 @@ def _model_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))
 
 
-def _stop(process, requests, hook=None) -> None:
+def _stop(process, requests, hook=None, unpin=None) -> None:
     """The generator asked to stop, and killed if it does not within 10 s; the weights' guard
-    (``hook``) removed."""
+    (``hook``) removed; the trainer's cores and threads put back (``unpin``)."""
     if hook is not None:
         hook.remove()
+    if unpin is not None:
+        pin_process(*unpin)
     with contextlib.suppress(Exception):
         if process.is_alive():
             requests.put(None)
@@ -362,6 +367,7 @@ class StaleRollouts:
         self.version = 0  # the newest version published
         self.process = None
         self._sent: set[int] = set()  # steps whose request the generator has
+        self.unpin: tuple[list[int], int] | None = None  # the trainer's cores and threads before
 
     # --- starting ------------------------------------------------------------------------------
 
@@ -438,7 +444,9 @@ class StaleRollouts:
 
             self._hook = register_optimizer_step_pre_hook(before_step)
         # a run that fails between here and close() stops its generator when this object goes
-        weakref.finalize(self, _stop, self.process, self.requests, self._hook)
+        self._finalizer = weakref.finalize(
+            self, _stop, self.process, self.requests, self._hook, self.unpin
+        )
         self._wait_for(lambda m: m[0] == "ready", "start", max(self.timeout_s, START_S))
         for step in sorted(self.pending):
             if self.pending[step].responses is None:
@@ -662,21 +670,18 @@ class StaleRollouts:
             self.pending[p.step] = p
 
     def close(self) -> None:
-        """Stop the generator (idempotent) and release the weights' guard."""
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
-        self._hook = None
+        """Stop the generator (idempotent), remove the weights' guard and put the trainer's cores
+        and threads back (the finaliser does the same if the run ends without calling this)."""
         if getattr(self, "_holding", False):
             self._holding = False
             with contextlib.suppress(ValueError):
                 self.lock.release()
-        process, self.process = self.process, None
+        process, self.process = self.process, None  # _check reports no generator stopped on purpose
         if process is None:
             return
-        _stop(process, self.requests)
+        self._finalizer()  # _stop: the process, the hook, the cores
+        self._hook = None
         for q in (self.requests, self.results):
             with contextlib.suppress(Exception):
                 q.cancel_join_thread()
                 q.close()
-        # self.process = None keeps _check from reporting a generator stopped on purpose
-        self.process = None

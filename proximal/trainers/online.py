@@ -282,8 +282,8 @@ def start_generator(o: Online, cfg, start: int) -> None:
     trainer_cores, generator_cores = split_cores(
         r.generator_cores, device=o.run.device.type, world_size=o.run.world_size
     )
-    if trainer_cores is not None:
-        pin_process(trainer_cores)
+    if trainer_cores is not None:  # put back when the generator stops (StaleRollouts.close)
+        o.stale.unpin = pin_process(trainer_cores)
     o.stale.start(
         o.models.actor,
         o.models.tokenizer,

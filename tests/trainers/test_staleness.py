@@ -276,3 +276,11 @@ def test_a_finished_stale_run_extended_samples_its_next_batches_with_its_last_we
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["rollout/version"] for r in rows] == [0, 0, 1, 3, 3]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 0, 1]
+
+
+def test_the_trainers_cores_and_threads_are_put_back_at_the_runs_end(assets, tmp_path):
+    """A staleness run on CPU pins the trainer to its cores and threads while it runs (the
+    generator has the others); a Python caller gets its process back as it was."""
+    before = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    assert grpo_main(_config(assets, tmp_path, "run", 1, train={"steps": 2})) == 0
+    assert (sorted(os.sched_getaffinity(0)), torch.get_num_threads()) == before
