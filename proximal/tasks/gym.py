@@ -125,8 +125,6 @@ def _careless(value: int, rng: random.Random) -> int:
             i = rng.randrange(len(digits))
             digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
             wrong = int(sign + "".join(digits))
-            if wrong == 0 and value < 0:  # "-0": the sign lost too, not one digit; again
-                continue
         if wrong != value:
             return wrong
 

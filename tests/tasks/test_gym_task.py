@@ -103,9 +103,10 @@ def test_the_teachers_working_carries_a_slip_forward():
 
 
 def careless(wrong: int, right: int) -> bool:
-    """Off by one, off by ten, or one digit of the same sign changed."""
+    """Off by one, off by ten, or one digit of the same sign changed (-4 → "-0" is 0)."""
     a, b = str(abs(wrong)).zfill(2), str(abs(right)).zfill(2)
-    one_digit = (wrong < 0) == (right < 0) and sum(x != y for x, y in zip(a, b)) == 1
+    same_sign = (wrong < 0) == (right < 0) or wrong == 0
+    one_digit = same_sign and sum(x != y for x, y in zip(a, b)) == 1
     return wrong != right and (abs(wrong - right) in (1, 10) or one_digit)
 
 
