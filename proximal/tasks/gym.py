@@ -9,12 +9,17 @@ bare question): the training split for SFT and RL, the held-out split (apart by 
 for evaluation. The reward is ``proximal.rewards:reasoning_gym``, the generator's own
 ``score_answer`` of the text in the last ``<answer>…</answer>``.
 
-The SFT data is the generator's answers (neither generator gives a worked solution) written by a
-**sloppy teacher** (:data:`TEACHER`), as the arithmetic task's (:mod:`proximal.tasks.arithmetic`):
-right some of the time, otherwise a careless answer (off by one, off by ten, one digit wrong) or the
-right answer without the ``<answer>`` tags (a format error, which the scorer gives 0). A model
-fine-tuned on it answers right well below the ceiling; an RL stage rewarded by the scorer can learn
-to avoid the teacher's habits.
+The SFT data is written by a **sloppy teacher** (:data:`TEACHER`), as the arithmetic task's
+(:mod:`proximal.tasks.arithmetic`). Neither generator gives a worked solution, so the teacher works
+the generator's own expression (its entry's ``metadata["expression"]``) one ``+``/``-`` at a time
+(:func:`working`) before the answer line: ``0-4=-4;-4-8=-12;<answer>-12</answer>``. It is right
+some of the time, otherwise slips in one step (off by one, off by ten, one digit wrong) and carries
+the slip on to its answer, or writes the right working and the right number without the
+``<answer>`` tags (a format error, which the scorer gives 0). ``make_task_data(..., worked=False)``
+writes the answer line alone, as before: a 2-layer model fine-tuned on answers alone answers few
+unseen questions right (chain_sum: 0.15 after 2 000 steps, against 0.34 after 1 000 steps with the
+working; docs/tasks.md). A model fine-tuned on the teacher answers right below its 55 %; an RL stage
+rewarded by the scorer can learn to avoid the teacher's habits.
 
 Held-out columns: :func:`exact_match` (the tagged answer equals the gold answer, as text) and
 :func:`format_error` (no ``<answer>`` tag).
@@ -49,8 +54,9 @@ GENERATORS: dict[str, dict] = {
     },
 }
 TASKS = tuple(PREFIX + name for name in GENERATORS)
-#: How the sloppy SFT teacher answers: "slip" = a careless number in the tags; "format" = the right
-#: number without them (:data:`BAD_FORMATS`).
+#: How the sloppy SFT teacher answers: "slip" = a careless result in one step (the answer alone: a
+#: careless answer), carried on to the tagged answer; "format" = the right working and number
+#: without the tags (:data:`BAD_FORMATS`).
 TEACHER = {"correct": 0.55, "slip": 0.3, "format": 0.15}
 BAD_FORMATS = ("{}", "answer: {}", "<answer>{}")
 #: Between the worked steps: ``0-4=-4;-4-8=-12;<answer>-12</answer>``.
@@ -223,9 +229,10 @@ def make_task_data(
     model: dict | None = None,
 ) -> dict:
     """Write task ``name``'s files under ``out_dir``, as :func:`proximal.tasks.arithmetic.make_task_data`
-    does: ``sft_{train,eval}.jsonl`` (``prompt``, ``response``: the teacher's answer),
-    ``prompts_{train,eval}.jsonl`` (the source's rows: ``prompt``, ``answer``, ``metadata``,
-    ``generator_config``), ``tokenizer/``, ``base_model/`` and ``task.json``. Training rows are the
+    does: ``sft_{train,eval}.jsonl`` (``prompt``, ``response``: the teacher's worked solution and
+    answer; ``worked=False``: the answer alone), ``prompts_{train,eval}.jsonl`` (the source's rows:
+    ``prompt``, ``answer``, ``metadata``, ``generator_config``), ``tokenizer/``, ``base_model/`` and
+    ``task.json``. Training rows are the
     source's training split (``n_train`` items at ``seed``), SFT and RL prompts alike; held-out rows
     its held-out split (no question of training), the first ``n_sft_eval`` for the SFT loss, the
     next ``n_prompts_eval`` for evaluation. The same seed gives identical files."""
