@@ -15,8 +15,8 @@ the 256 questions / √256 — computed from the rows of this run:
 - every RL stage removes format errors: its drop exceeds three standard errors (measured 0.11 …
   0.15, 12 to 18 standard errors).
 
-pass@8 and maj@8 are reported, not required: no method raised pass@8, and maj@8 moved by 0.04 at
-most either way (docs/tasks.md).
+pass@8 and maj@8 are reported, not required: no method raised pass@8 on average, and the methods'
+mean maj@8 moved by 0.04 at most either way (docs/tasks.md).
 
 Minutes on a CPU: marker ``learning``, deselected by ``make test``, run by ``make test-learning``.
 """
