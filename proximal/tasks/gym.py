@@ -195,11 +195,9 @@ def teacher_response(
         steps, value = working(expression)
         if value != int(answer):
             raise ValueError(f"{expression!r} works out to {value}, the generator says {answer}")
-        if behaviour == "slip" and steps:
-            steps, value = working(expression, rng.randrange(len(steps)), rng)
-        elif behaviour == "slip":  # a bare number: nothing to work out
-            value = _careless(value, rng)
-    elif behaviour == "slip":
+    if behaviour == "slip" and steps:
+        steps, value = working(expression, rng.randrange(len(steps)), rng)
+    elif behaviour == "slip":  # the answer alone, or a bare number: nothing to work out
         value = _careless(value, rng)
     if behaviour == "format":
         line = rng.choice(BAD_FORMATS).format(value)
