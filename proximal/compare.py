@@ -194,7 +194,7 @@ class CompareSection:
         None,
         "Response length of the held-out evaluation (the methods' configs set their own "
         "for training); null: the built-in task's, 12 (digits), 32 (arithmetic), 24 per turn "
-        "(calculator). Required with your own data (data.sft_model): no task's length is "
+        "(calculator), 64 (reasoning_gym:*). Required with your own data (data.sft_model): no task's length is "
         "taken for it.",
     )
     reward_timeout_s: float | None = option(

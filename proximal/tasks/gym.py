@@ -9,12 +9,17 @@ bare question): the training split for SFT and RL, the held-out split (apart by 
 for evaluation. The reward is ``proximal.rewards:reasoning_gym``, the generator's own
 ``score_answer`` of the text in the last ``<answer>…</answer>``.
 
-The SFT data is the generator's answers (neither generator gives a worked solution) written by a
-**sloppy teacher** (:data:`TEACHER`), as the arithmetic task's (:mod:`proximal.tasks.arithmetic`):
-right some of the time, otherwise a careless answer (off by one, off by ten, one digit wrong) or the
-right answer without the ``<answer>`` tags (a format error, which the scorer gives 0). A model
-fine-tuned on it answers right well below the ceiling; an RL stage rewarded by the scorer can learn
-to avoid the teacher's habits.
+The SFT data is written by a **sloppy teacher** (:data:`TEACHER`), as the arithmetic task's
+(:mod:`proximal.tasks.arithmetic`). Neither generator gives a worked solution, so the teacher works
+the generator's own expression (its entry's ``metadata["expression"]``) one ``+``/``-`` at a time
+(:func:`working`) before the answer line: ``0-4=-4;-4-8=-12;<answer>-12</answer>``. It is right
+some of the time, otherwise slips in one step (off by one, off by ten, one digit wrong) and carries
+the slip on to its answer, or writes the right working and the right number without the
+``<answer>`` tags (a format error, which the scorer gives 0). ``make_task_data(..., worked=False)``
+writes the answer line alone, as before: a 2-layer model fine-tuned on answers alone answers few
+unseen questions right (chain_sum: 0.15 after 2 000 steps, against 0.34 after 1 000 steps with the
+working; docs/tasks.md). A model fine-tuned on the teacher answers right below its 55 %; an RL stage
+rewarded by the scorer can learn to avoid the teacher's habits.
 
 Held-out columns: :func:`exact_match` (the tagged answer equals the gold answer, as text) and
 :func:`format_error` (no ``<answer>`` tag).
@@ -22,6 +27,7 @@ Held-out columns: :func:`exact_match` (the tagged answer equals the gold answer,
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 from pathlib import Path
@@ -48,16 +54,21 @@ GENERATORS: dict[str, dict] = {
     },
 }
 TASKS = tuple(PREFIX + name for name in GENERATORS)
-#: How the sloppy SFT teacher answers: "slip" = a careless number in the tags; "format" = the right
-#: number without them (:data:`BAD_FORMATS`).
+#: How the sloppy SFT teacher answers: "slip" = a careless result in one step (the answer alone: a
+#: careless answer), carried on to the tagged answer; "format" = the right working and number
+#: without the tags (:data:`BAD_FORMATS`).
 TEACHER = {"correct": 0.55, "slip": 0.3, "format": 0.15}
 BAD_FORMATS = ("{}", "answer: {}", "<answer>{}")
-#: The longest response: "<answer>-27</answer>" is 20 characters, + EOS.
-MAX_RESPONSE_TOKENS = 24
+#: Between the worked steps: ``0-4=-4;-4-8=-12;<answer>-12</answer>``.
+STEP_SEP = ";"
+#: The longest response, with room: the teacher's longest is 38 characters for chain_sum
+#: (``8-9=-1;-1-7=-8;<answer>-8</answer>``), 67 for basic_arithmetic (nested negations; 0.1 % of
+#: its questions pass 56), + EOS.
+MAX_RESPONSE_TOKENS = 64
 #: The longest prompt: chain_sum's 3-term question is 72 characters.
 MAX_PROMPT_TOKENS = 96
-#: The tiny base model: a 2-layer llama, hidden 128.
-DEFAULT_MODEL = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "max_positions": 128}
+#: The tiny base model: a 2-layer llama, hidden 128; a whole prompt and response in its positions.
+DEFAULT_MODEL = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "max_positions": 160}
 
 _CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }}"
@@ -124,20 +135,82 @@ def _careless(value: int, rng: random.Random) -> int:
             return wrong
 
 
-def teacher_response(answer: str, rng: random.Random, mix: dict[str, float] | None = None) -> str:
-    """The sloppy teacher's response to a question whose gold answer is ``answer`` (:data:`TEACHER`)."""
+def working(expression: str, slip_at: int | None = None, rng: random.Random | None = None):
+    """``(steps, value)``: the worked solution of a ``+ -`` expression (the generators' metadata
+    ``expression``), one operation a step in evaluation order (innermost first, left to right) —
+    ``"0 - 4 - 8"`` → ``["0-4=-4", "-4-8=-12"]``, -12; the negation of a group is a step of its own
+    (``-(-3)=3``; a run of them one step, ``-(-(12))=12``), a negative number is not. Step
+    ``slip_at``'s result is replaced by a careless one (:func:`_careless`) that the later steps
+    compute on, as a person working by hand carries a mistake forward. ValueError for anything
+    but integers, ``+``, ``-`` and parentheses."""
+    steps: list[str] = []
+
+    def result(text: str, value: int) -> int:
+        if len(steps) == slip_at:
+            value = _careless(value, rng)
+        steps.append(f"{text}={value}")
+        return value
+
+    def walk(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            k = 0  # a run of negations is one step: -(-(3+9)) → 3+9=12;-(-(12))=12
+            while isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+                node, k = node.operand, k + 1
+            inner = walk(node)
+            if isinstance(node, ast.Constant):  # the innermost minus is the number's sign
+                inner, k = -inner, k - 1
+            if k == 0:
+                return inner
+            return result(f"{'-(' * k}{inner}{')' * k}", -inner if k % 2 else inner)
+        if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub):
+            left, right = walk(node.left), walk(node.right)
+            op = "+" if isinstance(node.op, ast.Add) else "-"
+            return result(f"{left}{op}{right}", left + right if op == "+" else left - right)
+        raise ValueError(f"not a + - expression: {expression!r}")
+
+    try:
+        tree = ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"not a + - expression: {expression!r}") from None
+    value = walk(tree)
+    return steps, value
+
+
+def teacher_response(
+    answer: str,
+    rng: random.Random,
+    mix: dict[str, float] | None = None,
+    expression: str | None = None,
+) -> str:
+    """The sloppy teacher's response to a question whose gold answer is ``answer`` (:data:`TEACHER`):
+    with ``expression``, its worked solution (:func:`working`; a slip in one step, carried on) before
+    the answer line, else the answer line alone (a slip: a careless answer)."""
     mix = TEACHER if mix is None else mix
     behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
-    if behaviour == "slip":
-        return tagged(str(_careless(int(answer), rng)))
+    steps: list[str] = []
+    value = int(answer)
+    if expression is not None:
+        steps, value = working(expression)
+        if value != int(answer):
+            raise ValueError(f"{expression!r} works out to {value}, the generator says {answer}")
+    if behaviour == "slip" and steps:
+        steps, value = working(expression, rng.randrange(len(steps)), rng)
+    elif behaviour == "slip":  # the answer alone, or a bare number: nothing to work out
+        value = _careless(value, rng)
     if behaviour == "format":
-        return rng.choice(BAD_FORMATS).format(answer)
-    return tagged(answer)
+        line = rng.choice(BAD_FORMATS).format(value)
+    else:
+        line = tagged(str(value))
+    return STEP_SEP.join([*steps, line])
 
 
 def build_tokenizer(texts: list[str]):
     """A character tokenizer over every character of ``texts`` and the answer tags."""
-    alphabet = sorted(set("".join(texts)) | set(tagged("-0123456789")) | set(" :"))
+    alphabet = sorted(
+        set("".join(texts)) | set(tagged("-0123456789")) | set(" :") | set("()=" + STEP_SEP)
+    )
     return build_char_tokenizer(alphabet, chat_template=_CHAT_TEMPLATE)
 
 
@@ -150,12 +223,14 @@ def make_task_data(
     n_sft_eval: int = 100,
     n_prompts_eval: int = 256,
     teacher: dict[str, float] | None = None,
+    worked: bool = True,
     model: dict | None = None,
 ) -> dict:
     """Write task ``name``'s files under ``out_dir``, as :func:`proximal.tasks.arithmetic.make_task_data`
-    does: ``sft_{train,eval}.jsonl`` (``prompt``, ``response``: the teacher's answer),
-    ``prompts_{train,eval}.jsonl`` (the source's rows: ``prompt``, ``answer``, ``metadata``,
-    ``generator_config``), ``tokenizer/``, ``base_model/`` and ``task.json``. Training rows are the
+    does: ``sft_{train,eval}.jsonl`` (``prompt``, ``response``: the teacher's worked solution and
+    answer; ``worked=False``: the answer alone), ``prompts_{train,eval}.jsonl`` (the source's rows:
+    ``prompt``, ``answer``, ``metadata``, ``generator_config``), ``tokenizer/``, ``base_model/`` and
+    ``task.json``. Training rows are the
     source's training split (``n_train`` items at ``seed``), SFT and RL prompts alike; held-out rows
     its held-out split (no question of training), the first ``n_sft_eval`` for the SFT loss, the
     next ``n_prompts_eval`` for evaluation. The same seed gives identical files."""
@@ -171,15 +246,14 @@ def make_task_data(
         )
     rng = random.Random(f"proximal-reasoning-gym-{name}-{seed}")
     teacher = dict(TEACHER if teacher is None else teacher)
+
+    def respond(row: dict) -> str:
+        expression = row["metadata"]["expression"] if worked else None
+        return teacher_response(row["answer"], rng, teacher, expression)
+
     sft = {
-        "train": [
-            {"prompt": r["prompt"], "response": teacher_response(r["answer"], rng, teacher)}
-            for r in train
-        ],
-        "eval": [
-            {"prompt": r["prompt"], "response": teacher_response(r["answer"], rng, teacher)}
-            for r in held[:n_sft_eval]
-        ],
+        "train": [{"prompt": r["prompt"], "response": respond(r)} for r in train],
+        "eval": [{"prompt": r["prompt"], "response": respond(r)} for r in held[:n_sft_eval]],
     }
     prompts = {"train": train, "eval": held[n_sft_eval : n_sft_eval + n_prompts_eval]}
     for split in ("train", "eval"):
@@ -207,6 +281,7 @@ def make_task_data(
             "prompts_eval": len(prompts["eval"]),
         },
         "teacher": teacher,
+        "worked": worked,
         "model": model_kwargs,
         "teacher_exact_match_train": rate(exact_match, sft["train"], train),
         "teacher_format_errors_train": rate(format_error, sft["train"], train),

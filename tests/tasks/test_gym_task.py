@@ -55,10 +55,58 @@ def test_the_teacher_answers_in_its_proportions():
     assert slips and all(careless(s, -12) for s in slips)
 
 
+@pytest.mark.parametrize(
+    "expression, steps, value",
+    [
+        ("0 - 4 - 8", ["0-4=-4", "-4-8=-12"], -12),  # left to right
+        ("5 - 3", ["5-3=2"], 2),
+        ("3 - -7", ["3--7=10"], 10),  # a negative number is no step
+        ("( 2 + -8 ) + 4", ["2+-8=-6", "-6+4=-2"], -2),
+        ("-1 - -( -3 + 0 )", ["-3+0=-3", "-(-3)=3", "-1-3=-4"], -4),  # a group's negation is
+        ("-( -( 3 + 9 ) )", ["3+9=12", "-(-(12))=12"], 12),  # a step, a run of them one step
+        ("-( -3 )", ["-(-3)=3"], 3),
+        ("7", [], 7),
+    ],
+)
+def test_the_worked_solution(expression, steps, value):
+    assert gym.working(expression) == (steps, value)
+    assert value == eval(expression)  # Python's own value of the same text
+
+
+def test_the_teachers_working_carries_a_slip_forward():
+    rng = random.Random(0)
+    out = [gym.teacher_response("-4", rng, None, "-1 - -( -3 + 0 )") for _ in range(2000)]
+    right = "-3+0=-3;-(-3)=3;-1-3=-4;<answer>-4</answer>"
+    # three standard errors of 2000 draws: 0.034 at p = 0.55, 0.024 at p = 0.15
+    assert abs(sum(r == right for r in out) / 2000 - 0.55) < 0.034
+    untagged = [r for r in out if "</answer>" not in r]
+    assert abs(len(untagged) / 2000 - 0.15) < 0.024
+    # a format error: the right working, then the right number without the tags
+    assert {r.rsplit(";", 1)[1] for r in untagged} == {"-4", "answer: -4", "<answer>-4"}
+    assert {r.rsplit(";", 1)[0] for r in untagged} == {"-3+0=-3;-(-3)=3;-1-3=-4"}
+    slips = 0
+    for r in out:
+        if r == right or r in untagged:
+            continue
+        # a slip: one step's value careless; the later steps compute on the value it wrote
+        s0, s1, s2, line = r.split(";")
+        a, b, c = (int(x.rsplit("=", 1)[1]) for x in (s0, s1, s2))
+        assert (s0, s1, s2, line) == ("-3+0=" + str(a), f"-({a})={b}", f"-1-{b}={c}", gym.tagged(c))
+        wrong = [(v, want) for v, want in ((a, -3), (b, -a), (c, -1 - b)) if v != want]
+        assert len(wrong) == 1 and careless(*wrong[0]), r
+        slips += 1
+    assert abs(slips / 2000 - 0.3) < 0.031
+    with pytest.raises(ValueError, match="works out to -4, the generator says 5"):
+        gym.teacher_response("5", rng, None, "-1 - -( -3 + 0 )")
+    with pytest.raises(ValueError, match="not a"):
+        gym.working("2 * 3")
+
+
 def careless(wrong: int, right: int) -> bool:
-    """Off by one, off by ten, or one digit of the same sign changed."""
+    """Off by one, off by ten, or one digit of the same sign changed (-4 → "-0" is 0)."""
     a, b = str(abs(wrong)).zfill(2), str(abs(right)).zfill(2)
-    one_digit = (wrong < 0) == (right < 0) and sum(x != y for x, y in zip(a, b)) == 1
+    same_sign = (wrong < 0) == (right < 0) or wrong == 0
+    one_digit = same_sign and sum(x != y for x, y in zip(a, b)) == 1
     return wrong != right and (abs(wrong - right) in (1, 10) or one_digit)
 
 
@@ -85,7 +133,12 @@ def test_the_task_files_are_the_generators_entries_and_keep_held_out_apart(chain
     assert gym_source.parse(info["source"]).held_out_seed() == 401
     sft = read_jsonl(out / "sft_train.jsonl")
     assert [r["prompt"] for r in sft] == [r["prompt"] for r in train]
-    right = sum(s["response"] == gym.tagged(t["answer"]) for s, t in zip(sft, train)) / 400
+    # the teacher's worked solution of the generator's own expression, then the tagged answer
+    worked = [
+        ";".join([*gym.working(t["metadata"]["expression"])[0], gym.tagged(t["answer"])])
+        for t in train
+    ]
+    right = sum(s["response"] == w for s, w in zip(sft, worked)) / 400
     assert info["teacher_exact_match_train"] == right
     assert info["teacher_format_errors_train"] == sum(
         "</answer>" not in s["response"] for s in sft
