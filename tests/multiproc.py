@@ -275,3 +275,27 @@ def run_launched(cmd: list[str], timeout: float, **popen_kwargs) -> subprocess.C
     ) as p:
         out, err = p.communicate(timeout=timeout)
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``, from /proc (Linux)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

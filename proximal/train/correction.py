@@ -68,32 +68,19 @@ def mismatch_metrics(
     st = mismatch_stats(old_logprobs, behaviour_logprobs, mask, band=metric_band(mode, band))
     out = {name: float(st[key]) for key, name in _MISMATCH.items()}
     if int(mask.sum()) > 0:
-        _, done = correction_weights(
-            mode,
-            old_logprobs,
-            behaviour_logprobs,
-            mask,
-            cap=cap,
-            band=None if band is None else tuple(band),
-        )
-        out.update({f"rollout/correction_{k}": float(v) for k, v in done.items()})
-        if every_mode:
-            for other in ("tis", "token_mask", "seq_mask"):
-                _, would = correction_weights(
-                    other,
-                    old_logprobs,
-                    behaviour_logprobs,
-                    mask,
-                    cap=cap,
-                    band=None if band is None else tuple(band),
-                )
-                out.update(
-                    {
-                        f"rollout/{other}_{k}": float(v)
-                        for k, v in would.items()
-                        if k != "weight_mean"
-                    }
-                )
+
+        def stats(m: str) -> dict:  # what mode m does to these tokens
+            kept = None if band is None else tuple(band)
+            return correction_weights(
+                m, old_logprobs, behaviour_logprobs, mask, cap=cap, band=kept
+            )[1]
+
+        out.update({f"rollout/correction_{k}": float(v) for k, v in stats(mode).items()})
+        for other in ("tis", "token_mask", "seq_mask") if every_mode else ():
+            would = stats(other)
+            out.update(
+                {f"rollout/{other}_{k}": float(v) for k, v in would.items() if k != "weight_mean"}
+            )
     return out
 
 

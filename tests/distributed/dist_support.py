@@ -6,6 +6,9 @@ world of one), builds its models from the tiny checkpoints, and returns plain CP
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 
 from proximal import dist
@@ -202,3 +205,61 @@ def rm_step_once(
     )
     clip_and_step(model, t.optimizer, t.scheduler, 0.0)
     return {"params": gathered(model), "loss": sums["loss_sum"] / len(pairs)}
+
+
+# ---- whole runs on 1 and 2 processes (tests/distributed/test_run_invariance.py's tolerances) ----
+
+#: Metrics agree to relative 1e-4 with an absolute floor of 1e-4 (test_run_invariance.py says why).
+REL, ABS = 1e-4, 1e-4
+
+
+def train_in_rank(command: str, cfg: dict):
+    """Inside a rank: ``proximal.trainers.<command>.train`` on ``cfg`` (written beside its output
+    directory by rank 0); rank 0 returns ``(metrics rows, final weights)``, the others None."""
+    import importlib
+
+    import yaml
+
+    from proximal.config import load_config
+
+    module = importlib.import_module(f"proximal.trainers.{command}")
+    cls = {"grpo": "GRPOConfig", "ppo": "PPOConfig", "distill": "DistillConfig"}[command]
+    path = Path(cfg["output"]["dir"]).with_suffix(".yaml")
+    if dist.is_main():
+        path.write_text(yaml.safe_dump(cfg))
+    dist.barrier()
+    run_dir = module.train(load_config(getattr(module, cls), path))
+    if not dist.is_main():
+        return None
+    from ppo_support import load_safetensors_dir, read_jsonl
+
+    return read_jsonl(run_dir / "metrics.jsonl"), load_safetensors_dir(run_dir)
+
+
+def metric_close(a, b) -> bool:
+    """Two values of one metric agree: floats to REL/ABS (NaN equals NaN), the rest exactly."""
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return a is b
+        if math.isnan(a) and math.isnan(b):
+            return True
+        return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
+    return a == b
+
+
+def assert_same_runs(one, two, *, steps: int, lr: float) -> None:
+    """Two runs' ``(rows, weights)`` agree: every step's metrics but the clock's
+    (:func:`metric_close`), and the weights — the 99.9th percentile of |Δw| ≤ 2e-5 and every
+    |Δw| ≤ 2·lr (a flipped first Adam update at worst; test_run_invariance.py)."""
+    from ppo_support import TIMING_PREFIXES
+
+    (rows1, w1), (rows2, w2) = one, two
+    assert [r["step"] for r in rows1] == [r["step"] for r in rows2] == list(range(1, steps + 1))
+    for a, b in zip(rows1, rows2, strict=True):
+        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES)}
+        diff = {k: (a.get(k), b.get(k)) for k in keys if not metric_close(a.get(k), b.get(k))}
+        assert not diff, f"step {a['step']}: 1 vs 2 processes: {diff}"
+    assert w1.keys() == w2.keys()
+    d = torch.cat([(w1[k].float() - w2[k].float()).abs().flatten() for k in sorted(w1)])
+    assert float(torch.quantile(d, 0.999)) <= 2e-5
+    assert float(d.max()) <= 2 * lr

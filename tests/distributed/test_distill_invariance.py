@@ -6,57 +6,13 @@ metrics; the 99.9th percentile of |Δw| ≤ 2e-5 and every |Δw| ≤ 2·lr on th
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
+from dist_support import assert_same_runs, train_in_rank
 from multiproc import run_ranks
-from ppo_support import TIMING_PREFIXES, load_safetensors_dir, read_jsonl
 
-REL, ABS, LR = 1e-4, 1e-4, 1e-3
-
-
-def _train(cfg: dict):
-    """Inside a rank: ``distill.train`` on ``cfg``; rank 0 returns its metrics and final weights."""
-    import yaml
-
-    from proximal import dist
-    from proximal.config import load_config
-    from proximal.trainers import distill
-
-    path = Path(cfg["output"]["dir"]).with_suffix(".yaml")
-    if dist.is_main():
-        path.write_text(yaml.safe_dump(cfg))
-    dist.barrier()
-    run_dir = distill.train(load_config(distill.DistillConfig, path))
-    if not dist.is_main():
-        return None
-    return read_jsonl(run_dir / "metrics.jsonl"), load_safetensors_dir(run_dir)
-
-
-def _close(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        if a is None or b is None:
-            return a is b
-        if math.isnan(a) and math.isnan(b):
-            return True
-        return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
-    return a == b
-
-
-def _compare(one, two) -> None:
-    import torch
-
-    (rows1, w1), (rows2, w2) = one, two
-    assert [r["step"] for r in rows1] == [r["step"] for r in rows2] == [1, 2, 3]
-    for a, b in zip(rows1, rows2, strict=True):
-        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES)}
-        diff = {k: (a.get(k), b.get(k)) for k in keys if not _close(a.get(k), b.get(k))}
-        assert not diff, f"step {a['step']}: 1 vs 2 processes: {diff}"
-    assert w1.keys() == w2.keys()
-    d = torch.cat([(w1[k].float() - w2[k].float()).abs().flatten() for k in sorted(w1)])
-    assert float(torch.quantile(d, 0.999)) <= 2e-5
-    assert float(d.max()) <= 2 * LR
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +61,13 @@ def _config(assets, teacher, run_dir: Path, **distill) -> dict:
     ids=["reverse_kl+reward", "jsd", "jsd+lam"],
 )
 def test_distill_1_vs_2_processes(assets, teacher, tmp_path, distill):
-    one = run_ranks(1, _train, _config(assets, teacher, tmp_path / "w1", **distill))[0]
-    two = run_ranks(2, _train, _config(assets, teacher, tmp_path / "w2", **distill))[0]
-    _compare(one, two)
+    one = run_ranks(
+        1, train_in_rank, "distill", _config(assets, teacher, tmp_path / "w1", **distill)
+    )[0]
+    two = run_ranks(
+        2, train_in_rank, "distill", _config(assets, teacher, tmp_path / "w2", **distill)
+    )[0]
+    assert_same_runs(one, two, steps=3, lr=LR)
     rows = one[0]
     assert all(r["grad_norm/actor"] > 0 for r in rows)  # the run moved
     if distill.get("lam"):  # some rows of the run were teacher-written, not all

@@ -6,51 +6,19 @@ metrics; the 99.9th percentile of |Δw| ≤ 2e-5 and every |Δw| ≤ 2·lr on th
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
+from dist_support import assert_same_runs, train_in_rank
 from multiproc import run_ranks
 from ppo_support import (
-    TIMING_PREFIXES,
-    load_safetensors_dir,
     prompt_texts,
-    read_jsonl,
     tiny_config,
 )
 
 from proximal.data.jsonl import write_jsonl
 
-REL, ABS, LR = 1e-4, 1e-4, 1e-3
-
-
-def _train(command: str, cfg: dict):
-    """Inside a rank: the command's ``train()`` on ``cfg``; rank 0 returns metrics and weights."""
-    import yaml
-
-    from proximal import dist
-    from proximal.config import load_config
-    from proximal.trainers import grpo, ppo
-
-    module, cls = {"grpo": (grpo, grpo.GRPOConfig), "ppo": (ppo, ppo.PPOConfig)}[command]
-    path = Path(cfg["output"]["dir"]).with_suffix(".yaml")
-    if dist.is_main():
-        path.write_text(yaml.safe_dump(cfg))
-    dist.barrier()
-    run_dir = module.train(load_config(cls, path))
-    if not dist.is_main():
-        return None
-    return read_jsonl(run_dir / "metrics.jsonl"), load_safetensors_dir(run_dir)
-
-
-def _close(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        if a is None or b is None:
-            return a is b
-        if math.isnan(a) and math.isnan(b):
-            return True
-        return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
-    return a == b
+LR = 1e-3
 
 
 def _config(assets, command: str, run_dir: Path) -> dict:
@@ -79,20 +47,12 @@ def _config(assets, command: str, run_dir: Path) -> dict:
     ["grpo", pytest.param("ppo", marks=pytest.mark.cluster)],  # ppo: make test-cluster
 )
 def test_staleness_1_on_1_vs_2_processes(assets, tmp_path, command):
-    import torch
 
-    one = run_ranks(1, _train, command, _config(assets, command, tmp_path / "w1" / "run"))[0]
-    two = run_ranks(2, _train, command, _config(assets, command, tmp_path / "w2" / "run"))[0]
-    (rows1, w1), (rows2, w2) = one, two
+    one = run_ranks(1, train_in_rank, command, _config(assets, command, tmp_path / "w1" / "run"))[0]
+    two = run_ranks(2, train_in_rank, command, _config(assets, command, tmp_path / "w2" / "run"))[0]
+    rows1, rows2 = one[0], two[0]
     assert (
         [r["rollout/version"] for r in rows1] == [r["rollout/version"] for r in rows2] == [0, 0, 1]
     )
-    for a, b in zip(rows1, rows2, strict=True):
-        keys = {k for k in a.keys() | b.keys() if not k.startswith(TIMING_PREFIXES)}
-        diff = {k: (a.get(k), b.get(k)) for k in keys if not _close(a.get(k), b.get(k))}
-        assert not diff, f"step {a['step']}: 1 vs 2 processes: {diff}"
-    assert w1.keys() == w2.keys()
-    d = torch.cat([(w1[k].float() - w2[k].float()).abs().flatten() for k in sorted(w1)])
-    assert float(torch.quantile(d, 0.999)) <= 2e-5
-    assert float(d.max()) <= 2 * LR
+    assert_same_runs(one, two, steps=3, lr=LR)
     assert all(r["grad_norm/actor"] > 0 for r in rows1[1:])  # the run moved

@@ -9,6 +9,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from memory_support import KV, N_LM, B, H, L, P, T, V, tiny_arch
+from memory_support import grpo_setup as grpo
 
 from proximal import memory
 from proximal.config import save_config
@@ -20,35 +22,12 @@ from proximal.train.sections import RolloutSection
 from proximal.trainers.grpo_config import GRPOConfig
 from proximal.trainers.ppo_config import PPOConfig
 
-# The tiny Llama of tests/test_memory_methods.py: V 100, h 64, 3 layers, 4 heads and 2 KV heads of
-# 16 (kv width 32), I 256, untied; N(lm) = 197,568 counted by hand there.
-V, H, L, KV = 100, 64, 3, 32  # and I = 256
-N_LM = 197_568
-# GRPO, 4 prompts x 2 responses on one device (B = 8 sequences), P = 16 prompt + T = 16 response.
-B, P, T = 8, 16, 16
 KV_BUDGET = 2**28  # rollout.kv_cache_gib 0.25
 
 
 @pytest.fixture(scope="module")
 def arch():
-    return memory.architecture_from_config(
-        tiny_config("llama", V, hidden=H, layers=L, heads=4, kv_heads=2).to_dict()
-    )
-
-
-def grpo(arch, **kw) -> Setup:
-    base = dict(
-        actor=ModelSpec.of(arch, "lm"),
-        method="grpo",
-        precision="32-true",
-        batch=4,
-        group_size=2,
-        prompt_len=P,
-        response_len=T,
-        micro_batch=2,
-        logprobs="fused",
-    )
-    return Setup(**{**base, **kw})
+    return tiny_arch()
 
 
 def test_the_engine_row_and_the_rollout_phase_by_hand(arch):

@@ -10,6 +10,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from memory_support import N_LM, H, L, V, tiny_arch
+from memory_support import grpo_setup as grpo
 
 from proximal import memory
 from proximal.config import save_config
@@ -18,11 +20,6 @@ from proximal.memory.command import plan_run
 from proximal.models.tiny import tiny_config
 from proximal.trainers.grpo_config import GRPOConfig
 
-# tests/memory/test_memory_engine.py's tiny Llama: V 100, h 64, 3 layers, kv width 32, I 256,
-# N(lm) = 197,568; GRPO with B = 8 sequences of P = 16 + T = 16 tokens on one device, float32.
-V, H, L, KV, INTER = 100, 64, 3, 32, 256
-N_LM = 197_568
-B, P, T = 8, 16, 16
 # The generator's decode peak in float32, by hand: the prefill's KV cache and one layer's working
 # set over B * P tokens, B * P * (2 * L * KV * 4 + (2h + 3I) * 4) = 128 * (768 + 3584) = 557,056,
 # larger than the last step's full cache, growth and logits, 196,608 + 32,768 + B * V * 8 = 235,776.
@@ -31,24 +28,7 @@ DECODE = 557_056
 
 @pytest.fixture(scope="module")
 def arch():
-    return memory.architecture_from_config(
-        tiny_config("llama", V, hidden=H, layers=L, heads=4, kv_heads=2).to_dict()
-    )
-
-
-def grpo(arch, **kw) -> Setup:
-    base = dict(
-        actor=ModelSpec.of(arch, "lm"),
-        method="grpo",
-        precision="32-true",
-        batch=4,
-        group_size=2,
-        prompt_len=P,
-        response_len=T,
-        micro_batch=2,
-        logprobs="fused",
-    )
-    return Setup(**{**base, **kw})
+    return tiny_arch()
 
 
 def test_the_generator_row_by_hand(arch):

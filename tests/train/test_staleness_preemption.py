@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import launch, run_launched
+from multiproc import alive, children, launch, run_launched
 from ppo_support import load_safetensors_dir, prompt_texts, read_jsonl, without_timing, write_yaml
 from resume_support import grpo_config
 
@@ -48,28 +48,6 @@ def _argv(assets, tmp_path, name: str) -> list[str]:
     return [sys.executable, "-m", "proximal", "grpo", "--config", str(config), "--resume", "auto"]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(") ", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -92,18 +70,18 @@ def test_a_stale_run_stopped_or_killed_resumes_to_the_uninterrupted_run(assets, 
                 240,
                 "for step 2",
             )
-            generators = _children(p.pid)
+            generators = children(p.pid)
             os.kill(p.pid, signal.SIGTERM)
             _, err = p.communicate(timeout=120)
             assert p.returncode == 75, err.decode()[-2000:]
             assert "SIGTERM received: stopped after step" in err.decode()
         else:  # right after the step-2 checkpoint is published
             _wait(lambda: (run / "checkpoints" / "step_000002").is_dir(), 240, "for checkpoint 2")
-            generators = _children(p.pid)
+            generators = children(p.pid)
             os.kill(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         assert generators, "the trainer had its generator process"
-        _wait(lambda: not any(_alive(g) for g in generators), 10, "for the generator to end")
+        _wait(lambda: not any(alive(g) for g in generators), 10, "for the generator to end")
     stopped = len(read_jsonl(metrics))
     assert 2 <= stopped < STEPS
     resumed = run_launched(_argv(assets, tmp_path, "cut"), timeout=300, env=_env())

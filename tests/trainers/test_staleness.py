@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 from grpo_support import grpo_config, grpo_main, read_jsonl
+from multiproc import children
 from ppo_support import checkpoint_dirs, load_safetensors_dir, prompt_texts, without_timing
 
 from proximal.data.jsonl import write_jsonl
@@ -115,24 +116,10 @@ def test_a_stale_run_resumed_after_a_crash_is_the_uninterrupted_run(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(") ", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
-
-
 def _generator_pids() -> list[int]:
     """This process's generator children (spawned: their command line names spawn_main)."""
     out = []
-    for pid in _children(os.getpid()):
+    for pid in children(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():
