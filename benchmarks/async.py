@@ -15,16 +15,19 @@ configs are ``harness/proximal_side.py``'s, PPO with ``--ppo-epochs`` epochs). T
 
 Within an invocation the runs alternate (round 1: every work and method at sync-2t, k1, k2, sync-1t;
 round 2 the same; …), so a slow spell of the machine falls on every case. The time per step is the
-median over steps ``--warm`` + 1 … N of the step's *period* (``time/wall_s`` differences: the whole
-loop, waiting for the generator included), then the median over rounds; each case's ratio to
-sync-2t is the median of the per-round ratios (< 1: faster).
+median over the steady steps ``--warm`` + 1 … N − k of the step's *period* (``time/wall_s``
+differences: the whole loop, waiting for the generator included; at staleness k the last k steps
+have no generation beside them, unlike a long run's, and are left out), then the median over
+rounds; each case's ratio to sync-2t is the median of the per-round ratios (< 1: faster).
 
 **Phase shares** (per step, from the metrics): ``gen_s`` = rows × ``response/length_mean`` /
 ``speed/gen_tokens_per_s`` (the seconds spent in generation: in the loop at staleness 0, in the
 generator process at k ≥ 1); ``wait_s`` = ``time/wait_s`` (the trainer idle, waiting for the
 generator's batch; k ≥ 1 only); ``busy_s`` = ``time/step_s`` − ``wait_s`` (the trainer's own work:
 scoring, reference and old log-probabilities, the update, publishing the weights; at staleness 0 it
-includes generation). The generation share of a synchronous step is g = gen_s / step_s.
+includes generation); ``solo_busy_s`` = ``busy_s`` of the last k steps, when the generator is idle
+(against ``busy_s`` of the steady steps: what generating on the other core costs the trainer).
+The generation share of a synchronous step is g = gen_s / step_s.
 
 **The GPU estimate.** With generation and training on devices of their own (the asynchronous papers'
 setting), a synchronous step costs g + (1 − g) of itself and an overlapped one max(g, 1 − g) plus the
@@ -107,9 +110,12 @@ def step_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if "time/step_s" in r]
 
 
-def phases(rows: list[dict], rows_per_step: int, warm: int) -> dict:
-    """Per-step phase seconds (module docstring) and their medians over steps ``warm`` + 1 … N
-    (all steps when there are no more than ``warm``)."""
+def phases(rows: list[dict], rows_per_step: int, warm: int, staleness: int = 0) -> dict:
+    """Per-step phase seconds (module docstring) and their medians over the steady steps
+    ``warm`` + 1 … N − k (all steps when there are none): at staleness k the last k steps train
+    while the generator has nothing left to sample, unlike every step of a long run. Their
+    trainer seconds are kept apart (``solo_busy_s``: what an update costs with the other core
+    idle, against ``median_busy_s`` with the generator running beside it)."""
     wall = [float(r["time/wall_s"]) for r in rows]
     period = [wall[0]] + [b - a for a, b in zip(wall, wall[1:])]
     step = [float(r["time/step_s"]) for r in rows]
@@ -119,10 +125,11 @@ def phases(rows: list[dict], rows_per_step: int, warm: int) -> dict:
         for r in rows
     ]
     busy = [s - w for s, w in zip(step, wait)]
-    tail = slice(warm, None) if len(rows) > warm else slice(None)
+    n = len(rows)
+    steady = slice(warm, n - staleness) if n - staleness > warm else slice(None)
 
     def med(xs: list[float]) -> float:
-        return statistics.median(xs[tail])
+        return statistics.median(xs[steady])
 
     return {
         "period_s": period,
@@ -132,11 +139,13 @@ def phases(rows: list[dict], rows_per_step: int, warm: int) -> dict:
         "busy_s": busy,
         "staleness": [r.get("rollout/staleness", 0) for r in rows],
         "length_mean": [float(r["response/length_mean"]) for r in rows],
+        "steady_steps": list(range(1, n + 1))[steady],
         "median_period_s": med(period),
         "median_step_s": med(step),
         "median_wait_s": med(wait),
         "median_gen_s": med(gen),
         "median_busy_s": med(busy),
+        "solo_busy_s": statistics.median(busy[n - staleness :]) if 0 < staleness < n else None,
         "gen_share": med([g / s for g, s in zip(gen, step)]),
         "wait_share": med([w / p for w, p in zip(wait, period)]),
     }
@@ -191,7 +200,7 @@ def run_one(
     for f in run_dir.iterdir():
         if f.name not in KEPT:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
-    rec.update(phases(rows, work.batch, warm))
+    rec.update(phases(rows, work.batch, warm, staleness))
     if any(abs(n - work.response_len) > 1e-9 for n in rec["length_mean"]):
         raise AssertionError(f"{run_dir.name}: response lengths {rec['length_mean']}")
     want = [min(s - 1, staleness) for s in range(1, len(rows) + 1)]  # steps ≤ k: version 0
@@ -219,6 +228,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                 row[x] = statistics.median(r[f"median_{x}"] for r in rs)
             row["gen_share"] = statistics.median(r["gen_share"] for r in rs)
             row["wait_share"] = statistics.median(r["wait_share"] for r in rs)
+            solo = [r["solo_busy_s"] for r in rs if r.get("solo_busy_s") is not None]
+            row["solo_busy_s"] = statistics.median(solo) if solo else None
             row["loadavg"] = statistics.median(r["loadavg_before"] for r in rs)
             ratios = [
                 r["median_period_s"] / base[r["round"]]["median_period_s"]
@@ -251,7 +262,7 @@ def markdown(data: dict) -> str:
         "# Asynchronous rollouts on this CPU: rollout.staleness 0, 1, 2 (issue 43)",
         "",
         f"Measured {m['date']} with `{m['command']}` ({m['rounds']} rounds, {m['steps']} steps a "
-        f"run, medians over steps {m['warm'] + 1}..N; PPO {m['ppo_epochs']} epoch(s) a step), "
+        f"run, medians over steps {m['warm'] + 1}..N − k; PPO {m['ppo_epochs']} epoch(s) a step), "
         f"proximal {v['proximal']}, torch {v['torch']}, on {m['machine'].get('cpu', '?')} "
         f"({m['machine'].get('cores', '?')} cores); load average at the start "
         f"{', '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at the end "
@@ -267,19 +278,21 @@ def markdown(data: dict) -> str:
         "default pinning (trainer core 0, generator core 1, one thread each), `sync-1t` staleness "
         "0 on 1 thread. s/step: the median step period (wall clock, waiting included); ratio: to "
         "sync-2t, the median of the per-round ratios (< 1 is faster). gen: generation seconds a step "
-        "(k ≥ 1: in the generator); busy: the trainer's step less its wait; wait share: of the period.",
+        "(k ≥ 1: in the generator); busy: the trainer's step less its wait (generator idle: in the "
+        "last k steps, with nothing left to generate); wait share: of the period.",
         "",
-        "| work | method | case | s/step | ratio to sync-2t (per round) | gen s | busy s | wait s "
-        "| wait share | gen share of step | load |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| work | method | case | s/step | ratio to sync-2t (per round) | gen s | busy s | "
+        "busy s, generator idle | wait s | wait share | gen share of step | load |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["summary"]:
         per = " ".join(f"{x:.3f}" for x in r["ratios"])
         ratio = f"{r['ratio']:.3f} ({per})" if r["ratio"] is not None else "—"
         lines.append(
             f"| {r['work']} | {r['method']} | {r['case']} | {_f(r['period_s'])} | {ratio} | "
-            f"{_f(r['gen_s'])} | {_f(r['busy_s'])} | {_f(r['wait_s'])} | "
-            f"{r['wait_share']:.0%} | {r['gen_share']:.0%} | {r['loadavg']:.2f} |"
+            f"{_f(r['gen_s'])} | {_f(r['busy_s'])} | {_f(r.get('solo_busy_s'))} | "
+            f"{_f(r['wait_s'])} | {r['wait_share']:.0%} | {r['gen_share']:.0%} | "
+            f"{r['loadavg']:.2f} |"
         )
     lines += [
         "",
@@ -348,6 +361,139 @@ def write_results(path: Path, data: dict) -> None:
     path.write_text(markdown(data))
 
 
+# ------------------------------------------------------------------------------------------------
+# Learning at staleness 1 and 2 against 0: a table from `proximal compare` output directories
+# ------------------------------------------------------------------------------------------------
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def learning_runs(compare_dir: Path, task: str) -> list[dict]:
+    """Every finished run of a ``proximal compare`` output directory: its method, seed, staleness
+    and ``rollout.correction`` (from its config), the final policy's held-out means (gold, the
+    verifier, KL to the SFT model) and, over its steps, the mean of ``rollout/mismatch_k3`` and of
+    the share of tokens the tis weight truncated (``rollout/correction_truncated_frac``)."""
+    import yaml  # lazy: only the learning table reads run configs
+
+    out = []
+    for run in sorted((compare_dir / "runs").glob("*-seed*")):
+        if not (run / "compare_run.json").is_file() or not (run / "eval.json").is_file():
+            continue  # running, or failed before its evaluation
+        info = json.loads((run / "compare_run.json").read_text())
+        if info.get("status") != "ok":
+            continue
+        r = yaml.safe_load((run / "config.yaml").read_text())["rollout"]
+        final = json.loads((run / "eval.json").read_text())["final"]["mean"]
+        rows = [
+            json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()
+        ]
+        rows = [x for x in rows if "time/step_s" in x]
+
+        def mean_of(key: str, rows=rows) -> float | None:
+            xs = [float(x[key]) for x in rows if x.get(key) is not None]
+            return statistics.mean(xs) if xs else None
+
+        k = int(r.get("staleness", 0))
+        corr = r.get("correction")
+        mode = (
+            ("tis" if k >= 1 else "none") if corr is None else ("none" if corr == "off" else corr)
+        )
+        out.append(
+            {
+                "task": task,
+                "dir": compare_dir.name,
+                "method": info["method"],
+                "seed": info["seed"],
+                "staleness": k,
+                "correction": "default" if corr is None else str(corr),
+                "mode": mode,
+                "gold": final.get("gold"),
+                "verifier": final.get("verifier"),
+                "kl": final.get("kl"),
+                "mismatch_k3": mean_of("rollout/mismatch_k3"),
+                "truncated_frac": mean_of("rollout/correction_truncated_frac"),
+                "staleness_logged": max(
+                    (int(x.get("rollout/staleness", 0)) for x in rows), default=0
+                ),
+                "train_s": float(rows[-1]["time/wall_s"]) if rows else None,
+            }
+        )
+    return out
+
+
+def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") -> str:
+    """The learning section: per task × method × staleness × correction, mean ± sample std over
+    seeds of the held-out gold, the verifier's exact match and the KL to the SFT model."""
+    lines = [
+        APPENDIX_MARK,
+        "## Learning at staleness 1 and 2 against 0",
+        "",
+    ]
+    if note:
+        lines += [note, ""]
+    lines += [
+        "| task | method | staleness | rollout.correction (applied) | seeds | gold ↑ | exact match ↑ "
+        "| KL to SFT | mismatch k3 (mean over steps) | tokens truncated by tis | training s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = dict.fromkeys(
+        (r["task"], r["method"], r["staleness"], r["correction"], r["mode"])
+        for r in sorted(runs, key=lambda r: (r["task"], r["method"], r["staleness"], r["mode"]))
+    )
+    for task, method, k, corr, mode in keys:
+        rs = [
+            r
+            for r in runs
+            if (r["task"], r["method"], r["staleness"], r["correction"], r["mode"])
+            == (task, method, k, corr, mode)
+        ]
+
+        def cell(key: str, digits: int = 3, rs=rs) -> str:
+            xs = [r[key] for r in rs if r[key] is not None]
+            if not xs:
+                return "—"
+            m, sd = _mean_std(xs)
+            return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+        def sci(key: str, rs=rs) -> str:
+            xs = [r[key] for r in rs if r[key] is not None]
+            return f"{statistics.mean(xs):.2g}" if xs else "—"
+
+        lines.append(
+            f"| {task} | {method} | {k} | {corr} ({mode}) | "
+            f"{','.join(str(r['seed']) for r in rs)} | {cell('gold')} | {cell('verifier')} | "
+            f"{cell('kl', 2)} | {sci('mismatch_k3')} | {sci('truncated_frac')} | "
+            f"{cell('train_s', 0)} |"
+        )
+    for task, m in sft.items():
+        lines += [
+            "",
+            f"The SFT model every {task} run starts from: gold {m.get('gold', float('nan')):.3f}, "
+            f"exact match {m.get('verifier', float('nan')):.3f}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_learning(out: Path, dirs: list[str], note: str) -> None:
+    """``TASK=DIR,DIR,…`` compare directories → the learning section of ``out`` (kept across speed
+    measurements: written after :data:`APPENDIX_MARK`, whatever stood there replaced)."""
+    runs, sft = [], {}
+    for spec in dirs:
+        task, paths = spec.split("=", 1)
+        for d in paths.split(","):
+            runs += learning_runs(Path(d), task)
+            f = Path(d) / "sft_eval.json"
+            if f.is_file() and task not in sft:
+                got = json.loads(f.read_text())
+                sft[task] = got["mean"]
+    text = out.read_text() if out.is_file() else ""
+    head = text[: text.index(APPENDIX_MARK)] if APPENDIX_MARK in text else text
+    out.write_text(head.rstrip("\n") + "\n\n" + learning_markdown(runs, sft, note))
+    out.with_name(out.stem + "-learning.json").write_text(json.dumps(runs, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -378,7 +524,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the mini work, GRPO, sync-2t and k1, 3 steps, 1 round: the harness end to end, "
         "not a measurement",
     )
+    ap.add_argument(
+        "--learning",
+        nargs="+",
+        metavar="TASK=DIR,…",
+        help="write the learning section of --out from these `proximal compare` output "
+        "directories instead of measuring (--note: its sentence)",
+    )
     args = ap.parse_args(argv)
+    if args.learning:
+        write_learning(args.out, args.learning, args.note)
+        return 0
     works = {**WORKS, "mini": MINI}
     if args.smoke:
         args.works, args.methods, args.cases, args.rounds = "mini", "grpo", "sync-2t,k1", 1

@@ -60,6 +60,24 @@ def test_wait_share_is_the_median_of_wait_over_period():
     assert p["staleness"] == [0, 0, 0]  # a synchronous run logs none
 
 
+def test_at_staleness_k_the_last_k_steps_are_kept_apart_from_the_steady_ones():
+    def row(wall, step, wait):
+        return {"time/wall_s": wall, "time/step_s": step, "time/wait_s": wait,
+                "response/length_mean": 1.0, "speed/gen_tokens_per_s": 1.0}  # fmt: skip
+
+    # steps 1..6: a first wait, then steady steps of 2 s, then the last two (k = 2) with the
+    # generator idle and the trainer faster
+    rows = [row(5.0, 5.0, 4.0), row(7.0, 2.0, 0.0), row(9.0, 2.0, 0.5), row(11.0, 2.0, 0.25)]
+    rows += [row(12.0, 1.0, 0.0), row(12.75, 0.75, 0.0)]
+    p = bench.phases(rows, rows_per_step=1, warm=1, staleness=2)
+    assert p["steady_steps"] == [2, 3, 4]
+    assert p["median_period_s"] == 2.0 and p["median_busy_s"] == 1.75  # 2, 1.5, 1.75
+    assert p["solo_busy_s"] == 0.875  # steps 5 and 6: 1.0 and 0.75
+    assert bench.phases(rows, 1, warm=1)["median_busy_s"] == 1.5  # k = 0: steps 2..6
+    # too few steps for a steady part: all of them
+    assert bench.phases(rows[:3], 1, warm=1, staleness=2)["steady_steps"] == [1, 2, 3]
+
+
 def _run(case: str, k: int, period: float, *, gen=1.0, busy=1.0, wait=0.0, step=None, rc=0):
     r = {"work": "tiny", "method": "grpo", "case": case, "round": k, "rc": rc}
     if rc:
@@ -72,6 +90,7 @@ def _run(case: str, k: int, period: float, *, gen=1.0, busy=1.0, wait=0.0, step=
         "median_wait_s": wait,
         "gen_share": gen / (period if step is None else step),
         "wait_share": wait / period,
+        "solo_busy_s": None,
         "loadavg_before": 0.5,
     }
 
