@@ -188,3 +188,53 @@ def test_async_smoke_mode_runs_the_synchronous_and_the_staleness_one_loop(tmp_pa
     cases = [row["case"] for row in data["summary"]]
     assert cases == ["sync-2t", "k1"] and "gpu_bound" in data["summary"][0]
     assert "| mini | grpo | k1 |" in out.read_text()
+
+
+def _compare_run(root: Path, name: str, seed: int, staleness: int, correction, gold, exact):
+    run = root / "runs" / f"{name}-seed{seed}"
+    run.mkdir(parents=True)
+    (run / "compare_run.json").write_text(
+        json.dumps({"method": "grpo", "seed": seed, "status": "ok"})
+    )
+    (run / "eval.json").write_text(
+        json.dumps({"final": {"mean": {"gold": gold, "verifier": exact, "kl": 1.0}}})
+    )
+    (run / "config.yaml").write_text(
+        f"rollout:\n  staleness: {staleness}\n  correction: {correction}\n"
+    )
+    rows = [
+        {"time/step_s": 1.0, "time/wall_s": 1.0, "rollout/mismatch_k3": 0.25,
+         "rollout/correction_truncated_frac": 0.0, "rollout/staleness": 0},
+        {"time/step_s": 1.0, "time/wall_s": 2.0, "rollout/mismatch_k3": 0.75,
+         "rollout/correction_truncated_frac": 0.5, "rollout/staleness": staleness},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_learning_table_is_mean_and_sample_std_over_seeds_per_staleness_and_correction(
+    tmp_path,
+):
+    k0, k1, k1off = tmp_path / "k0", tmp_path / "k1", tmp_path / "k1-off"
+    for seed, gold in enumerate([0.5, 0.75]):
+        _compare_run(k0, "grpo@verifier", seed, 0, "null", gold, 0.25)
+    for seed, gold in enumerate([0.25, 0.5, 0.75]):
+        _compare_run(k1, "grpo@verifier", seed, 1, "null", gold, 0.5)
+        _compare_run(k1off, "grpo@verifier", seed, 1, "'off'", gold / 2, 0.5)
+    (k0 / "runs" / "grpo@verifier-seed9").mkdir()  # running: no compare_run.json yet, left out
+    (k0 / "sft_eval.json").write_text(json.dumps({"mean": {"gold": 0.125, "verifier": 0.0625}}))
+    runs = bench.learning_runs(k0, "digits") + bench.learning_runs(k1, "digits")
+    runs += bench.learning_runs(k1off, "digits")
+    modes = {(r["staleness"], r["correction"], r["mode"]) for r in runs}
+    assert modes == {(0, "default", "none"), (1, "default", "tis"), (1, "off", "none")}
+    assert {r["mismatch_k3"] for r in runs} == {0.5} and runs[-1]["staleness_logged"] == 1
+    out = tmp_path / "r.md"
+    out.write_text("speed tables\n")
+    bench.write_learning(out, [f"digits={k0},{k1},{k1off}"], "a note")
+    text = out.read_text()
+    assert text.startswith("speed tables\n\n" + bench.APPENDIX_MARK)
+    assert "| digits | grpo | 0 | default (none) | 0,1 | 0.625 ± 0.177 | 0.250 ± 0.000 |" in text
+    assert "| digits | grpo | 1 | default (tis) | 0,1,2 | 0.500 ± 0.250 | 0.500 ± 0.000 |" in text
+    assert "| digits | grpo | 1 | off (none) | 0,1,2 | 0.250 ± 0.125 |" in text
+    assert "gold 0.125, exact match 0.062" in text
+    bench.write_learning(out, [f"digits={k0}"], "")  # written again: the section replaced
+    assert out.read_text().count(bench.APPENDIX_MARK) == 1 and "(tis)" not in out.read_text()
