@@ -347,6 +347,24 @@ def versions() -> dict:
 APPENDIX_MARK = "<!-- learning: kept across measurements -->"
 
 
+def merge(results: list[dict]) -> dict:
+    """One results file from several invocations: their runs together, summarised again; the
+    first one's meta, with every invocation's command, date, rounds and load listed."""
+    meta = dict(results[0]["meta"])
+    meta["merged"] = [
+        {k: r["meta"].get(k) for k in ("command", "date", "rounds", "steps", "steps_of", "wall_s")}
+        | {"loadavg": [r["meta"]["loadavg_start"], r["meta"].get("loadavg_end")]}
+        for r in results
+    ]
+    meta["command"] = " + ".join(f"`{m['command']}`" for m in meta["merged"]).strip("`")
+    meta["wall_s"] = sum(r["meta"]["wall_s"] for r in results)
+    meta["rounds"] = "/".join(str(r["meta"]["rounds"]) for r in results)
+    meta["steps"] = "/".join(str(r["meta"]["steps"]) for r in results)
+    meta["loadavg_end"] = results[-1]["meta"].get("loadavg_end", [])
+    runs = [run for r in results for run in r["runs"]]
+    return {"meta": meta, "runs": runs, "summary": summarize(runs)}
+
+
 def write_results(path: Path, data: dict) -> None:
     """``path`` (markdown) and its ``.json``. A section after :data:`APPENDIX_MARK` in an existing
     ``path`` (the learning table) is kept."""
@@ -531,7 +549,18 @@ def main(argv: list[str] | None = None) -> int:
         help="write the learning section of --out from these `proximal compare` output "
         "directories instead of measuring (--note: its sentence)",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="write --out from these results files' runs instead of measuring (each a work of "
+        "its own, say; every invocation listed)",
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        write_results(args.out, merge([json.loads(p.read_text()) for p in args.merge]))
+        return 0
     if args.learning:
         write_learning(args.out, args.learning, args.note)
         return 0
