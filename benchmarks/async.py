@@ -453,8 +453,9 @@ def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") ->
         lines += [note, ""]
     lines += [
         "| task | method | staleness | rollout.correction (applied) | seeds | gold ↑ | exact match ↑ "
-        "| KL to SFT | mismatch k3 (mean over steps) | tokens truncated by tis | training s |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| gold − staleness 0's, per seed | KL to SFT | mismatch k3 (mean over steps) "
+        "| tokens truncated by tis |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     keys = dict.fromkeys(
         (r["task"], r["method"], r["staleness"], r["correction"], r["mode"])
@@ -479,11 +480,17 @@ def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") ->
             xs = [r[key] for r in rs if r[key] is not None]
             return f"{statistics.mean(xs):.2g}" if xs else "—"
 
+        sync = {
+            r["seed"]: r["gold"]
+            for r in runs
+            if (r["task"], r["method"], r["staleness"]) == (task, method, 0)
+        }
+        diffs = [f"{r['gold'] - sync[r['seed']]:+.3f}" for r in rs if r["seed"] in sync]
         lines.append(
             f"| {task} | {method} | {k} | {corr} ({mode}) | "
             f"{','.join(str(r['seed']) for r in rs)} | {cell('gold')} | {cell('verifier')} | "
-            f"{cell('kl', 2)} | {sci('mismatch_k3')} | {sci('truncated_frac')} | "
-            f"{cell('train_s', 0)} |"
+            f"{' '.join(diffs) if k else '—'} | {cell('kl', 2)} | {sci('mismatch_k3')} | "
+            f"{sci('truncated_frac')} |"
         )
     for task, m in sft.items():
         lines += [

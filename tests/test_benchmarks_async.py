@@ -234,6 +234,7 @@ def test_the_learning_table_is_mean_and_sample_std_over_seeds_per_staleness_and_
     assert text.startswith("speed tables\n\n" + bench.APPENDIX_MARK)
     assert "| digits | grpo | 0 | default (none) | 0,1 | 0.625 ± 0.177 | 0.250 ± 0.000 |" in text
     assert "| digits | grpo | 1 | default (tis) | 0,1,2 | 0.500 ± 0.250 | 0.500 ± 0.000 |" in text
+    assert "| 0.500 ± 0.000 | -0.250 -0.250 |" in text  # paired with staleness 0's seeds 0 and 1
     assert "| digits | grpo | 1 | off (none) | 0,1,2 | 0.250 ± 0.125 |" in text
     assert "gold 0.125, exact match 0.062" in text
     bench.write_learning(out, [f"digits={k0}"], "")  # written again: the section replaced
