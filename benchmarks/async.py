@@ -428,7 +428,9 @@ def learning_runs(compare_dir: Path, task: str) -> list[dict]:
                 "correction": "default" if corr is None else str(corr),
                 "mode": mode,
                 "gold": final.get("gold"),
-                "verifier": final.get("verifier"),
+                # the digit task's exact sort; the arithmetic task's gold is its exact match
+                "verifier": final.get("verifier", final.get("gold")),
+                "format_error": final.get("format_error"),
                 "kl": final.get("kl"),
                 "mismatch_k3": mean_of("rollout/mismatch_k3"),
                 "truncated_frac": mean_of("rollout/correction_truncated_frac"),
@@ -453,9 +455,9 @@ def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") ->
         lines += [note, ""]
     lines += [
         "| task | method | staleness | rollout.correction (applied) | seeds | gold ↑ | exact match ↑ "
-        "| gold − staleness 0's, per seed | KL to SFT | mismatch k3 (mean over steps) "
-        "| tokens truncated by tis |",
-        "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "| gold − staleness 0's, per seed | format errors | KL to SFT "
+        "| mismatch k3 (mean over steps) | tokens truncated by tis |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     keys = dict.fromkeys(
         (r["task"], r["method"], r["staleness"], r["correction"], r["mode"])
@@ -489,14 +491,16 @@ def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") ->
         lines.append(
             f"| {task} | {method} | {k} | {corr} ({mode}) | "
             f"{','.join(str(r['seed']) for r in rs)} | {cell('gold')} | {cell('verifier')} | "
-            f"{' '.join(diffs) if k else '—'} | {cell('kl', 2)} | {sci('mismatch_k3')} | "
+            f"{' '.join(diffs) if k else '—'} | {cell('format_error')} | {cell('kl', 2)} | "
+            f"{sci('mismatch_k3')} | "
             f"{sci('truncated_frac')} |"
         )
     for task, m in sft.items():
         lines += [
             "",
-            f"The SFT model every {task} run starts from: gold {m.get('gold', float('nan')):.3f}, "
-            f"exact match {m.get('verifier', float('nan')):.3f}.",
+            f"The SFT model every {task} run starts from: gold {m['gold']:.3f}, exact match "
+            f"{m.get('verifier', m['gold']):.3f}"
+            + (f", format errors {m['format_error']:.3f}." if "format_error" in m else "."),
         ]
     return "\n".join(lines) + "\n"
 
