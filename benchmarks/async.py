@@ -459,9 +459,12 @@ def learning_markdown(runs: list[dict], sft: dict[str, dict], note: str = "") ->
         "| mismatch k3 (mean over steps) | tokens truncated by tis |",
         "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
+    tasks = {t: i for i, t in enumerate(dict.fromkeys(r["task"] for r in runs))}  # as given
     keys = dict.fromkeys(
         (r["task"], r["method"], r["staleness"], r["correction"], r["mode"])
-        for r in sorted(runs, key=lambda r: (r["task"], r["method"], r["staleness"], r["mode"]))
+        for r in sorted(
+            runs, key=lambda r: (tasks[r["task"]], r["method"], r["staleness"], r["mode"])
+        )
     )
     for task, method, k, corr, mode in keys:
         rs = [
